@@ -1,0 +1,1 @@
+"""Pure state machines over decoded batches; no sockets, no clocks."""

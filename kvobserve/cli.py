@@ -1,0 +1,57 @@
+"""The `kvobserve` command: one subcommand per module, each with add_arguments() and run()."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from kvobserve import __version__
+
+# subcommand -> (module, one-line help). Each module defines
+#   add_arguments(parser: argparse.ArgumentParser) -> None
+#   run(args: argparse.Namespace) -> int
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("kvobserve.demo", "simulated fleet + collectors + aggregator in one process"),
+    "run": ("kvobserve.embedded", "collectors + aggregator + HTTP in one process, no NATS"),
+    "collect": ("kvobserve.collector", "one node's collector, publishing snapshots to NATS"),
+    "aggregate": ("kvobserve.aggregator", "the fleet aggregator: /metrics, API, status page"),
+    "simulate": ("kvobserve.simulate.cli", "simulated engine workers with faults and ground truth"),
+    "tap": ("kvobserve.tap", "decode a live or recorded KV-event stream, one JSON line per batch"),
+    "status": ("kvobserve.statuscmd", "the aggregator's view as a terminal table"),
+    "check": ("kvobserve.checkcmd", "validate a config and print what would be watched"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser; a subcommand whose module is absent is left out."""
+    parser = argparse.ArgumentParser(
+        prog="kvobserve", description="Observe the KV caches of distributed LLM serving engines."
+    )
+    parser.add_argument("--version", action="version", version=f"kvobserve {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (modname, help_text) in COMMANDS.items():
+        try:
+            mod = importlib.import_module(modname)
+        except ModuleNotFoundError as exc:
+            if exc.name != modname:
+                raise
+            continue
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._run(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Pure decoding of engine and kvobserve wire messages; no I/O."""
