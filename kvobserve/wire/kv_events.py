@@ -9,7 +9,7 @@ kvobserve uses are decoded: `token_ids` stays raw msgpack and only its length is
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar
 
 import msgspec
 from msgspec import Raw, Struct
@@ -19,7 +19,7 @@ from kvobserve.wire.errors import WireError
 DEFAULT_MAX_PAYLOAD = 32 * 1024 * 1024
 END_SEQ = b"\xff" * 8
 
-BlockHash = Union[int, bytes]
+BlockHash = int | bytes
 
 
 def _array_len(buf: Raw | bytes) -> int:
@@ -127,8 +127,8 @@ class _ClearedMap(AllBlocksCleared, tag_field="type", tag="AllBlocksCleared", gc
     pass
 
 
-_ArrEvent = Union[_StoredArr, _RemovedArr, _ClearedArr]
-_MapEvent = Union[_StoredMap, _RemovedMap, _ClearedMap]
+_ArrEvent = _StoredArr | _RemovedArr | _ClearedArr
+_MapEvent = _StoredMap | _RemovedMap | _ClearedMap
 KNOWN_TAGS = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
 
 
@@ -208,9 +208,9 @@ def _decode_one_event(raw: Raw) -> KvEvent | None:
     first = head[0]
     try:
         if _is_array(first):
-            return _dec_event_arr.decode(raw)  # type: ignore[no-any-return]
+            return _dec_event_arr.decode(raw)
         if _is_map(first):
-            return _dec_event_map.decode(raw)  # type: ignore[no-any-return]
+            return _dec_event_map.decode(raw)
     except msgspec.ValidationError as exc:
         try:
             tag = (
@@ -275,9 +275,7 @@ def decode_message(frames: Sequence[bytes], max_payload: int = DEFAULT_MAX_PAYLO
     if len(frames) != 3:
         raise WireError("frame_count", f"{len(frames)} frames, expected 3 [topic, seq, payload]")
     topic, seq, payload = frames
-    return decode_payload(
-        topic.decode("utf-8", "replace"), decode_seq(seq), payload, max_payload
-    )
+    return decode_payload(topic.decode("utf-8", "replace"), decode_seq(seq), payload, max_payload)
 
 
 def hash_json(h: BlockHash | None) -> int | str | None:

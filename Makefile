@@ -1,0 +1,36 @@
+# Two commands on a fresh machine: `make run` (the demo) and `make test` (the whole suite).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test venv tools lint bench clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --upgrade pip
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+run: venv
+	$(BIN)/kvobserve demo
+
+tools: venv
+	bash scripts/install-tools.sh
+
+lint: venv
+	$(BIN)/ruff check kvobserve tests benchmarks
+	$(BIN)/ruff format --check kvobserve tests benchmarks
+	$(BIN)/mypy
+
+test: venv tools lint
+	$(BIN)/pytest
+
+bench: venv
+	$(BIN)/python -m benchmarks.decode
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,167 @@
+"""kvobserve's own versioned snapshot message: one collector's cumulative state, every interval.
+
+Snapshots are msgpack (msgspec), map-encoded so that a newer collector can add fields with
+defaults and an older aggregator ignores them. Counters are cumulative since the collector
+started (`CollectorInfo.start_time`), so a lost snapshot only delays what the aggregator shows.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from msgspec import Struct
+
+from kvobserve.wire.errors import WireError
+
+SNAPSHOT_VERSION = 1
+MAX_SNAPSHOT_BYTES = 64 * 1024 * 1024
+
+
+class Histogram(Struct, array_like=True, gc=False):
+    """A cumulative histogram: counts[i] observations <= bounds[i]; +Inf is `count`."""
+
+    bounds: list[float]
+    counts: list[int]
+    count: int = 0
+    sum: float = 0.0
+
+
+class MediumStats(Struct, omit_defaults=True, gc=False):
+    """Block index state of one storage tier of one stream."""
+
+    medium: str
+    blocks: int = 0
+    tokens: int = 0
+    stored_total: int = 0
+    removed_total: int = 0
+    lifetime: Histogram | None = None
+
+
+class StreamStats(Struct, omit_defaults=True, gc=False):
+    """One (worker_id, dp_rank) KV-event stream as seen by one collector."""
+
+    worker_id: str
+    dp_rank: int
+    engine: str = ""
+    endpoint: str = ""
+    topic: str = ""
+    up: bool = False
+    batches_total: int = 0
+    events: dict[str, int] = {}  # type (stored, removed, cleared) -> count
+    media: list[MediumStats] = []
+    gaps: int = 0
+    missed: int = 0
+    recovered: int = 0
+    lost: int = 0
+    replay_requests: dict[str, int] = {}  # result -> count
+    restarts: int = 0
+    duplicate_batches: int = 0
+    duplicate_stream: bool = False
+    rank_mismatch_batches: int = 0
+    decode_errors: dict[str, int] = {}  # reason -> count
+    state_complete: bool = False
+    last_batch_ts: float = 0.0  # engine timestamp of the last applied batch; 0 = none yet
+    lag_seconds: float | None = None  # receive time - engine timestamp of the last batch
+
+
+class UnexpectedStream(Struct, omit_defaults=True, gc=False):
+    """Traffic seen on a probed port past a worker's last rank."""
+
+    worker_id: str
+    dp_rank: int  # the rank the port would belong to (>= dp_size)
+    endpoint: str
+    batches_total: int = 0
+    active: bool = False
+
+
+class SchedulerStats(Struct, omit_defaults=True, gc=False):
+    """Normalized leader scheduler metrics of one DP rank; None where unknown."""
+
+    worker_id: str
+    dp_rank: int
+    source: str = ""  # metrics, load, kv_metrics, fpm
+    running_requests: float | None = None
+    queued_requests: float | None = None
+    token_usage_ratio: float | None = None
+    cache_hit_ratio: float | None = None
+    max_total_tokens: float | None = None
+    updated: float = 0.0  # wall-clock time of the last update
+
+
+class WorkerInfo(Struct, omit_defaults=True, gc=False):
+    """What a collector declares about a worker it watches."""
+
+    worker_id: str
+    engine: str = ""
+    dp_size: int = 0
+    ranks_owned: list[int] = []
+    leader: bool = False
+    capacity_tokens: int = 0  # configured; 0 = take it from scheduler metrics
+
+
+class Sample(Struct, array_like=True, gc=False):
+    """One passthrough sample: full name, labels, value."""
+
+    name: str
+    labels: dict[str, str]
+    value: float
+
+
+class Family(Struct, omit_defaults=True, gc=False):
+    """One passthrough engine metric family, labels already extended."""
+
+    name: str
+    type: str
+    help: str = ""
+    samples: list[Sample] = []
+
+
+class CollectorInfo(Struct, omit_defaults=True, gc=False):
+    """The collector's identity."""
+
+    collector_id: str
+    node_rank: int = 0
+    hostname: str = ""
+    start_time: float = 0.0
+    cluster: str = ""
+    version: str = ""
+
+
+class Snapshot(Struct, omit_defaults=True, gc=False):
+    """One collector's full state at `time` (wall clock)."""
+
+    collector: CollectorInfo
+    version: int = SNAPSHOT_VERSION
+    seq: int = 0  # snapshots sent by this collector process, from 0
+    time: float = 0.0
+    interval_s: float = 1.0
+    workers: list[WorkerInfo] = []
+    streams: list[StreamStats] = []
+    unexpected: list[UnexpectedStream] = []
+    scheduler: list[SchedulerStats] = []
+    passthrough: list[Family] = []
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Snapshot)
+
+
+def encode_snapshot(snap: Snapshot) -> bytes:
+    """Snapshot -> msgpack bytes."""
+    return _encoder.encode(snap)
+
+
+def decode_snapshot(data: bytes) -> Snapshot:
+    """msgpack bytes -> Snapshot; raises WireError only."""
+    if len(data) > MAX_SNAPSHOT_BYTES:
+        raise WireError("oversize", f"snapshot of {len(data)} bytes > {MAX_SNAPSHOT_BYTES}")
+    try:
+        snap = _decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        raise WireError("schema", f"snapshot: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise WireError("msgpack", f"snapshot: {exc}") from None
+    except RecursionError:
+        raise WireError("msgpack", "snapshot nesting too deep") from None
+    if snap.version != SNAPSHOT_VERSION:
+        raise WireError("schema", f"snapshot version {snap.version} != {SNAPSHOT_VERSION}")
+    return snap
