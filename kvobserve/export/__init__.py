@@ -1,1 +1,1 @@
-"""kvobserve.export."""
+"""Export: catalog (the metric table), prometheus (scrape-time collector), server (HTTP), otlp."""

@@ -1,0 +1,170 @@
+"""The metric catalog: one table (name, type, labels, help) used by /metrics, OTLP and docs/metrics.md."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+STREAM = ("worker_id", "node_rank", "dp_rank")
+BLOCK = (*STREAM, "medium")
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    """One exported family: its exposed name (counters end in _total), type, labels and help."""
+
+    name: str
+    type: str  # counter, gauge, histogram
+    labels: tuple[str, ...]
+    help: str
+    stale: bool | None = None  # served for streams of a down collector; None: not per stream
+    timely: bool = False  # value depends on the wall clock (masked in the golden scrape)
+
+    @property
+    def family(self) -> str:
+        """The prometheus_client family name (counters without the _total suffix)."""
+        if self.type == "counter" and self.name.endswith("_total"):
+            return self.name[: -len("_total")]
+        return self.name
+
+
+def _d(
+    name: str,
+    typ: str,
+    labels: tuple[str, ...],
+    text: str,
+    *,
+    stale: bool | None = None,
+    timely: bool = False,
+) -> MetricDef:
+    if stale is None and labels[:3] == STREAM:
+        # Counters and histograms are cumulative, so a stale value is still true: serve them.
+        stale = typ != "gauge"
+    return MetricDef(name, typ, labels, text, stale, timely)
+
+
+CATALOG: tuple[MetricDef, ...] = (
+    # per stream: identity and health
+    _d("kvobserve_stream_info", "gauge", (*STREAM, "engine", "endpoint", "topic", "collector"),
+       "Always 1; identifies the stream's engine, endpoint, topic and collector.", stale=True),
+    _d("kvobserve_stream_up", "gauge", STREAM,
+       "1 while the stream is connected, healthy and its collector reports; 0 otherwise.", stale=True),
+    _d("kvobserve_kv_event_batches_total", "counter", STREAM, "KV-event batches applied."),
+    _d("kvobserve_kv_events_total", "counter", (*STREAM, "type"),
+       "KV events applied, by type (stored, removed, cleared)."),
+    # per stream and medium: the block index
+    _d("kvobserve_kv_blocks", "gauge", BLOCK, "Resident blocks in the stream's block index."),
+    _d("kvobserve_kv_tokens", "gauge", BLOCK, "Resident tokens (blocks x block size)."),
+    _d("kvobserve_kv_blocks_stored_total", "counter", BLOCK, "Blocks stored (BlockStored hashes)."),
+    _d("kvobserve_kv_blocks_removed_total", "counter", BLOCK, "Blocks removed (BlockRemoved hashes)."),
+    _d("kvobserve_kv_capacity_tokens", "gauge", STREAM,
+       "KV capacity in tokens, from the worker config or the leader's scheduler metrics."),
+    _d("kvobserve_kv_cache_usage_ratio", "gauge", STREAM,
+       "GPU-tier resident tokens / capacity; absent while the capacity is unknown."),
+    _d("kvobserve_kv_block_lifetime_seconds", "histogram", BLOCK,
+       "Block lifetime: removal time - store time (engine timestamps)."),
+    # per stream: sequence accounting
+    _d("kvobserve_kv_sequence_gaps_total", "counter", STREAM, "Sequence gaps seen (occurrences)."),
+    _d("kvobserve_kv_batches_missed_total", "counter", STREAM, "Batches missing in sequence gaps."),
+    _d("kvobserve_kv_batches_recovered_total", "counter", STREAM, "Missed batches recovered by replay."),
+    _d("kvobserve_kv_batches_lost_total", "counter", STREAM, "Missed batches not recovered."),
+    _d("kvobserve_kv_replay_requests_total", "counter", (*STREAM, "result"),
+       "Replay requests sent, by result."),
+    _d("kvobserve_kv_publisher_restarts_total", "counter", STREAM,
+       "Publisher restarts (sequence fell back); the block index was reset."),
+    _d("kvobserve_kv_duplicate_batches_total", "counter", STREAM,
+       "Batches redelivered with a seen sequence number and payload; ignored."),
+    _d("kvobserve_kv_duplicate_stream", "gauge", STREAM,
+       "1 while interleaved or mirrored publishers are seen on the stream."),
+    _d("kvobserve_kv_rank_mismatch_batches_total", "counter", STREAM,
+       "Batches whose dp rank differs from the rank the port belongs to."),
+    _d("kvobserve_kv_unexpected_stream", "gauge", (*STREAM, "endpoint"),
+       "1 while a probed port past the worker's last rank carries events (dp_rank of that port)."),
+    _d("kvobserve_kv_decode_errors_total", "counter", (*STREAM, "reason"),
+       "Messages that failed to decode, by reason; skipped."),
+    _d("kvobserve_kv_state_complete", "gauge", STREAM,
+       "1 when the block index is known complete; 0 = usage is a lower bound."),
+    _d("kvobserve_kv_last_batch_timestamp_seconds", "gauge", STREAM,
+       "Engine timestamp of the last applied batch (Unix seconds).", timely=True),
+    _d("kvobserve_kv_event_lag_seconds", "gauge", STREAM,
+       "Receive time - engine timestamp of the last batch.", timely=True),
+    # fleet: ownership and workers
+    _d("kvobserve_dp_rank_owners", "gauge", ("worker_id", "dp_rank"),
+       "Live collectors owning the rank (0 = uncovered, >1 = duplicated)."),
+    _d("kvobserve_worker_dp_size", "gauge", ("worker_id",), "Declared data-parallel size."),
+    _d("kvobserve_worker_leaders", "gauge", ("worker_id",),
+       "Live collectors reading the worker's scheduler metrics (should be 1)."),
+    # collectors
+    _d("kvobserve_collector_up", "gauge", ("collector", "node_rank", "hostname"),
+       "1 while the collector's snapshots arrive; 0 after 3 silent intervals."),
+    _d("kvobserve_collector_snapshot_age_seconds", "gauge", ("collector",),
+       "Seconds since the collector's last snapshot arrived.", timely=True),
+    _d("kvobserve_collector_start_time_seconds", "gauge", ("collector",),
+       "Start time of the collector process (Unix seconds).", timely=True),
+    # leader scheduler metrics
+    _d("kvobserve_scheduler_running_requests", "gauge", STREAM, "Running requests of the rank."),
+    _d("kvobserve_scheduler_queued_requests", "gauge", STREAM, "Queued requests of the rank."),
+    _d("kvobserve_scheduler_token_usage_ratio", "gauge", STREAM,
+       "KV token usage as the scheduler reports it (0-1)."),
+    _d("kvobserve_scheduler_cache_hit_ratio", "gauge", STREAM, "Prefix cache hit ratio (0-1)."),
+    _d("kvobserve_scheduler_max_total_tokens", "gauge", STREAM,
+       "KV capacity in tokens as the scheduler reports it."),
+    # the aggregator itself
+    _d("kvobserve_aggregator_snapshots_applied_total", "counter", (),
+       "Collector snapshots applied to the fleet state."),
+    _d("kvobserve_aggregator_snapshots_ignored_total", "counter", (),
+       "Collector snapshots ignored as older than the one held (reordered or replayed)."),
+    _d("kvobserve_aggregator_snapshot_decode_errors_total", "counter", ("reason",),
+       "Snapshot messages that failed to decode, by reason."),
+    _d("kvobserve_build_info", "gauge", ("version",), "Always 1; the kvobserve version."),
+)  # fmt: skip
+
+BY_NAME: dict[str, MetricDef] = {m.name: m for m in CATALOG}
+BY_FAMILY: dict[str, MetricDef] = {m.family: m for m in CATALOG}
+
+_HEADER = """\
+# kvobserve metrics
+
+<!-- Generated by `python -m kvobserve.export.prometheus --docs > docs/metrics.md` from
+kvobserve/export/catalog.py; do not edit by hand (tests/unit/test_export_docs.py checks it). -->
+
+Every series the aggregator serves on `/metrics` (and the collector on its local `/metrics`).
+Stream series carry `worker_id`, `node_rank` (of the collector that watches the stream) and
+`dp_rank`; block series add `medium` (storage tier: `GPU`, `CPU`, ...).
+
+**Stale streams.** When a collector stops reporting for 3 of its intervals it is down
+(`kvobserve_collector_up` 0). Its streams keep `kvobserve_stream_info`, `kvobserve_stream_up` = 0
+and every counter and histogram (column *stale*: yes), so nothing collected is lost and `rate()`
+does not reset; its gauges (blocks, tokens, usage, lag, scheduler metrics, unexpected streams) are
+no longer served, because they would claim a live value that nobody measures. Fleet-level series
+(column *stale*: -) are always served; rank owners and scheduler leaders count live collectors
+only. A collector that stays silent for an hour is forgotten altogether.
+
+**Endpoints.** `/metrics` (text format 0.0.4, or OpenMetrics when the `Accept` header asks for
+`application/openmetrics-text`), `/healthz`, `/readyz` (503 until the first snapshot),
+`/api/v1/streams`, `/api/v1/alerts`, `/api/v1/fleet` (JSON) and the status page `/`.
+
+**Passthrough.** Engine metric families a collector forwards (for example the leader's scheduler
+metrics) are served with their own type, labels and values, from live collectors only; `:` in
+a name becomes `_` (colons are reserved for recording rules), so `sglang:num_running_reqs` is
+served as `sglang_num_running_reqs`. Names starting with `kvobserve_` are never passed through.
+
+**OTLP.** With `--otlp-endpoint URL` the same series (names, `_total` included, and labels as
+attributes) are pushed over OTLP/HTTP: counters as cumulative sums, gauges as gauges. The
+histogram and passthrough families are left out of OTLP.
+
+**Golden scrape.** `tests/fixtures/golden/metrics.txt` is a deterministic scrape of a fixed fleet;
+regenerate it with `KVOBSERVE_UPDATE_GOLDEN=1 .venv/bin/pytest tests/unit/test_export_golden.py`.
+
+| name | type | labels | stale | meaning |
+|---|---|---|---|---|
+"""
+
+
+def render_docs() -> str:
+    """docs/metrics.md, generated from CATALOG."""
+    rows = []
+    for m in CATALOG:
+        labels = ", ".join(f"`{lb}`" for lb in m.labels) or "-"
+        stale = "-" if m.stale is None else "yes" if m.stale else "no"
+        rows.append(f"| `{m.name}` | {m.type} | {labels} | {stale} | {m.help} |\n")
+    return _HEADER + "".join(rows)

@@ -1,0 +1,227 @@
+"""The HTTP side: /metrics, /healthz, /readyz, /api/v1/*, the status page; basic auth and TLS."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import hmac
+import json
+import ssl
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import Metric
+
+from kvobserve.export import api, status_page
+from kvobserve.export.prometheus import ExtraProvider, FleetCollector, ViewProvider
+
+MAX_REQUEST_BYTES = 4096
+REGISTRY = web.AppKey("registry", CollectorRegistry)
+VIEW = web.AppKey("view", object)  # ViewProvider; AppKey wants a runtime type
+READY = web.AppKey("ready", object)
+AUTH = web.AppKey("auth", object)
+REFRESH = web.AppKey("refresh_s", float)
+_OPEN_PATHS = frozenset({"/healthz"})  # liveness probes carry no credentials
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _view(request: web.Request) -> Any:
+    provider: ViewProvider = request.app[VIEW]  # type: ignore[assignment]
+    return provider()
+
+
+def _json(data: object) -> web.Response:
+    return web.Response(
+        text=json.dumps(data, separators=(",", ":"), sort_keys=True),
+        content_type="application/json",
+    )
+
+
+class _Collected:
+    """Families already collected on the loop, for an encoder running in a thread."""
+
+    def __init__(self, metrics: list[Metric]) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> list[Metric]:
+        """The families, as a registry would yield them."""
+        return self._metrics
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
+    # Collect on the loop (the fleet state is only touched there); text encoding is most of the
+    # cost for a large fleet and works on fresh objects, so it runs off the loop.
+    collected = _Collected(list(request.app[REGISTRY].collect()))
+    body = await asyncio.to_thread(encoder, collected)
+    return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+async def _healthz(request: web.Request) -> web.Response:
+    return web.Response(text="ok\n")
+
+
+async def _readyz(request: web.Request) -> web.Response:
+    ready: Callable[[], bool] | None = request.app[READY]  # type: ignore[assignment]
+    ok = ready() if ready is not None else bool(_view(request).collectors)
+    if ok:
+        return web.Response(text="ready\n")
+    return web.Response(status=503, text="not ready: no collector snapshot yet\n")
+
+
+async def _streams(request: web.Request) -> web.Response:
+    return _json(api.streams_json(_view(request)))
+
+
+async def _alerts(request: web.Request) -> web.Response:
+    return _json(api.alerts_json(_view(request)))
+
+
+async def _fleet(request: web.Request) -> web.Response:
+    return _json(api.fleet_json(_view(request)))
+
+
+async def _index(request: web.Request) -> web.Response:
+    v = _view(request)
+    page = status_page.render(
+        api.fleet_json(v),
+        api.streams_json(v),
+        api.alerts_json(v),
+        generated=time.time(),
+        refresh_s=request.app[REFRESH],
+    )
+    return web.Response(text=page, content_type="text/html", charset="utf-8")
+
+
+@web.middleware
+async def _limits(request: web.Request, handler: Handler) -> web.StreamResponse:
+    # Every route is a GET: refuse any body instead of buffering it.
+    if request.body_exists or request.content_length:
+        return web.Response(status=413, text="request bodies are not accepted\n")
+    resp = await handler(request)
+    resp.headers.setdefault("Cache-Control", "no-store")
+    resp.headers.setdefault("X-Content-Type-Options", "nosniff")
+    return resp
+
+
+def _auth_middleware(user: str, password: str) -> Callable[..., Awaitable[web.StreamResponse]]:
+    expected = f"{user}:{password}".encode()
+
+    @web.middleware
+    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path in _OPEN_PATHS:
+            return await handler(request)
+        header = request.headers.get("Authorization", "")
+        scheme, _, token = header.partition(" ")
+        given = b""
+        if scheme.lower() == "basic":
+            try:
+                given = base64.b64decode(token.strip(), validate=True)
+            except (binascii.Error, ValueError):
+                given = b""
+        if not hmac.compare_digest(given, expected):
+            return web.Response(
+                status=401,
+                text="unauthorized\n",
+                headers={"WWW-Authenticate": 'Basic realm="kvobserve", charset="UTF-8"'},
+            )
+        return await handler(request)
+
+    return auth
+
+
+def create_app(
+    view_provider: ViewProvider,
+    *,
+    extra_metrics: ExtraProvider | None = None,
+    basic_auth: tuple[str, str] | None = None,
+    ready: Callable[[], bool] | None = None,
+    refresh_s: float = 5.0,
+) -> web.Application:
+    """The aiohttp application; `ready` defaults to "at least one collector snapshot"."""
+    middlewares: list[Any] = [_limits]
+    if basic_auth is not None:
+        middlewares.append(_auth_middleware(*basic_auth))
+    app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=middlewares)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(FleetCollector(view_provider, extra_metrics))
+    app[REGISTRY] = registry
+    app[VIEW] = view_provider
+    app[READY] = ready
+    app[REFRESH] = float(refresh_s)
+    app.router.add_get("/", _index)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/readyz", _readyz)
+    app.router.add_get("/api/v1/streams", _streams)
+    app.router.add_get("/api/v1/alerts", _alerts)
+    app.router.add_get("/api/v1/fleet", _fleet)
+    return app
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """'host:port', '[v6]:port' or ':port' (all interfaces) -> (host, port); ValueError names it."""
+    host, sep, port_s = listen.rpartition(":")
+    if not sep or not port_s.isdigit() or int(port_s) > 65535:
+        raise ValueError(f"listen: {listen!r} is not host:port (e.g. 127.0.0.1:9477)")
+    host = host.strip("[]") or "0.0.0.0"
+    return host, int(port_s)
+
+
+def make_ssl_context(cert: str, key: str) -> ssl.SSLContext:
+    """A TLS 1.2+ server context from PEM files; ValueError names the file that failed."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(cert, key)
+    except FileNotFoundError as exc:
+        raise ValueError(f"tls: cannot read {exc.filename or cert}: no such file") from None
+    except (ssl.SSLError, OSError) as exc:
+        raise ValueError(f"tls: cert {cert!r} / key {key!r} unusable: {exc}") from None
+    return ctx
+
+
+@dataclass
+class HttpServer:
+    """A started server: where it listens and how to stop it."""
+
+    runner: web.AppRunner
+    host: str
+    port: int
+    tls: bool
+
+    @property
+    def url(self) -> str:
+        """Base URL (no trailing slash)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{'https' if self.tls else 'http'}://{host}:{self.port}"
+
+    async def close(self) -> None:
+        """Stop listening and finish open requests (idempotent)."""
+        await self.runner.cleanup()
+
+
+async def serve(
+    app: web.Application, listen: str, ssl_context: ssl.SSLContext | None = None
+) -> HttpServer:
+    """Start `app` on `listen` ('host:port'; port 0 picks a free one)."""
+    host, port = parse_listen(listen)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise OSError(exc.errno, f"listen {listen}: {exc.strerror or exc}") from None
+    except BaseException:
+        await runner.cleanup()
+        raise
+    bound = runner.addresses[0][1] if runner.addresses else port
+    return HttpServer(runner, host, int(bound), ssl_context is not None)

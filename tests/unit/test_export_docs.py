@@ -1,0 +1,42 @@
+"""docs/metrics.md is generated from the catalog, and the catalog covers every family served."""
+
+from __future__ import annotations
+
+import io
+from contextlib import redirect_stdout
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from kvobserve.analysis.fleet import FleetState
+from kvobserve.export.catalog import BY_FAMILY, render_docs
+from kvobserve.export.prometheus import FleetCollector, aggregator_metrics, main
+from tests.unit.test_export_fleet import rich_view
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
+
+
+def test_docs_file_is_the_generated_text() -> None:
+    assert DOCS.read_text() == render_docs(), (
+        "docs/metrics.md is stale: python -m kvobserve.export.prometheus --docs > docs/metrics.md"
+    )
+
+
+def test_docs_command_prints_the_same_text() -> None:
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main(["--docs"]) == 0
+    assert out.getvalue() == render_docs()
+
+
+def test_every_served_kvobserve_family_is_in_the_catalog_and_the_docs() -> None:
+    r = CollectorRegistry()
+    view = rich_view()
+    r.register(FleetCollector(lambda: view, lambda: aggregator_metrics(FleetState(), {"x": 1})))
+    served = {f.name for f in r.collect() if f.name.startswith("kvobserve_")}
+    assert served - set(BY_FAMILY) == set()
+    docs = render_docs()
+    for fam in served:
+        assert f"`{BY_FAMILY[fam].name}`" in docs
+    # The rich fleet exercises the whole catalog, so no family in the docs goes unserved.
+    assert set(BY_FAMILY) - served == set()

@@ -1,0 +1,167 @@
+"""A rich, deterministic fleet shared by the export tests (and checks of what it contains)."""
+
+from __future__ import annotations
+
+from kvobserve.analysis.fleet import FleetState, FleetView
+from kvobserve.wire.snapshot import (
+    CollectorInfo,
+    Family,
+    Histogram,
+    MediumStats,
+    Sample,
+    SchedulerStats,
+    Snapshot,
+    StreamStats,
+    UnexpectedStream,
+    WorkerInfo,
+)
+
+NOW = 2000.0
+
+
+def _node0() -> Snapshot:
+    r0 = StreamStats(
+        "sglang-a",
+        0,
+        engine="sglang",
+        endpoint="tcp://10.0.0.5:5557",
+        topic="kv-events",
+        up=True,
+        batches_total=100,
+        events={"stored": 80, "removed": 15, "cleared": 5},
+        media=[
+            MediumStats("GPU", 10, 160, 50, 40, Histogram([1.0, 10.0], [3, 7], 9, 42.5)),
+            MediumStats("CPU", 4, 64, 6, 2),
+        ],
+        gaps=2,
+        missed=5,
+        recovered=3,
+        lost=2,
+        replay_requests={"ok": 1, "timeout": 1},
+        restarts=1,
+        duplicate_batches=2,
+        duplicate_stream=True,
+        rank_mismatch_batches=1,
+        decode_errors={"msgpack": 3},
+        state_complete=False,
+        last_batch_ts=1999.5,
+        lag_seconds=0.25,
+    )
+    r1 = StreamStats(
+        "sglang-a", 1, engine="sglang", endpoint="tcp://10.0.0.5:5558", topic="kv-events", up=True,
+        batches_total=40, events={"stored": 40}, media=[MediumStats("GPU", 8, 128, 8, 0)],
+        state_complete=True,
+    )  # fmt: skip
+    v0 = StreamStats(
+        "vllm-b", 0, engine="vllm", endpoint="tcp://10.0.0.6:5557", topic="", up=True,
+        batches_total=7, events={"stored": 7}, media=[MediumStats("GPU", 150, 2400, 150, 0)],
+        state_complete=True,
+    )  # fmt: skip
+    v1 = StreamStats(
+        "vllm-b", 1, engine="vllm", endpoint="tcp://10.0.0.6:5558", up=False, batches_total=0
+    )
+    return Snapshot(
+        CollectorInfo("node-0", 0, "gpu-0", 1000.0, "prod-a", "0.1.0"),
+        seq=5,
+        time=NOW - 0.5,
+        workers=[
+            WorkerInfo("sglang-a", "sglang", 4, [0, 1], True, 0),
+            WorkerInfo("vllm-b", "vllm", 2, [0, 1], True, 10000),
+        ],
+        streams=[r0, r1, v0, v1],
+        unexpected=[UnexpectedStream("sglang-a", 4, "tcp://10.0.0.5:5561", 7, True)],
+        scheduler=[
+            SchedulerStats("sglang-a", 0, "metrics", 3, 1, 0.3, 0.5, 640),
+            SchedulerStats("sglang-a", 1, "metrics", 0, 0, None, None, 640),
+        ],
+        passthrough=[
+            Family(
+                "sglang:num_running_reqs",
+                "gauge",
+                "Running requests",
+                [Sample("sglang:num_running_reqs", {"worker_id": "sglang-a", "dp_rank": "0"}, 3)],
+            ),
+            Family(
+                "sglang:prompt_tokens_total",
+                "counter",
+                "Prompt tokens",
+                [Sample("sglang:prompt_tokens_total", {"worker_id": "sglang-a"}, 12345)],
+            ),
+            # An engine family must never shadow ours: dropped.
+            Family("kvobserve_kv_blocks", "gauge", "", [Sample("kvobserve_kv_blocks", {}, 99)]),
+        ],
+    )
+
+
+def _node1() -> Snapshot:
+    # Also claims rank 1 of sglang-a: rank 1 has two owners (and a second stream copy).
+    streams = [
+        StreamStats("sglang-a", r, engine="sglang", endpoint=f"tcp://10.0.0.5:{5557 + r}", up=True,
+                    batches_total=10 * r, events={"stored": 10 * r},
+                    media=[MediumStats("GPU", r, 16 * r, r, 0)], state_complete=True)
+        for r in (1, 2)
+    ]  # fmt: skip
+    return Snapshot(
+        CollectorInfo("node-1", 1, "gpu-1", 1100.0),
+        seq=3,
+        time=NOW - 0.2,
+        workers=[WorkerInfo("sglang-a", "sglang", 4, [1, 2], False)],
+        streams=streams,
+        passthrough=[
+            Family(
+                "sglang:num_running_reqs",
+                "gauge",
+                "Running requests",
+                [Sample("sglang:num_running_reqs", {"worker_id": "sglang-a", "dp_rank": "2"}, 5)],
+            )
+        ],
+    )
+
+
+def _node2() -> Snapshot:
+    # Silent for 10 intervals: down. Owns rank 3, which is therefore uncovered.
+    st = StreamStats(
+        "sglang-a", 3, engine="sglang", endpoint="tcp://10.0.0.7:5560", topic="kv-events", up=True,
+        batches_total=50, events={"stored": 45, "removed": 5}, gaps=1, missed=4, lost=4,
+        media=[MediumStats("GPU", 5, 80, 9, 4, Histogram([1.0, 10.0], [1, 4], 4, 8.0))],
+        state_complete=True, last_batch_ts=1989.0, lag_seconds=0.1,
+    )  # fmt: skip
+    return Snapshot(
+        CollectorInfo("node-2", 2, "gpu-2", 900.0),
+        seq=9,
+        time=NOW - 10,
+        workers=[WorkerInfo("sglang-a", "sglang", 4, [3], False)],
+        streams=[st],
+        unexpected=[UnexpectedStream("sglang-a", 5, "tcp://10.0.0.7:5562", 1, True)],
+        scheduler=[SchedulerStats("sglang-a", 3, "metrics", 9, 9, 0.9, 0.9, 640)],
+        passthrough=[
+            Family("sglang:stale_only", "gauge", "", [Sample("sglang:stale_only", {}, 1)])
+        ],
+    )
+
+
+def rich_state() -> FleetState:
+    """Three collectors (one stale), two workers, an unexpected stream, passthrough families."""
+    state = FleetState()
+    state.update(_node2(), NOW - 10)
+    state.update(_node0(), NOW - 0.5)
+    state.update(_node1(), NOW - 0.2)
+    return state
+
+
+def rich_view() -> FleetView:
+    """The rich fleet as of NOW."""
+    return rich_state().view(NOW)
+
+
+def test_rich_fleet_has_what_the_export_tests_rely_on() -> None:
+    v = rich_view()
+    assert [(c.info.collector_id, c.up) for c in v.collectors] == [
+        ("node-0", True),
+        ("node-1", True),
+        ("node-2", False),
+    ]
+    assert len(v.owners[("sglang-a", 1)]) == 2
+    assert v.owners[("sglang-a", 3)] == []
+    kinds = {c.kind for c in v.conditions}
+    assert {"duplicate_stream", "unexpected_stream", "collector_down", "dp_rank_uncovered"} <= kinds

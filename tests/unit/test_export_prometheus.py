@@ -1,0 +1,214 @@
+"""FleetCollector: exact values of every family from a rich fleet; stale streams; passthrough."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvobserve import __version__
+from kvobserve.analysis.fleet import FleetState, FleetView
+from kvobserve.export.catalog import CATALOG
+from kvobserve.export.prometheus import FleetCollector, aggregator_metrics, catalog_metric
+from tests.unit.test_export_fleet import NOW, rich_state, rich_view
+
+S0 = {"worker_id": "sglang-a", "node_rank": "0", "dp_rank": "0"}
+S3 = {"worker_id": "sglang-a", "node_rank": "2", "dp_rank": "3"}  # the stale collector's stream
+
+
+@pytest.fixture(scope="module")
+def reg() -> CollectorRegistry:
+    r = CollectorRegistry()
+    view = rich_view()
+    r.register(FleetCollector(lambda: view))
+    return r
+
+
+def val(reg: CollectorRegistry, name: str, **labels: str | int) -> float | None:
+    return reg.get_sample_value(name, {k: str(v) for k, v in labels.items()})
+
+
+def test_stream_series_of_a_live_stream(reg: CollectorRegistry) -> None:
+    info = {**S0, "engine": "sglang", "endpoint": "tcp://10.0.0.5:5557", "topic": "kv-events"}
+    assert val(reg, "kvobserve_stream_info", **info, collector="node-0") == 1
+    expected = {
+        "kvobserve_stream_up": 1,
+        "kvobserve_kv_event_batches_total": 100,
+        "kvobserve_kv_sequence_gaps_total": 2,
+        "kvobserve_kv_batches_missed_total": 5,
+        "kvobserve_kv_batches_recovered_total": 3,
+        "kvobserve_kv_batches_lost_total": 2,
+        "kvobserve_kv_publisher_restarts_total": 1,
+        "kvobserve_kv_duplicate_batches_total": 2,
+        "kvobserve_kv_duplicate_stream": 1,
+        "kvobserve_kv_rank_mismatch_batches_total": 1,
+        "kvobserve_kv_state_complete": 0,
+        "kvobserve_kv_last_batch_timestamp_seconds": 1999.5,
+        "kvobserve_kv_event_lag_seconds": 0.25,
+        "kvobserve_kv_capacity_tokens": 640,  # from the leader's scheduler metrics
+        "kvobserve_kv_cache_usage_ratio": 160 / 640,  # GPU tier only, CPU tokens excluded
+        "kvobserve_scheduler_running_requests": 3,
+        "kvobserve_scheduler_queued_requests": 1,
+        "kvobserve_scheduler_token_usage_ratio": 0.3,
+        "kvobserve_scheduler_cache_hit_ratio": 0.5,
+        "kvobserve_scheduler_max_total_tokens": 640,
+    }
+    got = {name: val(reg, name, **S0) for name in expected}
+    assert got == expected
+    for typ, n in (("stored", 80), ("removed", 15), ("cleared", 5)):
+        assert val(reg, "kvobserve_kv_events_total", **S0, type=typ) == n
+    assert val(reg, "kvobserve_kv_replay_requests_total", **S0, result="timeout") == 1
+    assert val(reg, "kvobserve_kv_decode_errors_total", **S0, reason="msgpack") == 3
+
+
+def test_block_series_by_medium(reg: CollectorRegistry) -> None:
+    gpu, cpu = {**S0, "medium": "GPU"}, {**S0, "medium": "CPU"}
+    assert [val(reg, "kvobserve_kv_blocks", **m) for m in (gpu, cpu)] == [10, 4]
+    assert [val(reg, "kvobserve_kv_tokens", **m) for m in (gpu, cpu)] == [160, 64]
+    assert [val(reg, "kvobserve_kv_blocks_stored_total", **m) for m in (gpu, cpu)] == [50, 6]
+    assert [val(reg, "kvobserve_kv_blocks_removed_total", **m) for m in (gpu, cpu)] == [40, 2]
+    h = "kvobserve_kv_block_lifetime_seconds"
+    buckets = [val(reg, f"{h}_bucket", **gpu, le=le) for le in ("1.0", "10.0", "+Inf")]
+    assert buckets == [3, 7, 9]
+    assert val(reg, f"{h}_count", **gpu) == 9
+    assert val(reg, f"{h}_sum", **gpu) == 42.5
+    assert val(reg, f"{h}_count", **cpu) is None  # no histogram for CPU in the snapshot
+
+
+def test_configured_capacity_wins_over_scheduler(reg: CollectorRegistry) -> None:
+    v0 = {"worker_id": "vllm-b", "node_rank": "0", "dp_rank": "0"}
+    assert val(reg, "kvobserve_kv_capacity_tokens", **v0) == 10000
+    assert val(reg, "kvobserve_kv_cache_usage_ratio", **v0) == 0.24
+
+
+def test_stale_stream_keeps_counters_and_drops_gauges(reg: CollectorRegistry) -> None:
+    assert val(reg, "kvobserve_stream_up", **S3) == 0
+    assert val(reg, "kvobserve_kv_event_batches_total", **S3) == 50
+    assert val(reg, "kvobserve_kv_batches_lost_total", **S3) == 4
+    assert val(reg, "kvobserve_kv_blocks_stored_total", **S3, medium="GPU") == 9
+    assert val(reg, "kvobserve_kv_block_lifetime_seconds_count", **S3, medium="GPU") == 4
+    info = {**S3, "engine": "sglang", "endpoint": "tcp://10.0.0.7:5560", "topic": "kv-events"}
+    assert val(reg, "kvobserve_stream_info", **info, collector="node-2") == 1
+    for gauge in (
+        "kvobserve_kv_state_complete",
+        "kvobserve_kv_duplicate_stream",
+        "kvobserve_kv_capacity_tokens",
+        "kvobserve_kv_last_batch_timestamp_seconds",
+        "kvobserve_kv_event_lag_seconds",
+        "kvobserve_scheduler_running_requests",
+    ):
+        assert val(reg, gauge, **S3) is None, gauge
+    assert val(reg, "kvobserve_kv_blocks", **S3, medium="GPU") is None
+    # The stale collector's unexpected stream is not claimed as active either.
+    u = {
+        "worker_id": "sglang-a",
+        "node_rank": "2",
+        "dp_rank": "5",
+        "endpoint": "tcp://10.0.0.7:5562",
+    }
+    assert val(reg, "kvobserve_kv_unexpected_stream", **u) is None
+
+
+def test_fleet_series(reg: CollectorRegistry) -> None:
+    owners = [
+        val(reg, "kvobserve_dp_rank_owners", worker_id="sglang-a", dp_rank=r) for r in range(4)
+    ]
+    assert owners == [1, 2, 1, 0]  # rank 1 claimed twice, rank 3's owner is down
+    assert val(reg, "kvobserve_dp_rank_owners", worker_id="vllm-b", dp_rank=1) == 1
+    assert val(reg, "kvobserve_worker_dp_size", worker_id="sglang-a") == 4
+    assert val(reg, "kvobserve_worker_dp_size", worker_id="vllm-b") == 2
+    assert val(reg, "kvobserve_worker_leaders", worker_id="sglang-a") == 1
+    ups = [
+        val(reg, "kvobserve_collector_up", collector=f"node-{i}", node_rank=i, hostname=f"gpu-{i}")
+        for i in range(3)
+    ]
+    assert ups == [1, 1, 0]
+    assert val(reg, "kvobserve_collector_snapshot_age_seconds", collector="node-2") == 10
+    assert val(reg, "kvobserve_collector_start_time_seconds", collector="node-1") == 1100
+    u = {
+        "worker_id": "sglang-a",
+        "node_rank": "0",
+        "dp_rank": "4",
+        "endpoint": "tcp://10.0.0.5:5561",
+    }
+    assert val(reg, "kvobserve_kv_unexpected_stream", **u) == 1
+    assert val(reg, "kvobserve_build_info", version=__version__) == 1
+
+
+def test_passthrough_families(reg: CollectorRegistry) -> None:
+    running = [val(reg, "sglang_num_running_reqs", worker_id="sglang-a", dp_rank=r) for r in (0, 2)]
+    assert running == [3, 5]  # merged across two collectors into one family
+    assert val(reg, "sglang_prompt_tokens_total", worker_id="sglang-a") == 12345
+    assert val(reg, "sglang_stale_only") is None  # from the down collector
+    assert val(reg, "kvobserve_kv_blocks") is None  # an engine family may not shadow ours
+    fams = {f.name: f.type for f in reg.collect()}
+    assert fams["sglang_prompt_tokens"] == "counter"
+    assert fams["sglang_num_running_reqs"] == "gauge"
+
+
+def test_duplicate_label_sets_are_emitted_once() -> None:
+    # Two collectors that both claim node_rank 0 and watch the same stream.
+    state = rich_state()
+    snap = state._entries["node-1"].snapshot
+    snap.collector.node_rank = 0
+    view = state.view(NOW)
+    r = CollectorRegistry()
+    r.register(FleetCollector(lambda: view))
+    text = choose_encoder("")[0](r).decode()
+    families = list(text_string_to_metric_families(text))
+    for fam in families:
+        keys = [(s.name, tuple(sorted(s.labels.items()))) for s in fam.samples]
+        assert len(keys) == len(set(keys)), fam.name
+    # The first copy (node-0's, 40 batches) wins; node-1's 10 is dropped.
+    s1 = {"worker_id": "sglang-a", "node_rank": "0", "dp_rank": "1"}
+    assert r.get_sample_value("kvobserve_kv_event_batches_total", s1) == 40
+
+
+def test_empty_fleet_serves_build_info_only() -> None:
+    r = CollectorRegistry()
+    r.register(FleetCollector(FleetView))
+    names = {f.name for f in r.collect()}
+    assert names == {"kvobserve_build_info"}
+
+
+def test_extra_metrics_and_aggregator_counters() -> None:
+    state = FleetState()
+    state.snapshots_applied, state.snapshots_ignored = 7, 2
+    r = CollectorRegistry()
+    r.register(FleetCollector(FleetView, lambda: aggregator_metrics(state, {"msgpack": 4})))
+    assert r.get_sample_value("kvobserve_aggregator_snapshots_applied_total") == 7
+    assert r.get_sample_value("kvobserve_aggregator_snapshots_ignored_total") == 2
+    got = r.get_sample_value(
+        "kvobserve_aggregator_snapshot_decode_errors_total", {"reason": "msgpack"}
+    )
+    assert got == 4
+    with pytest.raises(KeyError):
+        catalog_metric("kvobserve_not_in_catalog", [])
+
+
+def test_an_extra_family_cannot_repeat_one_already_served() -> None:
+    clash = catalog_metric("kvobserve_build_info", [({"version": "bogus"}, 1)])
+    r = CollectorRegistry()
+    r.register(FleetCollector(FleetView, lambda: [clash]))
+    assert [f.name for f in r.collect()] == ["kvobserve_build_info"]
+    assert r.get_sample_value("kvobserve_build_info", {"version": "bogus"}) is None
+
+
+def test_openmetrics_negotiation(reg: CollectorRegistry) -> None:
+    enc, ctype = choose_encoder("application/openmetrics-text; version=1.0.0")
+    body = enc(reg).decode()
+    assert ctype.startswith("application/openmetrics-text")
+    assert body.endswith("# EOF\n")
+    assert "# TYPE kvobserve_kv_event_batches counter" in body
+    enc, ctype = choose_encoder("text/plain")
+    assert ctype.startswith("text/plain; version=0.0.4")
+    assert "# EOF" not in enc(reg).decode()
+
+
+def test_catalog_names_are_unique_and_typed() -> None:
+    names = [m.name for m in CATALOG]
+    assert len(names) == len(set(names))
+    for m in CATALOG:
+        assert m.type in ("counter", "gauge", "histogram"), m.name
+        assert (m.type == "counter") == m.name.endswith("_total"), m.name
