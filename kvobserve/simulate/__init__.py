@@ -1,1 +1,15 @@
-"""kvobserve.simulate."""
+"""Simulated SGLang / vLLM engine workers: real wire bytes, a prefix cache, faults, ground truth."""
+
+from kvobserve.simulate.config import WorkerConfig
+from kvobserve.simulate.faults import FaultConfig
+from kvobserve.simulate.group import SimulatorGroup, nodes_of
+from kvobserve.simulate.worker import Endpoint, SimulatedWorker
+
+__all__ = [
+    "Endpoint",
+    "FaultConfig",
+    "SimulatedWorker",
+    "SimulatorGroup",
+    "WorkerConfig",
+    "nodes_of",
+]

@@ -1,0 +1,175 @@
+"""`kvobserve simulate`: simulated engine workers from flags or a TOML file, with faults and truth."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import signal
+import sys
+import threading
+import time
+import tomllib
+from typing import Any
+
+from kvobserve.simulate.config import WorkerConfig, worker_from_dict
+from kvobserve.simulate.encoders import FORMATS
+from kvobserve.simulate.faults import parse_int_list, parse_pairs
+from kvobserve.simulate.group import SimulatorGroup, nodes_of
+
+# flag dest -> WorkerConfig field (None default = not given, the file or the default applies)
+_WORKER_FLAGS: dict[str, tuple[str, type, str]] = {
+    "worker_id": ("--worker-id", str, "worker id (default sim-0)"),
+    "format": ("--format", str, f"wire format: {', '.join(FORMATS)}"),
+    "dp_size": ("--dp-size", int, "DP ranks of the worker (default 2)"),
+    "nnodes": ("--nnodes", int, "nodes of the worker (default 1)"),
+    "node_rank": ("--node-rank", int, "which node this process is (default 0)"),
+    "host": ("--host", str, "bind host (default 127.0.0.1)"),
+    "kv_port": ("--kv-port", int, "KV PUB base port, rank r on base+r (0 = free range)"),
+    "replay_port": ("--replay-port", int, "replay ROUTER base port (0 = free range)"),
+    "http_port": ("--http-port", int, "HTTP /metrics + discovery port (0 = free)"),
+    "load_port": ("--load-port", int, "SGLang load PUB base port (0 = free range; off if unset)"),
+    "kv_metrics_endpoint": ("--kv-metrics-endpoint", str, "SGLang KvMetrics PUSH connects here"),
+    "topic": ("--topic", str, "topic frame (default empty, the engines' default)"),
+    "rate": ("--rate", float, "batches per second per rank (<= 0: as fast as possible)"),
+    "max_batches": (
+        "--max-batches",
+        int,
+        "stop publishing after N batches per rank (0 = no limit)",
+    ),
+    "buffer_steps": ("--buffer-steps", int, "replay ring size in batches (default 10000)"),
+    "capacity_tokens": ("--capacity-tokens", int, "KV capacity per rank in tokens"),
+    "page_size": ("--page-size", int, "tokens per page / block (default 16)"),
+    "prompts": ("--prompts", int, "prompt library size"),
+    "zipf_s": ("--zipf-s", float, "Zipf exponent of prompt popularity"),
+    "requests_per_batch": ("--requests-per-batch", int, "request arrivals per batch"),
+    "output_tokens": ("--output-tokens", int, "mean generated tokens per request"),
+    "flush_every": ("--flush-every", int, "AllBlocksCleared every N batches (0 = never)"),
+    "seed": ("--seed", int, "seed of all simulated content"),
+    "model_name": ("--model-name", str, "model_name label"),
+}
+_FAULT_FLAGS: dict[str, tuple[str, str]] = {
+    "drop_seqs": ("--drop-seqs", "seqs dropped on the wire, kept in the replay ring (3,4)"),
+    "drop_rate": ("--drop-rate", "probability a batch is dropped on the wire (kept in the ring)"),
+    "ring_drop_seqs": ("--ring-drop-seqs", "seqs dropped on the wire and from the ring"),
+    "ring_drop_rate": ("--ring-drop-rate", "probability of a drop beyond the ring"),
+    "malformed_seqs": ("--malformed-seqs", "seqs whose payload is malformed"),
+    "malformed_rate": ("--malformed-rate", "probability of a malformed payload"),
+    "restart_every": ("--restart-every", "restart the publisher every N batches"),
+    "stall_after": ("--stall-after", "after N batches, publish nothing for --stall-seconds"),
+    "stall_s": ("--stall-seconds", "length of the stall"),
+    "ranks": ("--fault-ranks", "ranks the seq/rate/restart/stall faults hit (default all)"),
+    "second_publisher": ("--second-publisher", "ranks with a second, interleaved publisher"),
+    "mirror": ("--mirror", "SRC:DST: DST's port carries SRC's batches"),
+    "wrong_rank": ("--wrong-rank", "RANK:LABEL: RANK writes LABEL at batch position 2"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `simulate` flags."""
+    parser.add_argument("-c", "--config", help="TOML file with [[worker]] tables")
+    for dest, (flag, typ, help_text) in _WORKER_FLAGS.items():
+        parser.add_argument(flag, dest=dest, type=typ, default=None, help=help_text)
+    parser.add_argument("--no-dp-attention", dest="dp_attention", action="store_false", default=None,
+                        help="SGLang pure DP: every rank on the leader node (old versions collide)")  # fmt: skip
+    parser.add_argument("--no-replay", action="store_true", help="no replay ROUTER")
+    parser.add_argument("--no-http", action="store_true", help="no HTTP server")
+    parser.add_argument(
+        "--all-nodes", action="store_true", help="run every node of the worker here"
+    )
+    parser.add_argument(
+        "--duration", type=float, default=0.0, help="exit after S seconds (0 = run)"
+    )
+    parser.add_argument("--truth", help="write the ground truth here (JSON) on shutdown")
+    parser.add_argument("--truth-interval", type=float, default=0.0, help="also every S seconds")
+    g = parser.add_argument_group("faults")
+    for dest, (flag, help_text) in _FAULT_FLAGS.items():
+        g.add_argument(flag, dest=f"fault_{dest}", default=None, help=help_text)
+    g.add_argument("--stray-publisher", dest="fault_stray_publisher", action="store_true",
+                   default=None, help="an extra publisher on the port past the last rank")  # fmt: skip
+
+
+def _fault_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for dest, (flag, _) in _FAULT_FLAGS.items():
+        raw = getattr(args, f"fault_{dest}")
+        if raw is None:
+            continue
+        if dest in ("drop_seqs", "ring_drop_seqs", "malformed_seqs"):
+            out[dest] = frozenset(parse_int_list(flag, raw))
+        elif dest in ("ranks", "second_publisher"):
+            out[dest] = parse_int_list(flag, raw)
+        elif dest in ("mirror", "wrong_rank"):
+            out[dest] = parse_pairs(flag, raw)
+        elif dest in ("restart_every", "stall_after"):
+            out[dest] = _number(flag, raw, int)
+        else:
+            out[dest] = _number(flag, raw, float)
+    if args.fault_stray_publisher:
+        out["stray_publisher"] = True
+    return out
+
+
+def _number(flag: str, raw: str, typ: type) -> Any:
+    try:
+        return typ(raw)
+    except ValueError:
+        raise ValueError(f"{flag}: {raw!r} is not a {typ.__name__}") from None
+
+
+def build_configs(args: argparse.Namespace) -> list[WorkerConfig]:
+    """Worker configs from the file (if any) with flags on top; ValueError names the field."""
+    tables: list[dict[str, Any]] = [{}]
+    if args.config:
+        try:
+            with open(args.config, "rb") as f:
+                doc = tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ValueError(f"--config: {args.config}: {exc}") from None
+        unknown = set(doc) - {"worker"}
+        if unknown:
+            raise ValueError(f"{sorted(unknown)[0]}: unknown top-level key in {args.config}")
+        tables = list(doc.get("worker", [])) or [{}]
+    flags = {k: getattr(args, k) for k in (*_WORKER_FLAGS, "dp_attention")}
+    flags = {k: v for k, v in flags.items() if v is not None}
+    if args.no_replay:
+        flags["replay_port"] = None
+    if args.no_http:
+        flags["http_port"] = None
+    faults = _fault_overrides(args)
+    out: list[WorkerConfig] = []
+    for i, table in enumerate(tables):
+        cfg = worker_from_dict(table, {"worker_id": f"sim-{i}"})
+        cfg = dataclasses.replace(cfg, **flags)
+        if faults:
+            cfg = dataclasses.replace(cfg, faults=dataclasses.replace(cfg.faults, **faults))
+        cfg.validate()
+        out.extend(nodes_of(cfg) if args.all_nodes and cfg.nnodes > 1 else [cfg])
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM / Ctrl-C or --duration; print one `endpoint ...` line per endpoint."""
+    try:
+        configs = build_configs(args)
+        group = SimulatorGroup(configs, args.truth).start()
+    except (ValueError, OSError) as exc:
+        print(f"kvobserve simulate: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for e in group.endpoints():
+            print(e.line())
+        print(f"ready workers={len(group.workers)}", flush=True)
+        end = time.monotonic() + args.duration if args.duration > 0 else float("inf")
+        step = args.truth_interval if args.truth_interval > 0 else 0.2
+        while not stop.is_set() and time.monotonic() < end:
+            stop.wait(min(step, max(end - time.monotonic(), 0.0)))
+            if args.truth_interval > 0:
+                group.write_truth()
+    finally:
+        group.stop()
+        for s, h in previous.items():
+            signal.signal(s, h)
+    print("stopped", flush=True)
+    return 0

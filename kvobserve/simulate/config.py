@@ -1,0 +1,134 @@
+"""The frozen configuration of one simulated worker (one engine node) and its layout rules."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvobserve.simulate.encoders import FORMATS, WireFormat, get_format
+from kvobserve.simulate.faults import FaultConfig, faults_from_dict
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """One simulated engine node: its wire format, DP layout, ports, workload and faults."""
+
+    worker_id: str = "sim-0"
+    format: str = "sglang-0.5.23"
+    dp_size: int = 2  # DP ranks of the whole worker (all nodes)
+    nnodes: int = 1
+    node_rank: int = 0
+    dp_attention: bool = True  # SGLang only: ranks split across nodes; else all on the leader
+    host: str = "127.0.0.1"
+    kv_port: int = 0  # base KV PUB port, rank r on kv_port + r; 0 = a free range
+    replay_port: int | None = 0  # base replay ROUTER port; None = no replay; 0 = a free range
+    http_port: int | None = 0  # /metrics and discovery; None = no HTTP; 0 = a free port
+    load_port: int | None = None  # SGLang >= 0.5.19 load PUB base; None = off; 0 = a free range
+    kv_metrics_endpoint: str | None = None  # SGLang KvMetrics PUSH connects here (consumer binds)
+    topic: str = ""
+    rate: float = 50.0  # batches per second per rank; <= 0 = as fast as possible
+    max_batches: int = 0  # per rank and instance kind; 0 = unlimited
+    start_delay_s: float = 0.0  # publish nothing this long after start (an engine warming up)
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    capacity_tokens: int = 16_384
+    page_size: int = 16
+    max_running_requests: int = 48
+    prompts: int = 200
+    prefixes: int = 8
+    zipf_s: float = 1.1
+    requests_per_batch: int = 1
+    output_tokens: int = 48  # mean generated tokens per request (unique, never shared)
+    flush_every: int = 0  # AllBlocksCleared every N batches; 0 = never
+    side_interval_s: float = 0.5  # LoadStat / KvMetrics cadence
+    seed: int = 0
+    model_name: str = "sim-model"
+    truth_path: str | None = None
+    truth_interval_s: float = 0.0  # also write the truth file periodically; 0 = only at stop
+    faults: FaultConfig = field(default_factory=FaultConfig)
+
+    @property
+    def wire(self) -> WireFormat:
+        """The wire format object."""
+        return get_format(self.format)
+
+    def validate(self) -> WorkerConfig:
+        """Self, or ValueError naming the field and the bad value."""
+        if self.format not in FORMATS:
+            get_format(self.format)
+        positive = ("dp_size", "nnodes", "buffer_steps", "hwm", "capacity_tokens", "page_size")
+        for name in (
+            *positive,
+            "max_running_requests",
+            "prompts",
+            "prefixes",
+            "requests_per_batch",
+        ):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: {v!r} must be an integer >= 1")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank: {self.node_rank!r} is outside 0..{self.nnodes - 1}")
+        for name in ("kv_port", "replay_port", "http_port", "load_port"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v <= 65535:
+                raise ValueError(f"{name}: {v!r} is not a port")
+        if self.kv_port and self.kv_port + self.dp_size > 65535:
+            raise ValueError(f"kv_port: {self.kv_port} + dp_size {self.dp_size} passes 65535")
+        for name in ("max_batches", "flush_every", "output_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: {getattr(self, name)!r} must be >= 0")
+        if self.load_port is not None and not self.has_load_pub:
+            raise ValueError(
+                f"load_port: format {self.format} has no load publisher (SGLang >= 0.5.19)"
+            )
+        if self.kv_metrics_endpoint is not None and self.wire.engine != "sglang":
+            raise ValueError(
+                f"kv_metrics_endpoint: format {self.format} has no KvMetrics (SGLang only)"
+            )
+        self.faults.validate(self.dp_size)
+        return self
+
+    @property
+    def has_load_pub(self) -> bool:
+        """SGLang >= 0.5.19 has the opt-in `load` PUB."""
+        w = self.wire
+        return w.engine == "sglang" and w.version >= (5, 19)
+
+    def hosted_ranks(self) -> list[int]:
+        """The DP ranks whose publishers run on this node."""
+        w = self.wire
+        if w.engine == "sglang" and not self.dp_attention:
+            # pure DP: the DP controller and every rank's publisher live on the leader node
+            return list(range(self.dp_size)) if self.node_rank == 0 else []
+        per, extra = divmod(self.dp_size, self.nnodes)
+        start = self.node_rank * per + min(self.node_rank, extra)
+        return list(range(start, start + per + (1 if self.node_rank < extra else 0)))
+
+    def port_offset(self, rank: int) -> int:
+        """The engine's port offset for a rank (SGLang < 0.5.16 pure DP offsets every rank by 0)."""
+        w = self.wire
+        if w.engine == "sglang" and not self.dp_attention and w.version < (5, 16):
+            return 0  # attn_dp_rank is 0 on every scheduler: ranks >= 1 fail to bind
+        return rank
+
+
+_FIELDS = {f.name for f in dataclasses.fields(WorkerConfig)}
+
+
+def worker_from_dict(d: dict[str, Any], defaults: dict[str, Any] | None = None) -> WorkerConfig:
+    """A validated WorkerConfig from a TOML `[[worker]]` table; unknown keys name themselves."""
+    kw: dict[str, Any] = dict(defaults or {})
+    for k, v in d.items():
+        key = "worker_id" if k == "id" else k
+        if key == "faults":
+            kw["faults"] = faults_from_dict(v)
+        elif key not in _FIELDS:
+            raise ValueError(f"worker.{k}: unknown key")
+        else:
+            kw[key] = v
+    try:
+        return WorkerConfig(**kw).validate()
+    except TypeError as exc:
+        raise ValueError(f"worker: {exc}") from None

@@ -1,0 +1,174 @@
+"""One publisher instance: request arrivals into a prefix cache, events, seq, replay ring, faults.
+
+Pure logic (time is passed in). Each batch is encoded once; the same bytes go live, into the ring,
+to a mirror port and to replay.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from array import array
+from collections import deque
+from typing import Any
+
+from kvobserve.simulate.cache import Hash, PrefixCache, PromptLibrary, paginate
+from kvobserve.simulate.encoders import WireFormat, encode_batch
+from kvobserve.simulate.faults import MALFORMED_PAYLOADS, Action, FaultConfig, FaultPlan
+
+_POOL_SIZE = 1 << 16
+PREFILL_US_PER_TOKEN = 5  # made-up prefill cost for LoadStat's busy counter
+
+
+class SimStream:
+    """A publisher instance (`instance` label) of one rank; its seq starts at 0."""
+
+    def __init__(
+        self,
+        fmt: WireFormat,
+        instance: str,
+        kind: str,
+        rank: int,
+        label: int,
+        topic: bytes,
+        library: PromptLibrary,
+        seed: int,
+        capacity_tokens: int,
+        page_size: int,
+        buffer_steps: int,
+        faults: FaultConfig,
+        requests_per_batch: int = 1,
+        output_tokens: int = 48,
+        flush_every: int = 0,
+        max_running: int = 48,
+    ) -> None:
+        self.fmt = fmt
+        self.instance = instance
+        self.kind = kind
+        self.rank = rank
+        self.label = label
+        self.topic = topic
+        self.library = library
+        self.cache = PrefixCache(capacity_tokens)
+        self.page_size = page_size
+        self.ring: deque[tuple[int, bytes, bytes]] = deque(maxlen=buffer_steps)
+        self.plan = FaultPlan(faults, rank, seed ^ 0x5EED)
+        self.requests_per_batch = requests_per_batch
+        self.output_tokens = output_tokens
+        self.flush_every = flush_every
+        self.max_running = max_running
+        self._rng = random.Random(seed)
+        # generated tokens are windows of one random pool: cheap per request, unique via the chain
+        self._pool = list(array("H", self._rng.randbytes(2 * _POOL_SIZE)))
+        self._active: list[int] = []  # heap of the step at which each running request ends
+        self._medium = fmt.wire_medium("GPU")
+        self.seq = 0
+        self.batches_sent = 0
+        self.events = 0
+        self.live_dropped: list[int] = []
+        self.ring_dropped: list[int] = []
+        self.malformed: list[int] = []
+        self.query_tokens = 0
+        self.hit_tokens = 0
+        self.prefill_uncached_tokens = 0
+        self.requests = 0
+        self.ended = False  # a restarted instance keeps its final state here
+
+    # --- workload -----------------------------------------------------------------------------
+
+    def _request(self, out: list[Any]) -> None:
+        """One request arrives: prompt + generated tokens go through the cache; events to `out`."""
+        rng = self._rng
+        prompt = self.library.sample(rng)
+        fmt = self.fmt
+        n_out = rng.randint(0, 2 * self.output_tokens) if self.output_tokens else 0
+        pages = prompt
+        if n_out:
+            o = rng.randrange(_POOL_SIZE - n_out)
+            pages = prompt + paginate(
+                fmt.hash_kind, self._pool[o : o + n_out], self.page_size, prompt[-1].digest,
+                keep_partial=fmt.per_page_stores,
+            )  # fmt: skip
+        res = self.cache.insert(pages)
+        self.requests += 1
+        prompt_tokens = sum(len(p.tokens) for p in prompt)
+        self.query_tokens += prompt_tokens
+        self.hit_tokens += min(res.hit_tokens, prompt_tokens)
+        heapq.heappush(self._active, self.seq + rng.randint(4, 64))
+        for run in res.evicted:
+            if fmt.removed_per_node:
+                out.append(fmt.removed(run[::-1], self._medium))
+            else:
+                out.extend(fmt.removed([h], self._medium) for h in run)
+        if not res.stored:
+            return
+        stored_tokens = sum(len(p.tokens) for p in res.stored)
+        self.prefill_uncached_tokens += stored_tokens
+        parent: Hash | None = res.parent if res.parent is not None else fmt.root_parent
+        if fmt.per_page_stores:
+            for p in res.stored:
+                out.append(fmt.stored([p.hash], parent, p.tokens, len(p.tokens), self._medium))
+                parent = p.hash
+        else:
+            tokens = [t for p in res.stored for t in p.tokens]
+            hashes = [p.hash for p in res.stored]
+            out.append(fmt.stored(hashes, parent, tokens, self.page_size, self._medium))
+
+    def _events(self) -> list[Any]:
+        if self.flush_every and self.seq and self.seq % self.flush_every == 0:
+            self.cache.clear()
+            return [self.fmt.cleared]
+        out: list[Any] = []
+        # an all-hit request produces no event and engines publish no empty batch: try a few more
+        for i in range(self.requests_per_batch + 8):
+            self._request(out)
+            if out and i >= self.requests_per_batch - 1:
+                break
+        return out
+
+    # --- publishing ---------------------------------------------------------------------------
+
+    def next_batch(self, ts: float) -> tuple[bytes, bytes] | None:
+        """Advance one batch: (seq frame, payload) to send live, or None (dropped or no events)."""
+        seq = self.seq
+        action = self.plan.decide(seq)
+        if action is Action.MALFORMED:
+            payload = MALFORMED_PAYLOADS[len(self.malformed) % len(MALFORMED_PAYLOADS)]
+            self.malformed.append(seq)
+        else:
+            events = self._events()
+            if not events:
+                return None
+            self.events += len(events)
+            payload = encode_batch(ts, events, self.label)
+        seq_b = seq.to_bytes(8, "big")
+        self.seq = seq + 1
+        active = self._active
+        while active and active[0] <= seq:
+            heapq.heappop(active)
+        if action is Action.RING_DROP:
+            self.ring_dropped.append(seq)
+            return None
+        self.ring.append((seq, seq_b, payload))
+        if action is Action.LIVE_DROP:
+            self.live_dropped.append(seq)
+            return None
+        self.batches_sent += 1
+        return seq_b, payload
+
+    # --- scheduler view -----------------------------------------------------------------------
+
+    @property
+    def running(self) -> int:
+        """Requests running now (capped at max_running_requests)."""
+        return min(len(self._active), self.max_running)
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued behind the running ones."""
+        return max(0, len(self._active) - self.max_running)
+
+    @property
+    def hit_rate(self) -> float:
+        """Prefix-cache hit rate over all prompt tokens so far."""
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
