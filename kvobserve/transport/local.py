@@ -1,0 +1,72 @@
+"""The in-process bus: collectors and the aggregator in one event loop, no network, no NATS."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+from kvobserve.transport import Handler, TransportCounters, TransportStatus
+
+log = logging.getLogger(__name__)
+
+
+class LocalBus:
+    """A Transport whose publish calls every subscribed handler directly, in order."""
+
+    def __init__(self) -> None:
+        self.status = TransportStatus.CONNECTED
+        self.counters = TransportCounters()
+        self._snapshot_handlers: list[Handler] = []
+        self._event_handlers: list[Handler] = []
+        self._warned = False
+
+    async def publish_snapshot(self, collector_id: str, data: bytes) -> None:
+        """Deliver one snapshot to every snapshot subscriber before returning."""
+        if self.status is TransportStatus.CLOSED:
+            self.counters.drop("closed")
+            return
+        self.counters.published += 1
+        for h in self._snapshot_handlers:
+            if await self._call(h, data):
+                self.counters.received += 1
+
+    async def publish_event(self, kind: str, data: bytes) -> None:
+        """Deliver one condition event to every event subscriber."""
+        if self.status is TransportStatus.CLOSED:
+            self.counters.drop("closed")
+            return
+        self.counters.published += 1
+        for h in self._event_handlers:
+            await self._call(h, data)
+
+    async def subscribe_snapshots(self, handler: Handler) -> None:
+        """Add a snapshot subscriber."""
+        self._snapshot_handlers.append(handler)
+
+    async def subscribe_events(self, handler: Handler) -> None:
+        """Add an event subscriber."""
+        self._event_handlers.append(handler)
+
+    async def retained_snapshots(self) -> list[tuple[bytes, float]]:
+        """Nothing is retained: in one process the aggregator lives as long as the collectors."""
+        return []
+
+    async def close(self) -> None:
+        """Stop delivering; later publishes are counted as dropped."""
+        self.status = TransportStatus.CLOSED
+        self._snapshot_handlers.clear()
+        self._event_handlers.clear()
+
+    async def _call(self, handler: Handler, data: bytes) -> bool:
+        """Run one handler; a failing subscriber must not break the publisher's loop."""
+        try:
+            result = handler(data)
+            if inspect.isawaitable(result):
+                await result
+        except Exception:
+            self.counters.handler_errors += 1
+            if not self._warned:  # once: a broken handler would otherwise log every interval
+                self._warned = True
+                log.warning("local bus: a subscriber's handler raised", exc_info=True)
+            return False
+        return True

