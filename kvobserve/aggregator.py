@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from prometheus_client.metrics_core import Metric
+
 from kvobserve.analysis.fleet import Condition, FleetState, FleetView
 from kvobserve.transport import Transport
 from kvobserve.wire.errors import WireError
@@ -287,21 +289,33 @@ def options_from_args(args: argparse.Namespace) -> AggregateOptions:
     )  # fmt: skip
 
 
-async def _start_http(opts: AggregateOptions, agg: Aggregator) -> Callable[[], Awaitable[None]]:
-    """Serve /metrics, /healthz, /readyz, /api/v1/*, / for `agg.view`; returns the stop function."""
+async def start_http(
+    agg: Aggregator, listen: str, otlp_endpoint: str | None = None, otlp_interval_s: float = 10.0
+) -> Callable[[], Awaitable[None]]:
+    """Serve /metrics, /healthz, /readyz, /api/v1/*, / for `agg.view` (and push OTLP when asked).
+
+    Returns the async function that stops both.
+    """
     from kvobserve.export import server
+    from kvobserve.export.otlp import start_otlp
     from kvobserve.export.prometheus import aggregator_metrics
 
-    app = server.create_app(
-        agg.view, extra_metrics=lambda: aggregator_metrics(agg.fleet, agg.decode_errors)
-    )
-    http = await server.serve(app, opts.listen)
+    def extra() -> list[Metric]:
+        return aggregator_metrics(agg.fleet, agg.decode_errors)
+
+    app = server.create_app(agg.view, extra_metrics=extra)
+    http = await server.serve(app, listen)
     log.info("serving %s/metrics", http.url)
-    if opts.otlp_endpoint:
-        # TODO(otlp): kvobserve/export/otlp.py does not exist yet; start its push to
-        # opts.otlp_endpoint here with view_provider=agg.view and stop it in the returned function.
-        log.warning("OTLP push is not available in this build; --otlp-endpoint ignored")
-    return http.close
+    push = (
+        start_otlp(agg.view, otlp_endpoint, otlp_interval_s, extra=extra) if otlp_endpoint else None
+    )
+
+    async def stop() -> None:
+        if push is not None:
+            await push.shutdown()
+        await http.close()
+
+    return stop
 
 
 async def serve(opts: AggregateOptions) -> int:
@@ -346,7 +360,7 @@ async def serve(opts: AggregateOptions) -> int:
     stop_http: Callable[[], Awaitable[None]] | None = None
     try:
         try:
-            stop_http = await _start_http(opts, agg)
+            stop_http = await start_http(agg, opts.listen, opts.otlp_endpoint)
         except OSError as exc:
             print(f"kvobserve aggregate: error: --listen: {exc.strerror or exc}", file=sys.stderr)
             return 1
