@@ -1,0 +1,399 @@
+"""Leader scheduler metrics per DP rank: engine /metrics scrape, SGLang load PUB, KvMetrics PULL, FPM SUB.
+
+Each source keeps the latest normalized values per dp_rank; `SchedulerSources` merges the sources
+of one worker field by field, the freshest value winning. Bad input is counted by reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, fields, replace
+
+import aiohttp
+import zmq
+import zmq.asyncio
+from prometheus_client.metrics_core import Metric
+
+from kvobserve.config import WorkerConfig
+from kvobserve.sources.passthrough import parse_engine_metrics
+from kvobserve.wire.errors import WireError
+from kvobserve.wire.scheduler import (
+    decode_forward_pass_message,
+    decode_kv_metrics,
+    decode_load_message,
+)
+
+Clock = Callable[[], float]
+
+
+@dataclass(slots=True)
+class SchedulerValues:
+    """Normalized scheduler state of one DP rank; None where no source said."""
+
+    running_requests: float | None = None
+    queued_requests: float | None = None
+    token_usage_ratio: float | None = None
+    cache_hit_ratio: float | None = None
+    max_total_tokens: float | None = None
+    source: str = ""  # the source of the freshest update
+    updated_at: float = 0.0  # wall-clock time of that update
+
+
+VALUE_FIELDS = tuple(f.name for f in fields(SchedulerValues))[:5]
+
+
+class _Source:
+    """Latest values per dp_rank plus counters; subclasses feed `_set`."""
+
+    name = ""
+
+    def __init__(self, clock: Clock = time.time) -> None:
+        self._clock = clock
+        self._values: dict[int, SchedulerValues] = {}
+        self.endpoints: list[str] = []  # what this source connects to, binds or scrapes
+        self.messages_total = 0
+        self.errors: Counter[str] = Counter()  # by reason
+
+    def _set(self, rank: int, now: float, **vals: float | None) -> None:
+        v = self._values.get(rank)
+        if v is None:
+            v = self._values[rank] = SchedulerValues(source=self.name)
+        for k, x in vals.items():
+            setattr(v, k, x)
+        v.updated_at = now
+
+    def values(self) -> dict[int, SchedulerValues]:
+        """dp_rank -> a copy of the latest values."""
+        return {r: replace(v) for r, v in self._values.items()}
+
+    async def start(self) -> None:
+        """Begin receiving."""
+
+    async def close(self) -> None:
+        """Stop; safe to call twice."""
+
+
+class MetricsScrape(_Source):
+    """Scrapes an engine's Prometheus /metrics and maps known names per DP rank."""
+
+    name = "metrics"
+
+    def __init__(
+        self,
+        url: str,
+        engine: str,
+        *,
+        interval_s: float = 1.0,
+        timeout_s: float = 2.0,
+        clock: Clock = time.time,
+    ) -> None:
+        super().__init__(clock)
+        self.url, self.engine, self.interval_s, self.timeout_s = url, engine, interval_s, timeout_s
+        self.endpoints = [url]
+        self.up = False
+        self.families: list[Metric] = []  # the last scrape, kept for passthrough
+        self._counters: dict[int, tuple[float, float]] = {}  # vLLM prefix (hits, queries)
+        self._session: aiohttp.ClientSession | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def ingest(self, text: str, now: float | None = None) -> None:
+        """Parse one /metrics body and update the values; a malformed body counts as `parse`."""
+        now = self._clock() if now is None else now
+        try:
+            scrape = parse_engine_metrics(text, self.engine)
+        except ValueError:
+            self.errors["parse"] += 1
+            self.up = False
+            return
+        self.families, self.messages_total, self.up = scrape.families, self.messages_total + 1, True
+        if scrape.bad_rank_labels:
+            self.errors["rank_label"] += scrape.bad_rank_labels
+        found: dict[int, dict[str, float | None]] = {r: dict(v) for r, v in scrape.values.items()}
+        for rank, (hits, queries) in scrape.prefix.items():
+            prev = self._counters.get(rank)
+            self._counters[rank] = (hits, queries)
+            if prev is not None and queries > prev[1] and hits >= prev[0]:  # else a reset
+                ratio = (hits - prev[0]) / (queries - prev[1])
+                found.setdefault(rank, {})["cache_hit_ratio"] = ratio
+        for rank, got in found.items():
+            self._set(rank, now, **got)
+
+    async def scrape_once(self) -> None:
+        """One GET + ingest; failures count by reason and mark the source down."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+            async with self._session.get(self.url, timeout=timeout) as resp:
+                if resp.status != 200:
+                    self.errors["status"] += 1
+                    self.up = False
+                    return
+                text = await resp.text()
+        except (aiohttp.ClientError, TimeoutError, OSError, UnicodeDecodeError):
+            self.errors["connection"] += 1
+            self.up = False
+            return
+        self.ingest(text)
+
+    async def _run(self) -> None:
+        while True:
+            await self.scrape_once()
+            await asyncio.sleep(self.interval_s)
+
+    async def start(self) -> None:
+        """Scrape every `interval_s` in the background."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=f"scrape {self.url}")
+
+    async def close(self) -> None:
+        """Stop scraping and close the HTTP session; safe to call twice."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
+
+# --- ZMQ side channels ----------------------------------------------------------------------
+
+
+def rank_endpoint(base: str, rank: int, *, dotted_ipc: bool = False) -> str:
+    """Rank r's endpoint: tcp port + r; ipc `{base}.{r}` (FPM) or `{base}` shared (KvMetrics)."""
+    scheme, _, rest = base.partition("://")
+    if scheme == "tcp":
+        host, _, port = rest.rpartition(":")
+        return f"tcp://{host}:{int(port) + rank}"
+    return f"{base}.{rank}" if dotted_ipc else base
+
+
+class _ZmqSource(_Source):
+    """Sockets with one receive task each; frames go to `_handle(frames, rank, now)`."""
+
+    def __init__(self, ctx: zmq.asyncio.Context | None, clock: Clock) -> None:
+        super().__init__(clock)
+        self._ctx = ctx or zmq.asyncio.Context.instance()
+        self._socks: list[tuple[zmq.asyncio.Socket, int]] = []
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def _open(self) -> None:
+        raise NotImplementedError
+
+    def _handle(self, frames: Sequence[bytes], rank: int, now: float) -> None:
+        raise NotImplementedError
+
+    async def _recv(self, sock: zmq.asyncio.Socket, rank: int) -> None:
+        while True:
+            try:
+                frames = await sock.recv_multipart()
+            except zmq.ZMQError:
+                return  # socket closed under us
+            self.messages_total += 1
+            try:
+                self._handle(frames, rank, self._clock())
+            except WireError as exc:
+                self.errors[exc.reason] += 1
+            except (ValueError, TypeError, ArithmeticError):  # decodable but nonsensical values
+                self.errors["schema"] += 1
+
+    async def start(self) -> None:
+        """Open the sockets and start receiving."""
+        if self._tasks:
+            return
+        try:
+            self._open()
+        except zmq.ZMQError:
+            await self.close()
+            raise
+        self._tasks = [asyncio.create_task(self._recv(s, r)) for s, r in self._socks]
+
+    async def close(self) -> None:
+        """Cancel the receive tasks and close sockets with linger 0; safe to call twice."""
+        tasks, self._tasks = self._tasks, []
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        socks, self._socks = self._socks, []
+        for s, _ in socks:
+            s.close(linger=0)
+
+
+class _SubPerRank(_ZmqSource):
+    """One SUB per rank, connected to the rank's endpoint derived from `base`."""
+
+    topic = b""
+    dotted_ipc = False
+
+    def __init__(
+        self,
+        base: str,
+        ranks: Iterable[int],
+        *,
+        ctx: zmq.asyncio.Context | None = None,
+        clock: Clock = time.time,
+    ) -> None:
+        super().__init__(ctx, clock)
+        self._ranks = list(ranks)
+        self.endpoints = [rank_endpoint(base, r, dotted_ipc=self.dotted_ipc) for r in self._ranks]
+
+    def _open(self) -> None:
+        for r, ep in zip(self._ranks, self.endpoints, strict=True):
+            s = self._ctx.socket(zmq.SUB)
+            self._socks.append((s, r))
+            s.setsockopt(zmq.SUBSCRIBE, self.topic)
+            s.connect(ep)
+
+
+class LoadSubscriber(_SubPerRank):
+    """SGLang load PUB per rank (`base + r`), topic `load`: LoadStat."""
+
+    name, topic = "load", b"load"
+
+    def _handle(self, frames: Sequence[bytes], rank: int, now: float) -> None:
+        _, st = decode_load_message(frames)
+        cap = st.max_total_num_tokens  # 0 means unknown
+        self._set(
+            rank,
+            now,
+            running_requests=st.num_running_reqs,
+            queued_requests=st.num_waiting_reqs,
+            token_usage_ratio=st.num_tokens / cap if cap > 0 else None,
+            max_total_tokens=cap if cap > 0 else None,
+        )
+
+
+class KvMetricsPull(_ZmqSource):
+    """SGLang KvMetrics: we BIND a PULL the schedulers PUSH to; rank from the message."""
+
+    name = "kv_metrics"
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        allow_pickle: bool = False,
+        ctx: zmq.asyncio.Context | None = None,
+        clock: Clock = time.time,
+    ) -> None:
+        super().__init__(ctx, clock)
+        self.endpoints, self.allow_pickle = [endpoint], allow_pickle
+
+    def _open(self) -> None:
+        s = self._ctx.socket(zmq.PULL)
+        self._socks.append((s, -1))
+        s.bind(self.endpoints[0])
+
+    def _handle(self, frames: Sequence[bytes], rank: int, now: float) -> None:
+        if len(frames) != 1:
+            raise WireError("frame_count", f"KvMetrics: {len(frames)} frames, expected 1")
+        m = decode_kv_metrics(frames[0], allow_pickle=self.allow_pickle)
+        self._set(
+            m.data_parallel_rank or 0,
+            now,
+            running_requests=m.request_active_slots,
+            queued_requests=m.num_requests_waiting,
+            token_usage_ratio=m.gpu_cache_usage_perc,
+            cache_hit_ratio=m.gpu_prefix_cache_hit_rate,
+            max_total_tokens=m.kv_total_blocks if m.kv_total_blocks > 0 else None,  # tokens
+        )
+
+
+class FpmSubscriber(_SubPerRank):
+    """SGLang forward-pass metrics PUB per rank (`{base}.{r}` ipc, port + r tcp)."""
+
+    name, dotted_ipc = "fpm", True
+
+    def _handle(self, frames: Sequence[bytes], rank: int, now: float) -> None:
+        _, m = decode_forward_pass_message(frames)
+        sch, q = m.scheduled_requests, m.queued_requests
+        self._set(
+            rank,
+            now,
+            running_requests=sch.num_prefill_requests + sch.num_decode_requests,
+            queued_requests=q.num_prefill_requests + q.num_decode_requests,
+        )
+
+
+def merge_values(per_source: Iterable[dict[int, SchedulerValues]]) -> dict[int, SchedulerValues]:
+    """Per rank and field, the value of the most recently updated source that has one."""
+    out: dict[int, SchedulerValues] = {}
+    stamps: dict[tuple[int, str], float] = {}
+    for vals in per_source:
+        for rank, v in vals.items():
+            m = out.setdefault(rank, SchedulerValues())
+            for f in VALUE_FIELDS:
+                x = getattr(v, f)
+                if x is not None and v.updated_at >= stamps.get((rank, f), -1.0):
+                    setattr(m, f, x)
+                    stamps[(rank, f)] = v.updated_at
+            if v.updated_at >= m.updated_at:
+                m.updated_at, m.source = v.updated_at, v.source
+    return out
+
+
+class SchedulerSources:
+    """All scheduler sources configured for one worker, merged per dp_rank."""
+
+    def __init__(
+        self,
+        worker: WorkerConfig,
+        dp_size: int,
+        *,
+        load_endpoint: str | None = None,
+        interval_s: float = 1.0,
+        ctx: zmq.asyncio.Context | None = None,
+        clock: Clock = time.time,
+    ) -> None:
+        ranks = range(dp_size)
+        self.sources: list[_Source] = []
+        self.scrape: MetricsScrape | None = None
+        if worker.metrics_url:
+            self.scrape = MetricsScrape(
+                worker.metrics_url, worker.engine, interval_s=interval_s, clock=clock
+            )
+            self.sources.append(self.scrape)
+        load = worker.load_endpoint or load_endpoint  # config wins over discovery
+        if load:
+            self.sources.append(LoadSubscriber(load, ranks, ctx=ctx, clock=clock))
+        if worker.kv_metrics_endpoint:
+            self.sources.append(
+                KvMetricsPull(
+                    worker.kv_metrics_endpoint,
+                    allow_pickle=worker.allow_pickle,
+                    ctx=ctx,
+                    clock=clock,
+                )
+            )
+        if worker.fpm_endpoint:
+            self.sources.append(FpmSubscriber(worker.fpm_endpoint, ranks, ctx=ctx, clock=clock))
+
+    def describe(self) -> list[tuple[str, str]]:
+        """(source name, endpoint or URL) for each socket or scrape."""
+        return [(s.name, ep) for s in self.sources for ep in s.endpoints]
+
+    def errors(self) -> dict[tuple[str, str], int]:
+        """(source, reason) -> count."""
+        return {(s.name, r): n for s in self.sources for r, n in s.errors.items()}
+
+    def values(self) -> dict[int, SchedulerValues]:
+        """dp_rank -> merged values (freshest source per field)."""
+        return merge_values(s.values() for s in self.sources)
+
+    async def start(self) -> None:
+        """Start every source; a ZMQError (e.g. the PULL address in use) propagates: close()."""
+        for s in self.sources:
+            await s.start()
+
+    async def close(self) -> None:
+        """Close every source; safe to call twice."""
+        for s in self.sources:
+            await s.close()

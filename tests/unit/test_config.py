@@ -1,0 +1,323 @@
+"""Config: file + env + flags precedence, defaults, and errors that name the field and value."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvobserve.config import ConfigError, add_config_flags, load_config, overrides_from_args
+
+FULL = """
+cluster = "prod-a"
+
+[collector]
+id = "node-0"
+node_rank = 0
+nnodes = 2
+interval_s = 2
+listen = "127.0.0.1:9478"
+
+[[worker]]
+id = "sglang-dp8"
+engine = "sglang"
+url = "http://10.0.0.5:30000"
+kv_endpoint = "tcp://10.0.0.5:5557"
+replay_endpoint = "tcp://10.0.0.5:5657"
+topic = "kv-events"
+dp_size = 8
+dp_attention = true
+metrics_url = "http://10.0.0.5:30000/metrics"
+capacity_tokens = 0
+probe_extra_ports = 2
+
+[aggregator]
+listen = "127.0.0.1:9477"
+nats = "nats://127.0.0.1:4222"
+"""
+
+
+def write(tmp_path: Path, text: str) -> str:
+    p = tmp_path / "kvobserve.toml"
+    p.write_text(text)
+    return str(p)
+
+
+def parse_flags(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser)
+    return parser.parse_args(argv)
+
+
+def test_full_file(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, FULL), {}, {})
+    assert cfg.cluster == "prod-a"
+    assert (cfg.collector.id, cfg.collector.node_rank, cfg.collector.nnodes) == ("node-0", 0, 2)
+    assert cfg.collector.interval_s == 2.0 and isinstance(cfg.collector.interval_s, float)
+    (w,) = cfg.workers
+    assert (w.id, w.engine, w.dp_size, w.dp_attention, w.topic) == (
+        "sglang-dp8",
+        "sglang",
+        8,
+        True,
+        "kv-events",
+    )
+    assert w.leader is True  # node_rank 0
+    assert w.probe_extra_ports == 2 and w.allow_pickle is False
+    assert cfg.nats is not None and cfg.nats.url == "nats://127.0.0.1:4222"
+    assert cfg.aggregator.nats is cfg.nats
+
+
+def test_defaults_without_file() -> None:
+    cfg = load_config(None, {}, {})
+    assert cfg.workers == ()
+    assert cfg.collector.node_rank == 0 and cfg.collector.nnodes == 1
+    assert cfg.collector.interval_s == 1.0
+    assert cfg.collector.listen == "127.0.0.1:9478"
+    assert cfg.aggregator.listen == "127.0.0.1:9477"
+    assert cfg.nats is None
+    assert cfg.collector.id  # hostname
+
+
+def test_worker_defaults_and_leader_follows_node_rank() -> None:
+    cfg = load_config(
+        None,
+        {
+            "worker.engine": "vllm",
+            "worker.kv_endpoint": "tcp://10.1.2.3:5557",
+            "collector.nnodes": "2",
+            "collector.node_rank": "1",
+        },
+        {},
+    )
+    (w,) = cfg.workers
+    assert w.leader is False
+    assert w.id == "vllm@10.1.2.3:5557"
+    assert (w.topic, w.dp_size, w.probe_extra_ports, w.capacity_tokens) == ("", 1, 1, 0)
+
+
+def test_dp_size_left_to_discovery_when_url_given() -> None:
+    cfg = load_config(None, {"worker.engine": "sglang", "worker.url": "http://h:30000"}, {})
+    assert cfg.workers[0].dp_size is None
+
+
+def test_precedence_file_env_flags(tmp_path: Path) -> None:
+    path = write(tmp_path, FULL)
+    env = {"KVOBSERVE_COLLECTOR_NODE_RANK": "1", "KVOBSERVE_COLLECTOR_INTERVAL_S": "5"}
+    cfg = load_config(path, {}, env)
+    assert cfg.collector.node_rank == 1  # env over file
+    assert cfg.collector.interval_s == 5.0
+    assert cfg.workers[0].leader is False  # the default follows the final node_rank
+    args = parse_flags(["-c", path, "--node-rank", "0", "--leader"])
+    cfg = load_config(args.config, overrides_from_args(args), env)
+    assert cfg.collector.node_rank == 0  # flag over env
+    assert cfg.collector.interval_s == 5.0  # env still applies where no flag was given
+    assert cfg.workers[0].leader is True
+
+
+def test_flags_all_default_to_none() -> None:
+    assert overrides_from_args(parse_flags([])) == {}
+    args = parse_flags(
+        [
+            "--no-leader",
+            "--dp-size",
+            "4",
+            "--nats",
+            "nats://n:4222",
+            "--allow-pickle",
+            "--jetstream-kv",
+        ]
+    )
+    assert overrides_from_args(args) == {
+        "worker.leader": False,
+        "worker.dp_size": "4",
+        "nats.url": "nats://n:4222",
+        "worker.allow_pickle": True,
+        "nats.jetstream_kv": True,
+    }
+
+
+def test_all_worker_flags_apply_to_every_worker(tmp_path: Path) -> None:
+    two = FULL + '\n[[worker]]\nid = "v"\nengine = "vllm"\nkv_endpoint = "tcp://10.0.0.6:5557"\n'
+    cfg = load_config(write(tmp_path, two), {"worker.allow_pickle": True}, {})
+    assert [w.allow_pickle for w in cfg.workers] == [True, True]
+    with pytest.raises(ConfigError, match=r"--dp-size \(worker.dp_size\): '4' needs one worker"):
+        load_config(write(tmp_path, two), {"worker.dp_size": "4"}, {})
+
+
+def test_env_bool_and_nats_auth() -> None:
+    env = {
+        "KVOBSERVE_NATS_URL": "nats://a:4222,nats://b:4222",
+        "KVOBSERVE_NATS_USER": "kv",
+        "KVOBSERVE_NATS_PASSWORD": "s3cret",
+        "KVOBSERVE_NATS_JETSTREAM_KV": "yes",
+        "KVOBSERVE_OTHER_THING": "ignored",
+    }
+    cfg = load_config(None, {}, env)
+    assert cfg.nats is not None
+    assert (cfg.nats.user, cfg.nats.password, cfg.nats.jetstream_kv) == ("kv", "s3cret", True)
+    assert "s3cret" not in repr(cfg)
+
+
+BAD: list[tuple[str, dict[str, Any], dict[str, str], str]] = [
+    # (file, flags, env, expected message fragment)
+    (
+        '[[worker]]\nengine = "sglang"\nkv_endpiont = "tcp://h:1"\n',
+        {},
+        {},
+        "worker[0].kv_endpiont: unknown key (value 'tcp://h:1')",
+    ),
+    ("[collector]\nnode_rnk = 1\n", {}, {}, "collector.node_rnk: unknown key (value 1)"),
+    ('clusterr = "x"\n', {}, {}, "clusterr: unknown key (value 'x')"),
+    ('[collector]\nnode_rank = "one"\n', {}, {}, "collector.node_rank: expected int, got 'one'"),
+    ("[collector]\nnode_rank = true\n", {}, {}, "collector.node_rank: expected int, got True"),
+    (
+        "[collector]\nnode_rank = 2\nnnodes = 2\n",
+        {},
+        {},
+        "collector.node_rank: 2 must be < collector.nnodes (2)",
+    ),
+    ("[collector]\ninterval_s = 0\n", {}, {}, "collector.interval_s: must be > 0, got 0.0"),
+    ('[collector]\nlisten = "9478"\n', {}, {}, "collector.listen: expected host:port, got '9478'"),
+    (
+        '[aggregator]\nlisten = "localhost:http"\n',
+        {},
+        {},
+        "aggregator.listen: expected host:port, got 'localhost:http'",
+    ),
+    (
+        '[[worker]]\nengine = "sglang"\nkv_endpoint = "tcp://h:1"\ndp_size = -2\n',
+        {},
+        {},
+        "worker[0].dp_size: must be >= 1, got -2",
+    ),
+    (
+        '[[worker]]\nengine = "tgi"\nkv_endpoint = "tcp://h:1"\n',
+        {},
+        {},
+        "worker[0].engine: must be 'sglang' or 'vllm', got 'tgi'",
+    ),
+    (
+        '[[worker]]\nengine = "sglang"\nkv_endpoint = "udp://h:1"\n',
+        {},
+        {},
+        "worker[0].kv_endpoint: expected a tcp:// or ipc:// or inproc:// endpoint, got 'udp://h:1'",
+    ),
+    (
+        '[[worker]]\nengine = "sglang"\nkv_endpoint = "tcp://h"\n',
+        {},
+        {},
+        "worker[0].kv_endpoint: expected tcp://host:port, got 'tcp://h'",
+    ),
+    (
+        '[[worker]]\nengine = "sglang"\nkv_endpoint = "tcp://*:5557"\n',
+        {},
+        {},
+        "worker[0].kv_endpoint: wildcard host in 'tcp://*:5557'",
+    ),
+    (
+        '[[worker]]\nengine = "sglang"\nurl = "10.0.0.5:30000"\n',
+        {},
+        {},
+        "worker[0].url: expected http://host[:port], got '10.0.0.5:30000'",
+    ),
+    (
+        '[[worker]]\nengine = "sglang"\nurl = "http://h:port"\n',
+        {},
+        {},
+        "worker[0].url: expected http://host[:port], got 'http://h:port'",
+    ),
+    ('[[worker]]\nengine = "sglang"\n', {}, {}, "worker[0]: needs kv_endpoint or url"),
+    (
+        '[[worker]]\nid = "a"\nengine = "sglang"\nkv_endpoint = "tcp://h:1"\n[[worker]]\nid = "a"\nengine = "vllm"\nkv_endpoint = "tcp://h:2"\n',
+        {},
+        {},
+        "worker[1].id: duplicate 'a' (also worker[0])",
+    ),
+    (
+        'cluster = "prod.a"\n',
+        {},
+        {},
+        "cluster: only letters, digits, '-' and '_' allowed, got 'prod.a'",
+    ),
+    ("", {"collector.nnodes": "two"}, {}, "--nnodes (collector.nnodes): expected int, got 'two'"),
+    (
+        "",
+        {},
+        {"KVOBSERVE_COLLECTOR_NODE_RANK": "x"},
+        "KVOBSERVE_COLLECTOR_NODE_RANK (collector.node_rank): expected int, got 'x'",
+    ),
+    (
+        "",
+        {},
+        {"KVOBSERVE_COLLECTOR_NODERANK": "1"},
+        "KVOBSERVE_COLLECTOR_NODERANK: unknown key 'noderank' in [collector] (value '1')",
+    ),
+    (
+        "",
+        {},
+        {"KVOBSERVE_WORKER_LEADER": "maybe", "KVOBSERVE_WORKER_KV_ENDPOINT": "tcp://h:1"},
+        "KVOBSERVE_WORKER_LEADER (worker.leader): expected bool, got 'maybe'",
+    ),
+    (
+        "",
+        {"nats.url": "http://n:4222"},
+        {},
+        "nats.url: expected nats://host[:port], got 'http://n:4222'",
+    ),
+    (
+        "",
+        {"nats.url": "nats://n:4222", "nats.user": "u"},
+        {},
+        "nats.password: missing (nats.user is set)",
+    ),
+    (
+        "",
+        {"nats.url": "nats://n:4222", "nats.tls_cert": "c.pem"},
+        {},
+        "nats.tls_key: missing (nats.tls_cert is set)",
+    ),
+    ('[nats]\ntoken = "t"\n', {}, {}, "nats.token: set, but nats.url is missing"),
+    (
+        "",
+        {"nats.url": "nats://n:4222", "nats.connect_timeout_s": "0"},
+        {},
+        "nats.connect_timeout_s: must be > 0, got 0.0",
+    ),
+    (
+        "",
+        {"nats.url": "nats://n:4222", "nats.token": "t", "nats.user": "u", "nats.password": "p"},
+        {},
+        "nats.token: set together with nats.user",
+    ),
+]
+
+
+@pytest.mark.parametrize(("text", "flags", "env", "fragment"), BAD)
+def test_errors_name_field_and_value(
+    tmp_path: Path, text: str, flags: dict[str, Any], env: dict[str, str], fragment: str
+) -> None:
+    path = write(tmp_path, text) if text else None
+    with pytest.raises(ConfigError) as info:
+        load_config(path, flags, env)
+    msg = str(info.value)
+    assert fragment in msg
+    assert "\n" not in msg  # the CLI prints it on one line
+
+
+def test_toml_syntax_error_keeps_position(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"line 1"):
+        load_config(write(tmp_path, "[collector\n"), {}, {})
+
+
+def test_missing_file_named() -> None:
+    with pytest.raises(ConfigError, match=r"/nonexistent/kv.toml"):
+        load_config("/nonexistent/kv.toml", {}, {})
+
+
+def test_config_is_frozen(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, FULL), {}, {})
+    with pytest.raises(AttributeError):
+        cfg.collector.node_rank = 3  # type: ignore[misc]
