@@ -1,0 +1,215 @@
+"""Per-stream block index: resident blocks and tokens per medium, block lifetimes.
+
+One `BlockIndex` per (worker, dp_rank) stream; `apply_batch` is the hot path (one call per
+batch). Memory per resident block is one dict entry `hash -> store ts` in the medium's dict;
+the store-ts float object is shared by every block of a batch, and a block's token count is
+kept only when it differs from the stream's usual block size (the largest one seen), so
+SGLang's short last pages cost one more small entry and everything else costs nothing extra.
+
+Counting rules (DESIGN.md "Stream semantics"):
+- `stored_total` counts blocks that became resident; a store of an already resident hash goes to
+  `store_of_resident_total` and keeps the first store time.
+- `removed_total` counts blocks that left by `BlockRemoved` or `AllBlocksCleared`, so
+  `stored_total - removed_total == blocks` until a `reset()` (publisher restart), which drops
+  blocks without counting them (the engine did not tell us when they left).
+- Lifetime = removal ts - store ts (engine timestamps, clamped at 0), observed for removals and
+  clears, not for resets.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Sequence
+
+from kvobserve.wire.kv_events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KvBatch
+
+DEFAULT_MEDIUM = "GPU"
+# seconds: prefix-cache blocks live from sub-second (evicted under pressure) to hours (system prompts)
+DEFAULT_LIFETIME_BUCKETS: tuple[float, ...] = (
+    0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0, 21600.0, 86400.0,
+)  # fmt: skip
+
+
+class LifetimeHistogram:
+    """A Prometheus-style histogram: per-bucket counts, sum and count."""
+
+    __slots__ = ("_counts", "buckets", "count", "sum")
+
+    def __init__(self, buckets: Sequence[float]) -> None:
+        self.buckets: tuple[float, ...] = tuple(buckets)
+        self._counts = [0] * (len(self.buckets) + 1)  # last slot is +Inf
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        """Add one observation (negative values count as 0)."""
+        if value < 0.0:
+            value = 0.0
+        self._counts[bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """(upper bound, cumulative count) pairs, ending with (+Inf, count)."""
+        out: list[tuple[float, int]] = []
+        acc = 0
+        for bound, n in zip((*self.buckets, float("inf")), self._counts, strict=True):
+            acc += n
+            out.append((bound, acc))
+        return out
+
+
+class _Tier:
+    """State of one medium (storage tier)."""
+
+    __slots__ = ("lifetime", "odd", "removed", "resident", "stored", "tokens")
+
+    def __init__(self, buckets: Sequence[float]) -> None:
+        self.resident: dict[BlockHash, float] = {}
+        self.odd: dict[BlockHash, int] = {}  # token counts that differ from the usual block size
+        self.tokens = 0
+        self.stored = 0
+        self.removed = 0
+        self.lifetime = LifetimeHistogram(buckets)
+
+
+class BlockIndex:
+    """Resident blocks of one stream, per medium, built from KV-event batches."""
+
+    def __init__(self, lifetime_buckets: Sequence[float] = DEFAULT_LIFETIME_BUCKETS) -> None:
+        self._buckets = tuple(sorted(lifetime_buckets))
+        self._tiers: dict[str, _Tier] = {}
+        self._usual_size: int | None = None
+        self.store_of_resident_total = 0
+        self.remove_of_unknown_total = 0
+        self.clears_total = 0
+        self.stored_events_total = 0
+        self.removed_events_total = 0
+
+    def _tier(self, medium: str | None) -> _Tier:
+        name = medium or DEFAULT_MEDIUM
+        tier = self._tiers.get(name)
+        if tier is None:
+            tier = self._tiers[name] = _Tier(self._buckets)
+        return tier
+
+    def apply_batch(self, batch: KvBatch) -> None:
+        """Apply all events of `batch` in order; the batch ts is the time of every event."""
+        ts = batch.ts  # one float object, shared by every block this batch stores
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                self._store(ev.block_hashes, ev.block_size, ev.medium, ts)
+            elif isinstance(ev, BlockRemoved):
+                self._remove(ev.block_hashes, ev.medium, ts)
+            elif isinstance(ev, AllBlocksCleared):
+                self._clear(ts)
+
+    def _store(self, hashes: list[BlockHash], size: int, medium: str | None, ts: float) -> None:
+        self.stored_events_total += 1
+        tier = self._tier(medium)
+        resident = tier.resident
+        usual = self._usual_size
+        if usual is None or size > usual:
+            usual = self._raise_usual_size(size)
+        added = 0
+        for h in hashes:
+            if h in resident:
+                self.store_of_resident_total += 1
+                continue
+            resident[h] = ts
+            if size != usual:
+                tier.odd[h] = size
+            added += 1
+        tier.stored += added
+        tier.tokens += added * size
+
+    def _raise_usual_size(self, size: int) -> int:
+        """Make `size` the usual block size; blocks of the old usual size become explicit."""
+        # The largest size seen is the page/block size; shorter ones are SGLang's last pages.
+        # This runs a few times per stream at most (sizes only grow up to the page size).
+        old = self._usual_size
+        if old is not None:
+            for tier in self._tiers.values():
+                odd = tier.odd
+                for h in tier.resident:
+                    if h not in odd:
+                        odd[h] = old
+        self._usual_size = size
+        return size
+
+    def _remove(self, hashes: list[BlockHash], medium: str | None, ts: float) -> None:
+        self.removed_events_total += 1
+        tier = self._tier(medium)
+        resident = tier.resident
+        odd = tier.odd
+        usual = self._usual_size or 0
+        observe = tier.lifetime.observe
+        removed = 0
+        tokens = 0
+        for h in hashes:
+            stored_at = resident.pop(h, None)
+            if stored_at is None:
+                self.remove_of_unknown_total += 1
+                continue
+            removed += 1
+            tokens += odd.pop(h, usual) if odd else usual
+            observe(ts - stored_at)
+        tier.removed += removed
+        tier.tokens -= tokens
+
+    def _clear(self, ts: float) -> None:
+        self.clears_total += 1
+        for tier in self._tiers.values():
+            observe = tier.lifetime.observe
+            for stored_at in tier.resident.values():
+                observe(ts - stored_at)
+            tier.removed += len(tier.resident)
+            tier.resident.clear()
+            tier.odd.clear()
+            tier.tokens = 0
+
+    def reset(self) -> None:
+        """Forget every resident block (publisher restart); counters and histograms are kept."""
+        for tier in self._tiers.values():
+            tier.resident.clear()
+            tier.odd.clear()
+            tier.tokens = 0
+        self._usual_size = None
+
+    def resident_hashes(self) -> dict[str, set[BlockHash]]:
+        """Medium -> resident hashes (a copy; for tests and ground-truth checks)."""
+        return {m: set(t.resident) for m, t in self._tiers.items()}
+
+    @property
+    def blocks(self) -> dict[str, int]:
+        """Resident blocks per medium (media seen once stay, at 0)."""
+        return {m: len(t.resident) for m, t in self._tiers.items()}
+
+    @property
+    def tokens(self) -> dict[str, int]:
+        """Resident tokens per medium."""
+        return {m: t.tokens for m, t in self._tiers.items()}
+
+    @property
+    def stored_total(self) -> dict[str, int]:
+        """Blocks that became resident, per medium."""
+        return {m: t.stored for m, t in self._tiers.items()}
+
+    @property
+    def removed_total(self) -> dict[str, int]:
+        """Blocks that left by removal or clear, per medium."""
+        return {m: t.removed for m, t in self._tiers.items()}
+
+    @property
+    def lifetime(self) -> dict[str, LifetimeHistogram]:
+        """Block lifetime histogram per medium."""
+        return {m: t.lifetime for m, t in self._tiers.items()}
+
+    @property
+    def events_total(self) -> dict[str, int]:
+        """Events applied by type (`stored`, `removed`, `cleared`), for kvobserve_kv_events_total."""
+        return {
+            "stored": self.stored_events_total,
+            "removed": self.removed_events_total,
+            "cleared": self.clears_total,
+        }

@@ -1,0 +1,400 @@
+"""Per-stream sequence tracking: gaps and replay, restarts, duplicates, interleaved publishers.
+
+One `StreamSequencer` per (worker, dp_rank) stream owns the stream's `BlockIndex` and applies
+batches to it itself, in seq order and exactly once. It returns only I/O actions: `RequestReplay`
+(replaces any replay in flight) and `CancelReplay`. Inputs: live batches (`on_batch`), replayed
+ones (`on_replay_batch`), the end marker or a failure (`on_replay_end`), and `expire(now)` about
+once a second; `now` is a monotonic receive clock, engine time is only `batch.ts`. The rules are
+in docs/stream-semantics.md.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Final
+
+from kvobserve.analysis.blocks import BlockIndex
+from kvobserve.wire.kv_events import KvBatch
+
+if TYPE_CHECKING:
+    from collections.abc import Hashable
+
+REPLAY_RESULTS: Final = ("ok", "partial", "timeout", "error", "overflow", "aborted")
+_RECENT = 8  # payloads kept (by reference) to recognise duplicate deliveries
+_OTHER_WINDOW = 64  # how far a known second head may jump and still be recognised as itself
+_OTHER_RUN_LIMIT = 16  # "other" batches in a row with this head silent: the other one is live
+
+
+@dataclass(frozen=True, slots=True)
+class SequencerLimits:
+    """Tunables of a StreamSequencer (counts of batches, times in seconds of `now`)."""
+
+    hold_limit: int = 4096  # live batches held while a replay runs; more: give the replay up
+    replay_timeout_s: float = 5.0
+    restart_confirm_batches: int = 3  # a fallen-back head going on this long is a restart
+    restart_confirm_s: float = 2.0  # ... or staying unopposed this long
+    quiet_s: float = 30.0  # the duplicate-stream gauge drops back after this much quiet
+    other_memory_s: float = 600.0  # how long a second or retired head is remembered
+
+    def __post_init__(self) -> None:
+        for name in ("hold_limit", "restart_confirm_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+
+
+DEFAULT_LIMITS: Final = SequencerLimits()
+
+
+@dataclass(frozen=True, slots=True)
+class RequestReplay:
+    """Ask the stream's replay endpoint for every batch from `start_seq` on."""
+
+    replay_id: int
+    start_seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class CancelReplay:
+    """Stop the replay in flight; its late replies are ignored anyway."""
+
+    replay_id: int
+
+
+Action = RequestReplay | CancelReplay
+
+
+@dataclass(slots=True)
+class _Replay:
+    """One replay in flight and the live batches held meanwhile."""
+
+    replay_id: int
+    missed_from: int  # seqs below were never counted missed (joined mid-stream)
+    started: float
+    join: bool
+    held: deque[tuple[KvBatch, bytes]] = field(default_factory=deque)  # ascending seq
+    lost: bool = False
+
+
+class StreamSequencer:
+    """Sequence state of one (worker, dp_rank) KV-event stream; applies batches to `index`."""
+
+    def __init__(
+        self,
+        dp_rank: int | None,
+        *,
+        replay: bool,
+        index: BlockIndex | None = None,
+        limits: SequencerLimits = DEFAULT_LIMITS,
+    ) -> None:
+        self.dp_rank = dp_rank
+        self.replay_enabled = replay
+        self.index = index if index is not None else BlockIndex()
+        self.limits = limits
+        # counters (cumulative) and gauges
+        self.batches_applied = self.gaps = self.missed = self.recovered = self.lost = 0
+        self.replay_requests: dict[str, int] = dict.fromkeys(REPLAY_RESULTS, 0)
+        self.restarts = self.duplicate_batches = self.rank_mismatch_batches = 0
+        self.interleaved_batches = 0  # dropped: they belong to a second publisher
+        self.state_complete = False
+        self.last_seq: int | None = None
+        self.last_ts: float | None = None
+        self.duplicate_stream_seen: float | None = None
+        # internal
+        self._recent: deque[tuple[int, bytes]] = deque(maxlen=_RECENT)
+        self._replay: _Replay | None = None
+        self._replay_ids = 0
+        self._high = -1  # highest live seq accepted (== last_seq when no replay is in flight)
+        self._pending: list[tuple[KvBatch, bytes]] = []  # candidate head after a fallback
+        self._pending_since = 0.0
+        self._other: int | None = None  # last seq of a second (or retired) head
+        self._other_seen, self._other_run = 0.0, 0
+        self._other_confirmed = False  # seen alternating; a retired head must go on exactly +1
+
+    def on_batch(self, batch: KvBatch, payload: bytes, now: float) -> Action | None:
+        """A live batch and its payload bytes (kept by reference for duplicate checks)."""
+        if self.dp_rank is not None and batch.dp_rank is not None and batch.dp_rank != self.dp_rank:
+            self.rank_mismatch_batches += 1
+        action = self.expire(now)
+        if self._pending:
+            return self._on_pending(batch, payload, now) or action
+        return self._route(batch, payload, now) or action
+
+    def _route(self, batch: KvBatch, payload: bytes, now: float) -> Action | None:
+        step = self._on_held if self._replay is not None else self._on_live
+        return step(batch, payload, now)
+
+    def on_replay_batch(self, replay_id: int, batch: KvBatch) -> None:
+        """A batch of replay `replay_id`; stale replies and seqs outside the hole are ignored."""
+        rp = self._replay
+        if rp is None or rp.replay_id != replay_id:
+            return
+        seq = batch.seq
+        last = self.last_seq if self.last_seq is not None else -1
+        if seq <= last or seq > self._high:
+            return  # already applied, or live will deliver it
+        self._advance_to(rp, seq)
+        if rp.held and rp.held[0][0].seq == seq:
+            rp.held.popleft()  # live had it too: not a recovery
+        elif seq >= rp.missed_from:
+            self.recovered += 1
+        self._apply(batch)
+
+    def on_replay_end(self, replay_id: int, result: str = "ok") -> None:
+        """The end marker (`ok`) or a failure (`timeout`, `error`) of replay `replay_id`."""
+        if self.replay_in_flight == replay_id:
+            self._finish_replay(result)
+
+    def expire(self, now: float) -> Action | None:
+        """Time-driven transitions: replay timeout, restart confirmation, quiet second heads."""
+        if self._other is not None and now - self._other_seen >= self.limits.other_memory_s:
+            self._other = None
+        action: Action | None = None
+        rp = self._replay
+        if rp is not None and now - rp.started >= self.limits.replay_timeout_s:
+            action = CancelReplay(rp.replay_id)
+            self._finish_replay("timeout")
+        if self._pending and now - self._pending_since >= self.limits.restart_confirm_s:
+            action = self._confirm_restart(now) or action
+        return action
+
+    def mark_duplicate_stream(self, now: float) -> None:
+        """Evidence of a second publisher on this stream (interleaving or a mirror)."""
+        self.duplicate_stream_seen = now
+
+    def duplicate_stream(self, now: float) -> bool:
+        """True while duplicate-stream evidence is younger than `quiet_s`."""
+        seen = self.duplicate_stream_seen
+        return seen is not None and now - seen < self.limits.quiet_s
+
+    @property
+    def replay_in_flight(self) -> int | None:
+        """The id of the replay in flight, if any."""
+        return self._replay.replay_id if self._replay is not None else None
+
+    def _on_live(self, batch: KvBatch, payload: bytes, now: float) -> Action | None:
+        seq = batch.seq
+        last = self.last_seq
+        if last is None:
+            return self._join(batch, payload, now)
+        if seq == last + 1:
+            self._accept(batch, payload)
+            return None
+        if seq <= last and self._is_duplicate(seq, payload):
+            return None
+        if self._is_other_head(batch, payload, last, now):
+            return None
+        if seq > last + 1:
+            return self._gap(batch, payload, last, now)
+        self._pending.append((batch, payload))  # fell back: restart or a second publisher
+        self._pending_since = now
+        return None
+
+    def _join(self, batch: KvBatch, payload: bytes, now: float) -> Action | None:
+        """First batch of a publisher (start or confirmed restart)."""
+        seq = batch.seq
+        self.state_complete = seq == 0
+        if seq == 0 or not self.replay_enabled:
+            self._accept(batch, payload)
+            return None
+        self._high = seq
+        return self._start_replay(0, seq, now, batch, payload, join=True)
+
+    def _gap(self, batch: KvBatch, payload: bytes, last: int, now: float) -> Action | None:
+        n = batch.seq - last - 1
+        self.gaps += 1
+        self.missed += n
+        if not self.replay_enabled:
+            self.lost += n
+            self.state_complete = False
+            self._accept(batch, payload)
+            return None
+        self._high = batch.seq
+        return self._start_replay(last + 1, last + 1, now, batch, payload, join=False)
+
+    def _start_replay(
+        self, start: int, missed_from: int, now: float, batch: KvBatch, payload: bytes, join: bool
+    ) -> RequestReplay:
+        self._replay_ids += 1
+        rp = self._replay = _Replay(self._replay_ids, missed_from, now, join)
+        rp.held.append((batch, payload))
+        self._recent.append((batch.seq, payload))
+        return RequestReplay(rp.replay_id, start)
+
+    def _on_held(self, batch: KvBatch, payload: bytes, now: float) -> Action | None:
+        """A live batch while a replay is in flight: hold it in seq order."""
+        rp = self._replay
+        assert rp is not None
+        seq = batch.seq
+        high = self._high
+        if seq <= high and self._is_duplicate(seq, payload):
+            return None
+        if self._is_other_head(batch, payload, high, now):
+            return None if self._replay is rp else CancelReplay(rp.replay_id)  # swapped heads
+        if seq <= high:
+            self._pending.append((batch, payload))  # fell back: restart or a second publisher
+            self._pending_since = now
+            return None
+        if len(rp.held) >= self.limits.hold_limit:
+            # the replay cannot catch up within the hold budget: give up, go on without it
+            self._finish_replay("overflow")
+            return self._on_live(batch, payload, now) or CancelReplay(rp.replay_id)
+        if seq > high + 1:
+            self.gaps += 1
+            self.missed += seq - high - 1
+        rp.held.append((batch, payload))
+        self._recent.append((seq, payload))
+        self._high = seq
+        return None
+
+    def _on_pending(self, batch: KvBatch, payload: bytes, now: float) -> Action | None:
+        """Decide between a restart and a second publisher after a fallback."""
+        seq = batch.seq
+        cand = self._pending[-1][0].seq
+        head = self._high
+        if seq == cand and payload == self._pending[-1][1]:
+            self.duplicate_batches += 1
+            return None
+        d_old, d_cand = seq - head, seq - cand
+        if d_old > 0 and (d_cand <= 0 or d_old <= d_cand):
+            # the old head goes on: a second publisher, not a restart
+            self.interleaved_batches += len(self._pending)
+            self._pending.clear()
+            self._other, self._other_seen = cand, now
+            self._other_confirmed, self._other_run = True, 0
+            self.duplicate_stream_seen, self.state_complete = now, False
+            return self._route(batch, payload, now)
+        if d_cand > 0:
+            self._pending.append((batch, payload))
+            if len(self._pending) >= self.limits.restart_confirm_batches:
+                return self._confirm_restart(now)
+            return None
+        # a third fallback: the candidate was a real restart (crash loop); decide this one anew
+        action = self._confirm_restart(now)
+        return self._route(batch, payload, now) or action
+
+    def _confirm_restart(self, now: float) -> Action | None:
+        """The candidate head is a restarted publisher: reset and replay its batches."""
+        pending, self._pending = self._pending, []
+        action: Action | None = None
+        if self._replay is not None:
+            action = CancelReplay(self._replay.replay_id)
+            self._finish_replay("aborted")
+        self.restarts += 1
+        self._other = self.last_seq  # the retired head; if it goes on, it was interleaving
+        self._other_seen, self._other_confirmed, self._other_run = now, False, 0
+        self.index.reset()
+        self._recent.clear()
+        self.last_seq, self._high = None, -1
+        for batch, payload in pending:
+            action = self._route(batch, payload, now) or action
+        return action
+
+    def _is_duplicate(self, seq: int, payload: bytes) -> bool:
+        for s, p in self._recent:
+            if s == seq and (p is payload or p == payload):
+                self.duplicate_batches += 1
+                return True
+        return False
+
+    def _is_other_head(self, batch: KvBatch, payload: bytes, head: int, now: float) -> bool:
+        """Whether `batch` continues the remembered second head (then it is consumed here)."""
+        seq = batch.seq
+        other = self._other
+        if other is None:
+            return False
+        d_other, d_head = seq - other, seq - head
+        window = _OTHER_WINDOW if self._other_confirmed else 1
+        if not (0 < d_other <= window and (d_head <= 0 or d_other < d_head)):
+            return False
+        self._other_run += 1
+        if self._other_run > _OTHER_RUN_LIMIT:
+            self._swap_heads(seq, now)
+            self._accept(batch, payload)
+            return True
+        self._other, self._other_seen, self._other_confirmed = seq, now, True
+        self.interleaved_batches += 1
+        # two publishers' events in one index: it is not trustworthy any more
+        self.duplicate_stream_seen, self.state_complete = now, False
+        return True
+
+    def _swap_heads(self, seq: int, now: float) -> None:
+        """Only the "other" head advances, so it is the live one: swap; no gap, no restart."""
+        if self._replay is not None:
+            self._finish_replay("aborted")
+        self._other, self._other_seen, self._other_run = self._high, now, 0
+        self.state_complete = False  # the batches dropped as "other" belonged to this stream
+        self.last_seq = self._high = seq - 1
+
+    def _accept(self, batch: KvBatch, payload: bytes) -> None:
+        self._recent.append((batch.seq, payload))
+        self._high = batch.seq
+        self._other_run = 0
+        self._apply(batch)
+
+    def _apply(self, batch: KvBatch) -> None:
+        clears = self.index.clears_total
+        self.index.apply_batch(batch)
+        if self.index.clears_total != clears:
+            self.state_complete = True  # everything before the clear no longer matters
+        self.batches_applied += 1
+        self.last_seq = batch.seq
+        self.last_ts = batch.ts
+
+    def _advance_to(self, rp: _Replay, seq: int) -> None:
+        """Apply held batches below `seq`; count what is neither held nor replayed below it."""
+        prev = self.last_seq if self.last_seq is not None else -1
+        held = rp.held
+        while held and held[0][0].seq < seq:
+            batch = held.popleft()[0]
+            self._skip(rp, prev + 1, batch.seq)
+            self._apply(batch)
+            prev = batch.seq
+        self._skip(rp, prev + 1, seq)
+
+    def _skip(self, rp: _Replay, start: int, end: int) -> None:
+        """Seqs [start, end) will never be applied."""
+        if end <= start:
+            return
+        rp.lost = True
+        self.state_complete = False
+        if end > rp.missed_from:
+            self.lost += end - max(start, rp.missed_from)
+        self.last_seq = end - 1
+
+    def _finish_replay(self, result: str) -> None:
+        rp = self._replay
+        assert rp is not None
+        self._advance_to(rp, self._high + 1)
+        if result == "ok" and rp.lost:
+            result = "partial"
+        elif result == "ok" and rp.join:
+            self.state_complete = True  # replayed from 0: the index saw everything
+        self.replay_requests[result] = self.replay_requests.get(result, 0) + 1
+        self._replay = None
+
+
+class MirrorDetector:
+    """Per worker: notices two streams delivering the same batches (by a cheap fingerprint)."""
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self._owner: dict[Hashable, StreamSequencer] = {}
+        self._order: deque[Hashable] = deque()
+        self.capacity = capacity
+
+    def observe(
+        self, stream: StreamSequencer, fingerprint: Hashable, now: float
+    ) -> StreamSequencer | None:
+        """Record `fingerprint` (e.g. `(seq, ts, len(payload))`) for `stream`; flag both on a match."""
+        other = self._owner.get(fingerprint)
+        if other is None:
+            self._owner[fingerprint] = stream
+            self._order.append(fingerprint)
+            if len(self._order) > self.capacity:
+                self._owner.pop(self._order.popleft(), None)
+            return None
+        if other is stream:
+            return None
+        other.mark_duplicate_stream(now)
+        stream.mark_duplicate_stream(now)
+        return other

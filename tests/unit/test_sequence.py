@@ -1,0 +1,359 @@
+"""StreamSequencer and MirrorDetector: one test per stream-semantics rule."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvobserve.analysis.blocks import BlockIndex
+from kvobserve.analysis.sequence import (
+    Action,
+    CancelReplay,
+    MirrorDetector,
+    RequestReplay,
+    SequencerLimits,
+    StreamSequencer,
+)
+from kvobserve.wire.kv_events import END_SEQ, KvBatch, decode_message, decode_payload, decode_seq
+from tests.unit.test_blocks import (
+    capture_messages,
+    cleared,
+    stored,
+    truth_after_each_batch,
+)
+
+
+class RecordingIndex(BlockIndex):
+    """A BlockIndex that also records the (publisher, seq) of every batch applied."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.applied: list[tuple[str, int]] = []
+
+    def apply_batch(self, batch: KvBatch) -> None:
+        self.applied.append((batch.topic, batch.seq))
+        super().apply_batch(batch)
+
+
+def mk(
+    seq: int, pub: str = "A", rank: int | None = 0, clear: bool = False
+) -> tuple[KvBatch, bytes]:
+    """A batch of publisher `pub` storing one block, and a payload unique to (pub, seq)."""
+    h = hash((pub, seq)) & 0xFFFFFFFF
+    ev = cleared() if clear else stored([h])
+    return KvBatch(pub, seq, 1000.0 + seq, rank, [ev]), f"{pub}{seq}".encode()
+
+
+def seqr(replay: bool, **kw: float) -> tuple[StreamSequencer, RecordingIndex]:
+    idx = RecordingIndex()
+    return StreamSequencer(0, replay=replay, index=idx, limits=SequencerLimits(**kw)), idx  # type: ignore[arg-type]
+
+
+def feed(s: StreamSequencer, seqs: list[int], pub: str = "A", now: float = 0.0) -> list[Action]:
+    actions = []
+    for q in seqs:
+        a = s.on_batch(*mk(q, pub), now)
+        if a is not None:
+            actions.append(a)
+    return actions
+
+
+def test_in_order_applies_and_is_complete_from_seq_0() -> None:
+    s, idx = seqr(replay=False)
+    assert feed(s, [0, 1, 2]) == []
+    assert idx.applied == [("A", 0), ("A", 1), ("A", 2)]
+    assert (s.batches_applied, s.last_seq, s.last_ts, s.state_complete) == (3, 2, 1002.0, True)
+    assert s.gaps == s.missed == s.lost == 0
+
+
+def test_gap_without_replay_is_lost_at_once() -> None:
+    s, idx = seqr(replay=False)
+    feed(s, [0, 1, 4, 5])
+    assert (s.gaps, s.missed, s.lost, s.recovered) == (1, 2, 2, 0)
+    assert s.state_complete is False
+    assert [q for _, q in idx.applied] == [0, 1, 4, 5]
+
+
+def test_gap_then_replay_applies_in_order_exactly_once() -> None:
+    s, idx = seqr(replay=True)
+    assert feed(s, [0, 1]) == []
+    action = s.on_batch(*mk(5), 0.0)
+    assert isinstance(action, RequestReplay) and action.start_seq == 2
+    feed(s, [6, 7])  # held while the replay runs
+    assert [q for _, q in idx.applied] == [0, 1]
+    for q in (2, 3, 4, 5, 6):  # the ring also holds batches live already delivered
+        s.on_replay_batch(action.replay_id, mk(q)[0])
+    s.on_replay_end(action.replay_id)
+    assert [q for _, q in idx.applied] == list(range(8))
+    assert (s.gaps, s.missed, s.recovered, s.lost) == (1, 3, 3, 0)
+    assert s.replay_requests["ok"] == 1
+    assert s.state_complete is True
+    assert s.index.store_of_resident_total == 0
+    assert feed(s, [8]) == [] and s.last_seq == 8
+
+
+def test_replay_starting_later_than_asked_loses_the_part_before() -> None:
+    s, idx = seqr(replay=True)
+    feed(s, [0])
+    (req,) = feed(s, [5])
+    assert isinstance(req, RequestReplay) and req.start_seq == 1
+    for q in (3, 4):
+        s.on_replay_batch(req.replay_id, mk(q)[0])
+    s.on_replay_end(req.replay_id)
+    assert [q for _, q in idx.applied] == [0, 3, 4, 5]
+    assert (s.missed, s.recovered, s.lost) == (4, 2, 2)
+    assert s.replay_requests["partial"] == 1
+    assert s.state_complete is False
+
+
+def test_replay_timeout_gives_up_and_applies_the_held_batches() -> None:
+    s, idx = seqr(replay=True, replay_timeout_s=5.0)
+    feed(s, [0, 3], now=100.0)
+    assert s.replay_in_flight is not None
+    feed(s, [4], now=101.0)
+    assert s.expire(104.9) is None
+    action = s.expire(105.0)
+    assert isinstance(action, CancelReplay)
+    assert [q for _, q in idx.applied] == [0, 3, 4]
+    assert (s.missed, s.lost, s.replay_requests["timeout"]) == (2, 2, 1)
+    assert s.replay_in_flight is None
+
+
+def test_replay_error_and_stale_replies_are_handled() -> None:
+    s, idx = seqr(replay=True)
+    feed(s, [0])
+    (req,) = feed(s, [2])
+    s.on_replay_batch(req.replay_id + 7, mk(1)[0])  # not ours: ignored
+    s.on_replay_end(req.replay_id, "error")
+    s.on_replay_batch(req.replay_id, mk(1)[0])  # too late: ignored
+    assert [q for _, q in idx.applied] == [0, 2]
+    assert (s.lost, s.replay_requests["error"]) == (1, 1)
+
+
+def test_hold_buffer_overflow_gives_up_and_loses_the_rest() -> None:
+    s, idx = seqr(replay=True, hold_limit=3)
+    feed(s, [0])
+    (req,) = feed(s, [2])
+    assert feed(s, [3, 4]) == []
+    (cancel,) = feed(s, [5])
+    assert cancel == CancelReplay(req.replay_id)
+    assert [q for _, q in idx.applied] == [0, 2, 3, 4, 5]
+    assert (s.lost, s.replay_requests["overflow"]) == (1, 1)
+
+
+def test_duplicate_delivery_is_counted_and_ignored() -> None:
+    s, idx = seqr(replay=False)
+    feed(s, [0, 1, 1, 2, 1])
+    assert s.duplicate_batches == 2
+    assert [q for _, q in idx.applied] == [0, 1, 2]
+    assert s.restarts == s.gaps == 0
+
+
+def test_restart_resets_the_index_without_a_gap() -> None:
+    s, idx = seqr(replay=False)
+    feed(s, list(range(6)), pub="A")
+    feed(s, [0, 1, 2, 3], pub="B")
+    assert s.restarts == 1
+    assert (s.gaps, s.missed, s.lost) == (0, 0, 0)
+    assert idx.applied[6:] == [("B", 0), ("B", 1), ("B", 2), ("B", 3)]
+    assert len(s.index.resident_hashes()["GPU"]) == 4  # only the new publisher's blocks
+    assert s.state_complete is True
+    assert s.duplicate_stream(0.0) is False
+
+
+def test_restart_is_confirmed_by_time_when_the_new_publisher_is_quiet() -> None:
+    s, idx = seqr(replay=False, restart_confirm_s=2.0)
+    feed(s, [0, 1, 2], pub="A", now=10.0)
+    feed(s, [0], pub="B", now=11.0)
+    assert s.restarts == 0 and s.expire(12.9) is None
+    s.expire(13.0)
+    assert s.restarts == 1 and idx.applied[-1] == ("B", 0)
+
+
+def test_restart_midway_with_replay_asks_from_0() -> None:
+    s, _ = seqr(replay=True)
+    feed(s, list(range(10)), pub="A")
+    actions = feed(s, [4, 5, 6], pub="B")
+    assert s.restarts == 1
+    assert actions == [RequestReplay(1, 0)]  # the new publisher joined at 4: replay it from 0
+    s.on_replay_end(1)
+    assert s.state_complete is False  # nothing came back: 0..3 of the new publisher are unknown
+
+
+def interleave(a: list[int], b: list[int]) -> list[tuple[str, int]]:
+    out = []
+    for x, y in zip(a, b, strict=True):
+        out += [("A", x), ("B", y)]
+    return out
+
+
+def test_interleaved_publishers_are_a_duplicate_stream_not_restarts() -> None:
+    s, idx = seqr(replay=False)
+    for pub, q in interleave(list(range(500, 540)), list(range(40))):
+        s.on_batch(*mk(q, pub), 50.0)
+    assert (s.restarts, s.gaps, s.missed, s.lost) == (0, 0, 0, 0)
+    assert s.duplicate_stream(50.0) is True
+    assert s.duplicate_stream(79.9) is True and s.duplicate_stream(80.0) is False
+    assert {p for p, _ in idx.applied} == {"A"}  # the second publisher's batches are dropped
+    assert s.interleaved_batches == 40
+    assert s.state_complete is False
+
+
+def test_interleaved_with_equal_seqs_and_different_payloads() -> None:
+    s, _ = seqr(replay=False)
+    for pub, q in interleave(list(range(30)), list(range(30))):
+        s.on_batch(*mk(q, pub), 1.0)
+    assert (s.restarts, s.gaps, s.duplicate_batches) == (0, 0, 0)
+    assert s.duplicate_stream(1.0) is True
+
+
+def test_restart_and_interleaving_are_told_apart() -> None:
+    restart, _ = seqr(replay=False)
+    feed(restart, list(range(100, 110)), pub="A")
+    feed(restart, list(range(10)), pub="B")
+    both, _ = seqr(replay=False)
+    for pub, q in interleave(list(range(100, 110)), list(range(10))):
+        both.on_batch(*mk(q, pub), 0.0)
+    assert (restart.restarts, restart.duplicate_stream(0.0)) == (1, False)
+    assert (both.restarts, both.duplicate_stream(0.0)) == (0, True)
+
+
+def test_bursty_interleaving_counts_at_most_one_restart() -> None:
+    s, _ = seqr(replay=False)
+    a, b = iter(range(1000, 2000)), iter(range(1000))
+    for _ in range(20):  # bursts of 5 from each publisher
+        feed(s, [next(a) for _ in range(5)], pub="A")
+        feed(s, [next(b) for _ in range(5)], pub="B")
+    assert s.restarts <= 1 and s.gaps == 0 and s.missed == 0
+    assert s.duplicate_stream(0.0) is True
+
+
+def test_gap_right_after_a_restart_near_the_retired_seq_does_not_stall() -> None:
+    s, idx = seqr(replay=False)
+    feed(s, list(range(11)), pub="A")  # retired head ends at 10
+    feed(s, list(range(9)), pub="B")
+    feed(s, list(range(11, 60)), pub="B")  # 9, 10 lost: 11 looks like the retired head's next
+    assert s.restarts == 1
+    assert s.last_seq == 59 and idx.applied[-1] == ("B", 59)
+
+
+def test_joined_mid_stream_with_replay_from_0_is_complete() -> None:
+    s, idx = seqr(replay=True)
+    (req,) = feed(s, [7])
+    assert req == RequestReplay(req.replay_id, 0)
+    assert s.state_complete is False
+    for q in range(7):
+        s.on_replay_batch(req.replay_id, mk(q)[0])
+    s.on_replay_end(req.replay_id)
+    assert [q for _, q in idx.applied] == list(range(8))
+    assert s.state_complete is True
+    assert (s.missed, s.lost, s.recovered) == (0, 0, 0)
+
+
+def test_joined_mid_stream_ring_too_short_is_incomplete_but_not_lost() -> None:
+    s, _ = seqr(replay=True)
+    (req,) = feed(s, [7])
+    for q in range(3, 7):
+        s.on_replay_batch(req.replay_id, mk(q)[0])
+    s.on_replay_end(req.replay_id)
+    assert s.state_complete is False
+    assert (s.missed, s.lost) == (0, 0)
+    assert s.replay_requests["partial"] == 1
+
+
+def test_joined_mid_stream_without_replay_until_a_clear() -> None:
+    s, _ = seqr(replay=False)
+    feed(s, [7, 8])
+    assert s.state_complete is False
+    s.on_batch(*mk(9, clear=True), 0.0)
+    assert s.state_complete is True
+
+
+def test_rank_mismatch_is_counted_and_still_applied() -> None:
+    s = StreamSequencer(1, replay=False)
+    s.on_batch(*mk(0, rank=0), 0.0)
+    s.on_batch(*mk(1, rank=1), 0.0)
+    s.on_batch(*mk(2, rank=None), 0.0)
+    assert s.rank_mismatch_batches == 1 and s.batches_applied == 3
+
+
+def test_mirrored_streams_flag_both() -> None:
+    det = MirrorDetector(capacity=4)
+    r0, r1, r2 = (StreamSequencer(r, replay=False) for r in range(3))
+    assert det.observe(r0, (0, 1.5, 90), now=5.0) is None
+    assert det.observe(r0, (0, 1.5, 90), now=5.0) is None  # same stream again: no mirror
+    assert det.observe(r2, (0, 1.6, 90), now=5.0) is None
+    assert det.observe(r1, (0, 1.5, 90), now=6.0) is r0
+    assert r0.duplicate_stream(6.0) and r1.duplicate_stream(6.0)
+    assert not r2.duplicate_stream(6.0)
+    for i in range(10):  # memory stays bounded: old fingerprints are forgotten
+        det.observe(r2, (i + 1, 0.0, 1), now=7.0)
+    assert len(det._owner) <= 4
+    assert det.observe(r1, (0, 1.6, 90), now=8.0) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.booleans(), min_size=1, max_size=60), st.integers(1, 8), st.integers(0, 6))
+def test_any_live_loss_with_a_full_ring_applies_every_seq_once_in_order(
+    delivered: list[bool], hold_limit: int, delay: int
+) -> None:
+    """Live delivers a subset; a replay answers `delay` live batches later with the full ring."""
+    s, idx = seqr(replay=True, hold_limit=hold_limit)
+    n = len(delivered)
+    pending: list[int] = []  # [replay_id, start_seq, live batches left before the reply]
+
+    def serve(upto: int) -> None:
+        for r in range(pending[1], upto + 1):
+            s.on_replay_batch(pending[0], mk(r)[0])
+        s.on_replay_end(pending[0])
+        pending.clear()
+
+    for q, ok in enumerate([*delivered, True]):  # the last one always arrives
+        if ok:
+            action = s.on_batch(*mk(q), 0.0)
+            if isinstance(action, RequestReplay):
+                pending[:] = [action.replay_id, action.start_seq, delay]
+            elif isinstance(action, CancelReplay):
+                pending.clear()
+            elif pending:
+                pending[2] -= 1
+        if pending and pending[2] <= 0:
+            serve(q)
+    if pending:
+        serve(n)
+    applied = [q for _, q in idx.applied]
+    assert applied == sorted(set(applied))  # in order, exactly once
+    assert s.lost == s.missed - s.recovered
+    if s.replay_requests["overflow"] == 0:
+        assert applied == list(range(n + 1))
+        first = [*delivered, True].index(True)  # earlier ones: joined mid-stream, not missed
+        assert s.lost == 0 and s.missed == delivered[first:].count(False)
+
+
+def test_real_capture_gap_recovered_from_the_engines_replay_frames() -> None:
+    version = "sglang-0.5.23"
+    for rank in (0, 1):
+        live = [
+            decode_message(m["frames"]) for m in capture_messages(version) if m["dp_rank"] == rank
+        ]
+        s = StreamSequencer(rank, replay=True)
+        req = None
+        for b in live:
+            if b.seq in (3, 4):
+                continue  # lost on the PUB socket
+            payload = b"%d" % b.seq
+            req = s.on_batch(b, payload, 0.0) or req
+        assert isinstance(req, RequestReplay) and req.start_seq == 3
+        for m in capture_messages(version, "replay"):
+            if m["dp_rank"] != rank:
+                continue
+            *_, seq_frame, payload = m["frames"]
+            if seq_frame == END_SEQ:
+                s.on_replay_end(req.replay_id)
+                break
+            topic = m["frames"][1].decode() if len(m["frames"]) == 4 else ""
+            s.on_replay_batch(req.replay_id, decode_payload(topic, decode_seq(seq_frame), payload))
+        truth = truth_after_each_batch(version, rank)
+        assert s.index.resident_hashes()["GPU"] == truth[-1][0]["GPU"]
+        assert (s.missed, s.recovered, s.lost, s.batches_applied) == (2, 2, 0, len(truth))
+        assert s.replay_requests["ok"] == 1 and s.state_complete
