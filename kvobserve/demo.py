@@ -1,0 +1,218 @@
+"""`kvobserve demo`: a simulated fleet with faults, its collectors and the aggregator, one process.
+
+The fleet: a 2-node SGLang 0.5.23 DP-attention worker (dp_size 8, ranks 0-3 on node 0 and 4-7 on
+node 1, one collector per node) and a single-node vLLM 0.33 worker (dp_size 4, its own collector).
+The fault schedule, at the default 20 batches/s per rank: SGLang ranks 2 and 5 lose batches
+200-204 on the wire (kept in the replay ring, so the collectors recover them, ~10 s in) and restart
+their publishers every 1,000 batches (~50 s); vLLM rank 1 has a second publisher on its endpoint
+from the start (a duplicate stream).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import TextIO
+
+from kvobserve.config import AggregatorConfig, CollectorConfig, Config, WorkerConfig
+from kvobserve.embedded import Embedded, start_embedded
+from kvobserve.simulate import FaultConfig, SimulatedWorker, nodes_of
+from kvobserve.simulate.config import WorkerConfig as SimConfig
+from kvobserve.simulate.truth import write_truth
+
+DEMO_FAULTS_SGLANG = FaultConfig(
+    ranks=(2, 5), drop_seqs=frozenset(range(200, 205)), restart_every=1000
+)
+DEMO_FAULTS_VLLM = FaultConfig(second_publisher=(1,))
+
+
+@dataclass
+class Demo:
+    """The running demo: simulated engines and the embedded kvobserve."""
+
+    sims: list[SimulatedWorker]
+    kvobserve: Embedded
+    configs: list[Config]
+
+    async def close(self) -> None:
+        """Stop kvobserve and the engines concurrently (well within 2 s)."""
+        loop = asyncio.get_running_loop()
+        stops = [loop.run_in_executor(None, s.stop, 1.0) for s in self.sims]
+        await asyncio.gather(self.kvobserve.close(), *stops)
+
+    def truth(self) -> dict[str, object]:
+        """The engines' ground truth now."""
+        return {"truth_version": 1, "workers": [s.truth() for s in self.sims]}
+
+
+def _collector_config(
+    cid: str, node_rank: int, nnodes: int, worker: WorkerConfig, interval_s: float
+) -> Config:
+    return Config(
+        cluster="demo",
+        collector=CollectorConfig(cid, node_rank, nnodes, interval_s, listen=""),
+        workers=(worker,),
+        aggregator=AggregatorConfig(),
+    )
+
+
+def _worker_config(sim: SimulatedWorker, engine: str, leader: bool) -> WorkerConfig:
+    c = sim.cfg
+    return WorkerConfig(
+        id=c.worker_id,
+        engine=engine,
+        kv_endpoint=f"tcp://{c.host}:{sim.kv_base}",
+        replay_endpoint=f"tcp://{c.host}:{sim.replay_base}" if sim.replay_base else None,
+        topic=c.topic,
+        dp_size=c.dp_size,
+        dp_attention=c.dp_attention,
+        metrics_url=f"http://{c.host}:{sim.http_port}/metrics"
+        if leader and sim.http_port
+        else None,
+        leader=leader,
+    )
+
+
+async def start_demo(
+    listen: str | None,
+    *,
+    rate: float = 20.0,
+    interval_s: float = 1.0,
+    seed: int = 0,
+    sglang_faults: FaultConfig = DEMO_FAULTS_SGLANG,
+    vllm_faults: FaultConfig = DEMO_FAULTS_VLLM,
+) -> Demo:
+    """Start the simulated fleet and kvobserve; serve HTTP on `listen` (None: no HTTP)."""
+    sglang = SimConfig(
+        worker_id="sglang-dp8",
+        format="sglang-0.5.23",
+        dp_size=8,
+        nnodes=2,
+        dp_attention=True,
+        topic="kv-events",
+        rate=rate,
+        seed=seed,
+        faults=sglang_faults,
+    )
+    vllm = SimConfig(
+        worker_id="vllm-dp4",
+        format="vllm-0.33",
+        dp_size=4,
+        rate=rate,
+        seed=seed + 1,
+        faults=vllm_faults,
+    )
+    sims: list[SimulatedWorker] = []
+    try:
+        for cfg in [*nodes_of(sglang.validate()), vllm.validate()]:
+            sims.append(SimulatedWorker(dataclasses.replace(cfg, start_delay_s=0.5)).start())
+    except BaseException:
+        for s in sims:
+            s.stop()
+        raise
+    sg0, sg1, vl = sims
+    configs = [
+        _collector_config("sglang-node-0", 0, 2, _worker_config(sg0, "sglang", True), interval_s),
+        _collector_config("sglang-node-1", 1, 2, _worker_config(sg1, "sglang", False), interval_s),
+        _collector_config("vllm-node-0", 0, 1, _worker_config(vl, "vllm", True), interval_s),
+    ]
+    try:
+        emb = await start_embedded(configs, listen)
+    except BaseException:
+        for s in sims:
+            s.stop()
+        raise
+    return Demo(sims, emb, configs)
+
+
+def summary_line(demo: Demo, last: tuple[float, int] | None) -> tuple[str, tuple[float, int]]:
+    """`streams 12/12 up · 1,234 events/s · gaps 2 (recovered 10, lost 0) · conditions: ...`."""
+    view = demo.kvobserve.aggregator.view()
+    now = time.monotonic()
+    events = sum(sum(s.stats.events.values()) for s in view.streams)
+    rate = 0.0
+    if last is not None and now > last[0]:
+        rate = (events - last[1]) / (now - last[0])
+    up = sum(1 for s in view.streams if s.up)
+    gaps = sum(s.stats.gaps for s in view.streams)
+    recovered = sum(s.stats.recovered for s in view.streams)
+    lost = sum(s.stats.lost for s in view.streams)
+    restarts = sum(s.stats.restarts for s in view.streams)
+    kinds: dict[str, int] = {}
+    for c in view.conditions:
+        kinds[c.kind] = kinds.get(c.kind, 0) + 1
+    conds = ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())) or "none"
+    line = (
+        f"streams {up}/{len(view.streams)} up · {rate:,.0f} events/s · gaps {gaps} "
+        f"(recovered {recovered}, lost {lost}) · restarts {restarts} · conditions: {conds}"
+    )
+    return line, (now, events)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `kvobserve demo`."""
+    parser.add_argument("--listen", default="127.0.0.1:9477", help="HTTP host:port")
+    parser.add_argument("--rate", type=float, default=20.0, help="batches/s per DP rank")
+    parser.add_argument("--interval", type=float, default=1.0, help="snapshot interval, seconds")
+    parser.add_argument("--duration", type=float, default=0.0, help="stop after S seconds (0: run)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--truth", help="write the engines' ground truth here (JSON) at the end")
+
+
+def run(args: argparse.Namespace) -> int:
+    """`kvobserve demo`."""
+    if args.rate <= 0 or args.interval <= 0:
+        print(f"kvobserve demo: --rate {args.rate} / --interval {args.interval}: must be > 0")
+        return 2
+    return asyncio.run(_demo(args, sys.stdout))
+
+
+async def _demo(args: argparse.Namespace, out: TextIO) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        demo = await start_demo(
+            args.listen, rate=args.rate, interval_s=args.interval, seed=args.seed
+        )
+    except OSError as exc:
+        print(f"kvobserve demo: --listen {args.listen}: {exc}", file=out, flush=True)
+        return 1
+    print(
+        f"kvobserve demo: 3 simulated engine nodes, 12 KV-event streams, 3 collectors\n"
+        f"  metrics      http://{args.listen}/metrics\n"
+        f"  status page  http://{args.listen}/\n"
+        f"  faults       SGLang ranks 2,5: batches lost on the wire (recovered by replay) and"
+        f" publisher restarts; vLLM rank 1: a second publisher (duplicate stream)\n"
+        f"Ctrl-C stops.",
+        file=out,
+        flush=True,
+    )
+    tty = out.isatty()
+    deadline = time.monotonic() + args.duration if args.duration > 0 else None
+    last: tuple[float, int] | None = None
+    printed = 0.0
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 1.0)
+        line, last = summary_line(demo, last)
+        if tty:
+            print("\r\x1b[2K" + line, end="", file=out, flush=True)
+        elif time.monotonic() - printed >= 5.0:  # logs: a line every 5 s, not a flood
+            print(line, file=out, flush=True)
+            printed = time.monotonic()
+        if deadline is not None and time.monotonic() >= deadline:
+            break
+    if tty:
+        print(file=out)
+    await asyncio.wait_for(demo.close(), 1.9)
+    if args.truth:
+        write_truth(args.truth, demo.truth())
+    return 0
