@@ -290,7 +290,11 @@ def options_from_args(args: argparse.Namespace) -> AggregateOptions:
 
 
 async def start_http(
-    agg: Aggregator, listen: str, otlp_endpoint: str | None = None, otlp_interval_s: float = 10.0
+    agg: Aggregator,
+    listen: str,
+    otlp_endpoint: str | None = None,
+    otlp_interval_s: float = 10.0,
+    nats: Transport | None = None,
 ) -> Callable[[], Awaitable[None]]:
     """Serve /metrics, /healthz, /readyz, /api/v1/*, / for `agg.view` (and push OTLP when asked).
 
@@ -301,7 +305,7 @@ async def start_http(
     from kvobserve.export.prometheus import aggregator_metrics
 
     def extra() -> list[Metric]:
-        return aggregator_metrics(agg.fleet, agg.decode_errors)
+        return aggregator_metrics(agg.fleet, agg.decode_errors, nats)
 
     app = server.create_app(agg.view, extra_metrics=extra)
     http = await server.serve(app, listen)
@@ -360,7 +364,7 @@ async def serve(opts: AggregateOptions) -> int:
     stop_http: Callable[[], Awaitable[None]] | None = None
     try:
         try:
-            stop_http = await start_http(agg, opts.listen, opts.otlp_endpoint)
+            stop_http = await start_http(agg, opts.listen, opts.otlp_endpoint, nats=transport)
         except OSError as exc:
             print(f"kvobserve aggregate: error: --listen: {exc.strerror or exc}", file=sys.stderr)
             return 1

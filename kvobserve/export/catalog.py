@@ -115,6 +115,13 @@ CATALOG: tuple[MetricDef, ...] = (
        "Collector snapshots ignored as older than the one held (reordered or replayed)."),
     _d("kvobserve_aggregator_snapshot_decode_errors_total", "counter", ("reason",),
        "Snapshot messages that failed to decode, by reason."),
+    _d("kvobserve_nats_connected", "gauge", (),
+       "1 while the aggregator's NATS connection is up (absent in embedded mode)."),
+    _d("kvobserve_nats_snapshots_received_total", "counter", (),
+       "Collector snapshots received over NATS (live and from the JetStream KV bucket)."),
+    _d("kvobserve_nats_reconnects_total", "counter", (), "NATS reconnections."),
+    _d("kvobserve_nats_dropped_total", "counter", ("reason",),
+       "Messages the aggregator could not send or handle over NATS, by reason."),
     _d("kvobserve_build_info", "gauge", ("version",), "Always 1; the kvobserve version."),
 )  # fmt: skip
 

@@ -15,6 +15,7 @@ from prometheus_client.utils import floatToGoString
 from kvobserve import __version__
 from kvobserve.analysis.fleet import FleetState, FleetView, StreamView
 from kvobserve.export.catalog import BY_NAME, CATALOG, render_docs
+from kvobserve.transport import Transport, TransportStatus
 from kvobserve.wire.snapshot import Family, Histogram
 
 if TYPE_CHECKING:
@@ -255,10 +256,26 @@ def catalog_metric(name: str, samples: Iterable[tuple[Mapping[str, str], float]]
 
 
 def aggregator_metrics(
-    state: FleetState, decode_errors: Mapping[str, int] | None = None
+    state: FleetState,
+    decode_errors: Mapping[str, int] | None = None,
+    nats: Transport | None = None,
 ) -> list[Metric]:
-    """The aggregator's own counters (snapshots applied/ignored, decode errors), for `extra`."""
+    """The aggregator's own counters (snapshots, decode errors, NATS), for `extra`."""
+    out = []
+    if nats is not None:
+        c = nats.counters
+        up = 1.0 if nats.status is TransportStatus.CONNECTED else 0.0
+        out = [
+            catalog_metric("kvobserve_nats_connected", [({}, up)]),
+            catalog_metric("kvobserve_nats_snapshots_received_total", [({}, c.received)]),
+            catalog_metric("kvobserve_nats_reconnects_total", [({}, c.reconnects)]),
+            catalog_metric(
+                "kvobserve_nats_dropped_total",
+                [({"reason": r}, n) for r, n in sorted(c.dropped.items())],
+            ),
+        ]
     return [
+        *out,
         catalog_metric(
             "kvobserve_aggregator_snapshots_applied_total", [({}, state.snapshots_applied)]
         ),

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.export.catalog import BY_FAMILY, render_docs
 from kvobserve.export.prometheus import FleetCollector, aggregator_metrics, main
+from kvobserve.transport.local import LocalBus
 from tests.unit.test_export_fleet import rich_view
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
@@ -32,7 +33,10 @@ def test_docs_command_prints_the_same_text() -> None:
 def test_every_served_kvobserve_family_is_in_the_catalog_and_the_docs() -> None:
     r = CollectorRegistry()
     view = rich_view()
-    r.register(FleetCollector(lambda: view, lambda: aggregator_metrics(FleetState(), {"x": 1})))
+    bus = LocalBus()  # stands in for the NATS transport: same counters and status
+    r.register(
+        FleetCollector(lambda: view, lambda: aggregator_metrics(FleetState(), {"x": 1}, bus))
+    )
     served = {f.name for f in r.collect() if f.name.startswith("kvobserve_")}
     assert served - set(BY_FAMILY) == set()
     docs = render_docs()
@@ -40,3 +44,17 @@ def test_every_served_kvobserve_family_is_in_the_catalog_and_the_docs() -> None:
         assert f"`{BY_FAMILY[fam].name}`" in docs
     # The rich fleet exercises the whole catalog, so no family in the docs goes unserved.
     assert set(BY_FAMILY) - served == set()
+
+
+def test_nats_self_metrics_follow_the_transport() -> None:
+    bus = LocalBus()
+    bus.counters.received, bus.counters.reconnects = 7, 2
+    bus.counters.drop("buffer_full")
+    r = CollectorRegistry()
+    r.register(
+        FleetCollector(lambda: rich_view(), lambda: aggregator_metrics(FleetState(), {}, bus))
+    )
+    assert r.get_sample_value("kvobserve_nats_connected") == 1.0
+    assert r.get_sample_value("kvobserve_nats_snapshots_received_total") == 7.0
+    assert r.get_sample_value("kvobserve_nats_reconnects_total") == 2.0
+    assert r.get_sample_value("kvobserve_nats_dropped_total", {"reason": "buffer_full"}) == 1.0
