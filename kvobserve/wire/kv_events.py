@@ -237,7 +237,8 @@ def decode_payload(
         return KvBatch(topic, seq, b.ts, b.dp_rank, b.events)  # type: ignore[arg-type]
     except msgspec.ValidationError:
         pass  # mixed shapes, unknown tag or bad schema: decide event by event below
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        # msgspec raises UnicodeDecodeError (not DecodeError) for a str with invalid UTF-8
         raise WireError("msgpack", str(exc)) from None
     except RecursionError:
         raise WireError("msgpack", "nesting too deep") from None
@@ -245,7 +246,7 @@ def decode_payload(
         rb = _dec_batch_raw.decode(payload)
     except msgspec.ValidationError as exc:
         raise WireError("schema", f"batch: {exc}") from None
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise WireError("msgpack", str(exc)) from None
     except RecursionError:
         raise WireError("msgpack", "nesting too deep") from None
@@ -256,6 +257,8 @@ def decode_payload(
             ev = _decode_one_event(raw)
         except RecursionError:
             raise WireError("msgpack", "nesting too deep") from None
+        except UnicodeDecodeError as exc:  # Raw events were not UTF-8-checked yet
+            raise WireError("msgpack", str(exc)) from None
         if ev is None:
             unknown += 1
         else:

@@ -1,0 +1,172 @@
+"""`kvobserve tap` as a subprocess: recorded captures, bad input, and live SUB + replay DEALER."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from tests.unit.test_captures import CAPTURES, KV_FOLDERS, expected_batch, load_lines
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
+TAP = [sys.executable, "-m", "kvobserve", "tap"]
+
+
+def run_tap(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*TAP, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def expected_lines(name: str, token_ids: bool = False) -> list[dict[str, Any]]:
+    """What tap must print for a capture: one batch per live and per replayed batch, in order."""
+    folder = CAPTURES / name
+    by_key = {
+        (e["dp_rank"], e["seq"]): e for e in json.loads((folder / "expected.json").read_text())
+    }
+    out = []
+    for ln in load_lines(folder):
+        seq_frame = ln["frames"][1] if ln["source"] == "live" else ln["frames"][-2]
+        if seq_frame != b"\xff" * 8:
+            key = (ln["dp_rank"], int.from_bytes(seq_frame, "big"))
+            out.append(expected_batch(by_key[key], token_ids))
+    return out
+
+
+@pytest.mark.parametrize("name", KV_FOLDERS)
+def test_tap_file_prints_every_live_and_replayed_batch(name: str) -> None:
+    token_ids = name == "sglang-0.5.23"  # the folder with bigram token ids
+    args = ["--file", str(CAPTURES / name / "frames.jsonl")] + ["--token-ids"] * token_ids
+    proc = run_tap(*args)
+    assert (proc.returncode, proc.stderr) == (0, "")
+    got = [json.loads(line) for line in proc.stdout.splitlines()]
+    want = expected_lines(name, token_ids)
+    assert len(want) > 20
+    assert got == want
+
+
+def test_tap_file_count_and_record(tmp_path: Path) -> None:
+    src = CAPTURES / "vllm-0.33.0" / "frames.jsonl"
+    rec = tmp_path / "rec.jsonl"
+    proc = run_tap("--file", str(src), "--count", "3", "--record", str(rec))
+    assert proc.returncode == 0
+    assert [json.loads(x) for x in proc.stdout.splitlines()] == expected_lines("vllm-0.33.0")[:3]
+    recorded = [json.loads(x) for x in rec.read_text().splitlines()]
+    original = [json.loads(x) for x in src.read_text().splitlines()[:3]]
+    assert [r["frames"] for r in recorded] == [o["frames"] for o in original]
+    assert all(r["source"] == "live" and r["dp_rank"] is None for r in recorded)
+
+
+def test_malformed_message_is_reported_and_skipped(tmp_path: Path) -> None:
+    lines = (CAPTURES / "sglang-0.5.12" / "frames.jsonl").read_text().splitlines()
+    bad = {"source": "live", "frames": [base64.b64encode(b).decode() for b in (b"", b"\x00")]}
+    f = tmp_path / "frames.jsonl"
+    f.write_text("\n".join([lines[0], json.dumps(bad), lines[1]]) + "\n")
+    proc = run_tap("--file", str(f))
+    assert proc.returncode == 0
+    assert [json.loads(x) for x in proc.stdout.splitlines()] == expected_lines("sglang-0.5.12")[:2]
+    (err_line,) = proc.stderr.splitlines()
+    err = json.loads(err_line)
+    assert err["error"] == "frame_count" and err["at"] == f"{f}:2"
+
+
+@pytest.mark.parametrize("endpoint", ["foo://x", "tcp://host:notaport", "tcp://*:5557"])
+def test_bad_endpoint_exits_2_with_one_line(endpoint: str) -> None:
+    proc = run_tap(endpoint)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert len(proc.stderr.splitlines()) == 1 and endpoint in proc.stderr
+
+
+def test_bad_files_exit_2_with_one_line(tmp_path: Path) -> None:
+    not_json = tmp_path / "notes.txt"
+    not_json.write_text("hello\n")
+    no_frames = tmp_path / "noframes.jsonl"
+    no_frames.write_text('{"source": "live"}\n')
+    for path in (tmp_path / "missing.jsonl", not_json, no_frames, tmp_path):
+        proc = run_tap("--file", str(path))
+        assert proc.returncode == 2, path
+        assert len(proc.stderr.splitlines()) == 1 and str(path) in proc.stderr
+
+
+def _wait_subscribed(xpub: zmq.Socket[bytes], topic: bytes, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        if xpub.poll(100) and xpub.recv() == b"\x01" + topic:
+            return
+    raise AssertionError("tap never subscribed")
+
+
+def test_live_tap_replays_then_reads_live(tmp_path: Path) -> None:
+    lines = [ln for ln in load_lines(CAPTURES / "sglang-0.5.23") if ln["dp_rank"] == 0]
+    live = [ln["frames"] for ln in lines if ln["source"] == "live"]
+    replay = [ln["frames"] for ln in lines if ln["source"] == "replay"]  # 4-frame layout
+    want = [w for w in expected_lines("sglang-0.5.23") if w["dp_rank"] == 0]
+    want = want[len(live) :] + want[: len(live)]  # tap prints the replay first
+    rec = tmp_path / "rec.jsonl"
+    ctx = zmq.Context()
+    xpub, router = ctx.socket(zmq.XPUB), ctx.socket(zmq.ROUTER)
+    proc = None
+    try:
+        pub_port = xpub.bind_to_random_port("tcp://127.0.0.1")
+        replay_port = router.bind_to_random_port("tcp://127.0.0.1")
+        args = [f"tcp://127.0.0.1:{pub_port}", "--topic", "kv-events", "--from-seq", "2"]
+        args += ["--replay-endpoint", f"tcp://127.0.0.1:{replay_port}"]
+        args += ["--count", str(len(want)), "--timeout", "20", "--record", str(rec)]
+        proc = subprocess.Popen([*TAP, *args], cwd=REPO, stdout=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 30
+        _wait_subscribed(xpub, b"kv-events", deadline)
+        assert router.poll(int((deadline - time.monotonic()) * 1000))
+        ident, *request = router.recv_multipart()
+        assert request == [b"", (2).to_bytes(8, "big")]
+        for frames in replay:
+            router.send_multipart([ident, *frames])
+        for frames in live:
+            xpub.send_multipart(frames)
+        out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        assert proc.returncode == 0
+        assert [json.loads(x) for x in out.splitlines()] == want
+        recorded = [json.loads(x) for x in rec.read_text().splitlines()]
+        assert [r["source"] for r in recorded] == ["replay"] * len(replay) + ["live"] * len(live)
+        sent = [[base64.b64encode(f).decode() for f in fr] for fr in replay + live]
+        assert [r["frames"] for r in recorded] == sent
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        ctx.destroy(linger=0)
+
+
+def test_live_tap_stops_on_sigterm() -> None:
+    first = load_lines(CAPTURES / "vllm-0.23.0")[0]["frames"]
+    ctx = zmq.Context()
+    xpub = ctx.socket(zmq.XPUB)
+    proc = None
+    try:
+        port = xpub.bind_to_random_port("tcp://127.0.0.1")
+        proc = subprocess.Popen(
+            [*TAP, f"tcp://127.0.0.1:{port}"], cwd=REPO, stdout=subprocess.PIPE, text=True
+        )
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 30
+        _wait_subscribed(xpub, b"", deadline)
+        xpub.send_multipart(first)
+        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        assert ready, "tap printed nothing"
+        assert json.loads(proc.stdout.readline()) == expected_lines("vllm-0.23.0")[0]
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=2) == 0
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        ctx.destroy(linger=0)
