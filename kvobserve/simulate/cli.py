@@ -15,6 +15,7 @@ from kvobserve.simulate.config import WorkerConfig, worker_from_dict
 from kvobserve.simulate.encoders import FORMATS
 from kvobserve.simulate.faults import parse_int_list, parse_pairs
 from kvobserve.simulate.group import SimulatorGroup, nodes_of
+from kvobserve.simulate.profiles import PROFILES, profile
 
 # flag dest -> WorkerConfig field (None default = not given, the file or the default applies)
 _WORKER_FLAGS: dict[str, tuple[str, type, str]] = {
@@ -82,6 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--truth", help="write the ground truth here (JSON) on shutdown")
     parser.add_argument("--truth-interval", type=float, default=0.0, help="also every S seconds")
     g = parser.add_argument_group("faults")
+    g.add_argument("--profile", help=f"a named fault profile ({', '.join(PROFILES)}); "
+                   "the fault flags below override it")  # fmt: skip
     for dest, (flag, help_text) in _FAULT_FLAGS.items():
         g.add_argument(flag, dest=f"fault_{dest}", default=None, help=help_text)
     g.add_argument("--stray-publisher", dest="fault_stray_publisher", action="store_true",
@@ -136,10 +139,13 @@ def build_configs(args: argparse.Namespace) -> list[WorkerConfig]:
     if args.no_http:
         flags["http_port"] = None
     faults = _fault_overrides(args)
+    base = profile(args.profile) if args.profile else None
     out: list[WorkerConfig] = []
     for i, table in enumerate(tables):
         cfg = worker_from_dict(table, {"worker_id": f"sim-{i}"})
         cfg = dataclasses.replace(cfg, **flags)
+        if base is not None:
+            cfg = dataclasses.replace(cfg, faults=base)
         if faults:
             cfg = dataclasses.replace(cfg, faults=dataclasses.replace(cfg.faults, **faults))
         cfg.validate()
