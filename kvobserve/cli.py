@@ -24,21 +24,18 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The full argument parser; a subcommand whose module is absent is left out."""
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser. Only `command`'s module is imported (all of them when None)."""
     parser = argparse.ArgumentParser(
         prog="kvobserve", description="Observe the KV caches of distributed LLM serving engines."
     )
     parser.add_argument("--version", action="version", version=f"kvobserve {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (modname, help_text) in COMMANDS.items():
-        try:
-            mod = importlib.import_module(modname)
-        except ModuleNotFoundError as exc:
-            if exc.name != modname:
-                raise
-            continue
         p = sub.add_parser(name, help=help_text, description=help_text)
+        if command is not None and name != command:
+            continue  # listed in --help, but its (possibly heavy) module is not imported
+        mod = importlib.import_module(modname)
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
     return parser
@@ -46,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script."""
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command if command in COMMANDS else None).parse_args(argv)
     try:
         return int(args._run(args))
     except KeyboardInterrupt:

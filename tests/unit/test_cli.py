@@ -1,0 +1,36 @@
+"""The `kvobserve` dispatcher: every command resolves, and only the chosen module is imported."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+from kvobserve.cli import COMMANDS, build_parser
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_every_command_module_has_add_arguments_and_run(name: str) -> None:
+    mod = importlib.import_module(COMMANDS[name][0])
+    assert callable(mod.add_arguments) and callable(mod.run)
+    sub = build_parser(name)._subparsers._group_actions[0].choices[name]  # type: ignore[union-attr]
+    assert sub.get_default("_run") is mod.run
+
+
+def test_tap_does_not_import_the_aggregator_or_nats() -> None:
+    code = (
+        "import sys; from kvobserve.cli import build_parser; build_parser('tap');"
+        "print(sorted(m for m in sys.modules if m in ('nats', 'kvobserve.aggregator', 'aiohttp')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_help_lists_every_command() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvobserve", "--help"], capture_output=True, text=True, check=True
+    )
+    for name in COMMANDS:
+        assert name in out.stdout
