@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Install the external tools the monitoring tests need: promtool, amtool (Debian packages
-# prometheus and prometheus-alertmanager) and the npm packages of dashboards/check.
+# Install the external tools the tests need: prometheus, promtool, alertmanager, amtool (Debian
+# packages prometheus and prometheus-alertmanager), Chromium for the status-page test, openssl
+# for throwaway TLS certificates, and the npm packages of dashboards/check.
 # Idempotent: every step is skipped when its tool is already present. Meant for a fresh
 # Debian machine as root; `make test` calls it before the test suite.
 set -euo pipefail
@@ -15,6 +16,8 @@ apt_packages=()
 command -v promtool >/dev/null 2>&1 || apt_packages+=(prometheus)
 command -v amtool >/dev/null 2>&1 || apt_packages+=(prometheus-alertmanager)
 command -v npm >/dev/null 2>&1 || apt_packages+=(nodejs npm)
+command -v chromium >/dev/null 2>&1 || apt_packages+=(chromium)
+command -v openssl >/dev/null 2>&1 || apt_packages+=(openssl)
 
 if ((${#apt_packages[@]} > 0)); then
     if ! command -v apt-get >/dev/null 2>&1; then
@@ -40,7 +43,7 @@ if ((${#apt_packages[@]} > 0)); then
         rm -f /usr/sbin/policy-rc.d
     fi
 else
-    log "promtool, amtool and npm already present"
+    log "prometheus, alertmanager, chromium, openssl and npm already present"
 fi
 
 # npm packages for the dashboard schema check (@grafana/schema, typescript).
