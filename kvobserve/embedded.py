@@ -44,7 +44,9 @@ async def start_embedded(
     """Start one collector per config and the aggregator on one LocalBus; serve on `listen`."""
     bus = LocalBus()
     interval = min((c.collector.interval_s for c in configs), default=1.0)
-    agg = Aggregator(FleetState(), interval_s=interval)
+    # [aggregator] stale_intervals holds here as in `kvobserve aggregate`; the strictest one wins
+    stale = min((c.aggregator.stale_intervals for c in configs), default=3)
+    agg = Aggregator(FleetState(stale_intervals=stale), interval_s=interval)
     await agg.start(bus)
     emb = Embedded(bus, agg, [Collector(cfg, bus) for cfg in configs])
     try:
