@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -254,8 +255,8 @@ def run(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, overrides_from_args(args), os.environ)
         if cfg.nats is None:
             raise ConfigError("nats.url: required by `collect` (--nats URL or [nats] url)")
-    except ConfigError as exc:
-        print(f"kvobserve collect: {exc}", flush=True)
+    except ConfigError as exc:  # one line on stderr, as every other command does
+        print(f"kvobserve collect: error: {exc}".replace("\n", " "), file=sys.stderr)
         return 2
     return asyncio.run(_collect(cfg, local_http=not args.no_local_http))
 
@@ -289,7 +290,7 @@ async def _collect(cfg: Config, local_http: bool) -> int:
     try:
         await transport.connect()
     except NatsConnectError as exc:
-        print(f"kvobserve collect: {exc}", flush=True)
+        print(f"kvobserve collect: error: {exc}", file=sys.stderr)
         return 1
     local = Aggregator(FleetState())  # the node's own view: a fleet of one, fed directly
     collector = Collector(

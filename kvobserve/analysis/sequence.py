@@ -74,6 +74,10 @@ class _Replay:
     join: bool
     held: deque[tuple[KvBatch, bytes]] = field(default_factory=deque)  # ascending seq
     lost: bool = False
+    # The engine answers with its ring as of the request, so every seq <= `covered` that the
+    # reply did not carry is not in the ring; a later hole may simply be younger than the reply.
+    covered: int = -1
+    ahead: dict[int, KvBatch] = field(default_factory=dict)  # replayed seqs live had not reached
 
 
 class StreamSequencer:
@@ -130,20 +134,45 @@ class StreamSequencer:
         if rp is None or rp.replay_id != replay_id:
             return
         seq = batch.seq
+        rp.covered = max(rp.covered, seq)
         last = self.last_seq if self.last_seq is not None else -1
-        if seq <= last or seq > self._high:
-            return  # already applied, or live will deliver it
+        if seq <= last:
+            return  # already applied
+        if seq > self._high:  # live has not got here yet; kept in case live loses it
+            if len(rp.ahead) < self.limits.hold_limit:
+                rp.ahead[seq] = batch
+            return
         self._advance_to(rp, seq)
         if rp.held and rp.held[0][0].seq == seq:
             rp.held.popleft()  # live had it too: not a recovery
-        elif seq >= rp.missed_from:
-            self.recovered += 1
-        self._apply(batch)
+            self._apply(batch)
+        else:
+            self._recover(rp, batch)
 
-    def on_replay_end(self, replay_id: int, result: str = "ok") -> None:
-        """The end marker (`ok`) or a failure (`timeout`, `error`) of replay `replay_id`."""
-        if self.replay_in_flight == replay_id:
+    def on_replay_end(
+        self, replay_id: int, result: str = "ok", now: float | None = None
+    ) -> RequestReplay | None:
+        """The end marker (`ok`) or a failure of replay `replay_id`; may ask for younger holes."""
+        rp = self._replay
+        if rp is None or rp.replay_id != replay_id:
+            return None
+        prev = self.last_seq if self.last_seq is not None else -1
+        for batch, _ in rp.held if result == "ok" else ():
+            if batch.seq - 1 > rp.covered and batch.seq > prev + 1:
+                break  # a hole published after the engine answered: ask again from there
+            prev = batch.seq
+        else:
             self._finish_replay(result)
+            return None
+        hole = max(prev + 1, rp.covered + 1)
+        self._finish_replay(result, upto=hole)
+        self._replay_ids += 1
+        ahead = {q: b for q, b in rp.ahead.items() if q > self._high}
+        started = rp.started if now is None else now  # every held batch is older than this ask
+        self._replay = _Replay(
+            self._replay_ids, hole, started, False, rp.held, False, self._high, ahead
+        )
+        return RequestReplay(self._replay_ids, hole)
 
     def expire(self, now: float) -> Action | None:
         """Time-driven transitions: replay timeout, restart confirmation, quiet second heads."""
@@ -216,7 +245,7 @@ class StreamSequencer:
         self, start: int, missed_from: int, now: float, batch: KvBatch, payload: bytes, join: bool
     ) -> RequestReplay:
         self._replay_ids += 1
-        rp = self._replay = _Replay(self._replay_ids, missed_from, now, join)
+        rp = self._replay = _Replay(self._replay_ids, missed_from, now, join, covered=batch.seq)
         rp.held.append((batch, payload))
         self._recent.append((batch.seq, payload))
         return RequestReplay(rp.replay_id, start)
@@ -347,10 +376,25 @@ class StreamSequencer:
         held = rp.held
         while held and held[0][0].seq < seq:
             batch = held.popleft()[0]
-            self._skip(rp, prev + 1, batch.seq)
+            self._fill(rp, prev + 1, batch.seq)
             self._apply(batch)
             prev = batch.seq
-        self._skip(rp, prev + 1, seq)
+        self._fill(rp, prev + 1, seq)
+
+    def _fill(self, rp: _Replay, start: int, end: int) -> None:
+        """Seqs [start, end) are not held: apply those the reply sent ahead, lose the rest."""
+        if rp.ahead and end > start:
+            for seq in sorted(q for q in rp.ahead if start <= q < end):
+                self._skip(rp, start, seq)
+                self._recover(rp, rp.ahead.pop(seq))
+                start = seq + 1
+        self._skip(rp, start, end)
+
+    def _recover(self, rp: _Replay, batch: KvBatch) -> None:
+        """Apply a replayed batch that live did not deliver."""
+        if batch.seq >= rp.missed_from:
+            self.recovered += 1
+        self._apply(batch)
 
     def _skip(self, rp: _Replay, start: int, end: int) -> None:
         """Seqs [start, end) will never be applied."""
@@ -362,10 +406,10 @@ class StreamSequencer:
             self.lost += end - max(start, rp.missed_from)
         self.last_seq = end - 1
 
-    def _finish_replay(self, result: str) -> None:
+    def _finish_replay(self, result: str, upto: int | None = None) -> None:
         rp = self._replay
         assert rp is not None
-        self._advance_to(rp, self._high + 1)
+        self._advance_to(rp, self._high + 1 if upto is None else upto)
         if result == "ok" and rp.lost:
             result = "partial"
         elif result == "ok" and rp.join:

@@ -357,3 +357,76 @@ def test_real_capture_gap_recovered_from_the_engines_replay_frames() -> None:
         assert s.index.resident_hashes()["GPU"] == truth[-1][0]["GPU"]
         assert (s.missed, s.recovered, s.lost, s.batches_applied) == (2, 2, 0, len(truth))
         assert s.replay_requests["ok"] == 1 and s.state_complete
+
+
+def test_a_hole_younger_than_the_reply_is_asked_for_again() -> None:
+    """The engine answers with its ring as of the request; a live loss after that is not lost."""
+    s, idx = seqr(replay=True)
+    feed(s, [0])
+    (req,) = feed(s, [3])  # the engine's ring now holds 0..3
+    assert feed(s, [4, 6]) == []  # 5 lost on the wire after the engine answered
+    for q in (1, 2, 3):
+        s.on_replay_batch(req.replay_id, mk(q)[0])
+    again = s.on_replay_end(req.replay_id, "ok", now=1.0)
+    assert again == RequestReplay(req.replay_id + 1, 5)
+    assert [q for _, q in idx.applied] == [0, 1, 2, 3, 4]
+    for q in (5, 6):
+        s.on_replay_batch(again.replay_id, mk(q)[0])
+    assert s.on_replay_end(again.replay_id) is None
+    assert [q for _, q in idx.applied] == list(range(7))
+    assert (s.gaps, s.missed, s.recovered, s.lost) == (2, 3, 3, 0)
+    assert s.replay_requests["ok"] == 2 and s.state_complete is True
+
+
+def test_a_replayed_batch_ahead_of_live_fills_a_later_live_loss() -> None:
+    """The reply carries seqs live has not delivered yet; if live then loses one, use the reply's."""
+    s, idx = seqr(replay=True)
+    feed(s, [0])
+    (req,) = feed(s, [2])
+    for q in (1, 2, 3, 4):  # 3 and 4 were published before the engine answered
+        s.on_replay_batch(req.replay_id, mk(q)[0])
+    assert feed(s, [4]) == []  # live loses 3
+    assert s.on_replay_end(req.replay_id) is None
+    assert [q for _, q in idx.applied] == [0, 1, 2, 3, 4]
+    assert (s.missed, s.recovered, s.lost) == (2, 2, 0)
+    assert s.replay_requests["ok"] == 1 and s.state_complete is True
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.booleans(), min_size=1, max_size=60), st.integers(0, 6), st.integers(0, 3))
+def test_replies_as_of_the_request_recover_every_live_loss(
+    delivered: list[bool], delay: int, lead: int
+) -> None:
+    """The engine snapshots its full ring when asked (`lead` seqs past the live batch that
+    triggered the request); the reply arrives `delay` live batches later."""
+    s, idx = seqr(replay=True)
+    sent = [*delivered, True]  # the last one always arrives
+    pending: list[int] = []  # [replay_id, start, ring end, live batches left before the reply]
+
+    def ask(action: RequestReplay | None, q: int) -> None:
+        if action is not None:
+            pending[:] = [action.replay_id, action.start_seq, min(q + lead, len(sent) - 1), delay]
+
+    def serve(now_published: int) -> None:
+        rid, start, end, _ = pending
+        pending.clear()
+        for r in range(start, end + 1):
+            s.on_replay_batch(rid, mk(r)[0])
+        ask(s.on_replay_end(rid), now_published)
+
+    for q, ok in enumerate(sent):
+        if ok:
+            action = s.on_batch(*mk(q), 0.0)
+            if isinstance(action, RequestReplay):
+                ask(action, q)
+            elif pending:
+                pending[3] -= 1
+        while pending and pending[3] <= 0:
+            serve(q)
+    while pending:
+        serve(len(sent) - 1)
+    applied = [q for _, q in idx.applied]
+    first = sent.index(True)  # earlier ones: joined mid-stream, replayed from 0, not missed
+    assert applied == list(range(len(sent)))
+    assert s.lost == 0 and s.missed == s.recovered == sent[first:].count(False)
+    assert s.state_complete is True
