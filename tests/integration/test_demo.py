@@ -1,0 +1,72 @@
+"""Acceptance: `kvobserve demo` (what `make run` starts) serves 12 streams fast and stops on SIGTERM."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import free_port
+from tests.integration.fleet_helpers import ROOT, Procs, Scrape, fetch, poll, scrape
+
+pytestmark = pytest.mark.integration
+
+STREAMS = {("sglang-dp8", str(r)) for r in range(8)} | {("vllm-dp4", str(r)) for r in range(4)}
+
+
+def _collector(worker_id: str, rank: int) -> str:
+    """The demo's collectors: SGLang ranks 0-3 on node 0, 4-7 on node 1; vLLM on one node."""
+    return f"sglang-node-{rank // 4}" if worker_id == "sglang-dp8" else "vllm-node-0"
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Procs]:
+    p = Procs(tmp_path)
+    yield p
+    p.stop_all()
+
+
+def test_make_run_starts_the_demo() -> None:
+    text = (ROOT / "Makefile").read_text()
+    recipe = re.search(r"^run:.*\n((?:\t.*\n)+)", text, re.MULTILINE)
+    assert recipe is not None, "no `run` target in the Makefile"
+    assert re.search(r"\$\(BIN\)/kvobserve demo\s*$", recipe.group(1), re.MULTILINE)
+    assert re.search(r"^BIN := \$\(VENV\)/bin$", text, re.MULTILINE)
+    assert re.search(r"^VENV := \.venv$", text, re.MULTILINE)
+
+
+def test_demo_serves_twelve_streams_and_stops_on_sigterm(procs: Procs) -> None:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    t0 = time.monotonic()
+    pid = procs.kvobserve("demo", "demo", "--listen", f"127.0.0.1:{port}", "--duration", "30")
+
+    def twelve_up() -> Scrape | None:
+        assert procs.alive(pid), procs.log(pid)
+        s = scrape(base)
+        if s is None:
+            return None
+        up = s.by("kvobserve_stream_up", ("worker_id", "dp_rank"))
+        return s if set(up) == STREAMS and all(v == 1 for v in up.values()) else None
+
+    s = poll(twelve_up, 10, "12 streams up", lambda: scrape(base))
+    took = time.monotonic() - t0
+    assert took < 10.0, f"12 streams after {took:.1f} s"
+    info = s.by("kvobserve_stream_info", ("worker_id", "dp_rank", "engine", "collector"))
+    assert set(info) == {(w, r, w.split("-")[0], _collector(w, int(r))) for w, r in STREAMS}
+    owners = s.by("kvobserve_dp_rank_owners", ("worker_id", "dp_rank"))
+    assert owners == dict.fromkeys(STREAMS, 1.0)
+
+    page = fetch(f"{base}/")
+    assert page is not None
+    workers = page.split('id="workers"', 1)[1].split('id="streams"', 1)[0]
+    assert "sglang-dp8 &middot; dp_size 8" in workers
+    assert "vllm-dp4 &middot; dp_size 4" in workers
+    assert "demo: 3 simulated engine nodes, 12 KV-event streams" in procs.log(pid)
+
+    rc, took = procs.terminate(pid)
+    assert rc == 0, procs.log(pid)
+    assert took < 2.0, f"demo took {took:.2f} s to stop after SIGTERM"
