@@ -37,6 +37,7 @@ from kvobserve.wire.snapshot import (
 )
 
 log = logging.getLogger(__name__)
+MAX_PASSTHROUGH_SAMPLES = 20_000  # per collector snapshot
 
 
 def plan_streams(
@@ -152,7 +153,8 @@ class Collector:
     async def snapshot(self) -> Snapshot:
         """The collector's state now."""
         assert self.ingest is not None, "start() first"
-        streams, unexpected = await asyncio.wrap_future(self.ingest.stats())
+        ingest = await asyncio.wrap_future(self.ingest.stats())
+        refused = dict(ingest.refused)
         sched: list[SchedulerStats] = []
         passthrough: list[Family] = []
         for wid, src in self.scheduler.items():
@@ -173,7 +175,16 @@ class Collector:
             wcfg = next(w for w in self.cfg.workers if w.id == wid)
             if wcfg.passthrough_engine_metrics and src.scrape is not None:
                 extra = {"worker_id": wid, "node_rank": str(self.info.node_rank)}
-                passthrough.extend(_families(relabel(src.scrape.families, extra)))
+                fams = _families(relabel(src.scrape.families, extra))
+                room = MAX_PASSTHROUGH_SAMPLES - sum(len(f.samples) for f in passthrough)
+                for fam in fams:  # an engine's /metrics can be large: keep the snapshot bounded
+                    if len(fam.samples) > room:
+                        refused["passthrough_samples"] = refused.get(
+                            "passthrough_samples", 0
+                        ) + len(fam.samples)
+                        continue
+                    room -= len(fam.samples)
+                    passthrough.append(fam)
         self._seq += 1
         return Snapshot(
             self.info,
@@ -181,10 +192,11 @@ class Collector:
             time=self._clock(),
             interval_s=self.cfg.collector.interval_s,
             workers=list(self.workers),
-            streams=streams,
-            unexpected=unexpected,
+            streams=ingest.streams,
+            unexpected=ingest.unexpected,
             scheduler=sched,
             passthrough=passthrough,
+            refused=refused,
         )
 
     async def publish_once(self) -> Snapshot:

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from kvobserve.wire.kv_events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KvBatch
 
 DEFAULT_MEDIUM = "GPU"
+DEFAULT_MAX_MEDIA = 8  # storage tiers per stream; engines have 1-4 (GPU, CPU_PINNED, DISK, ...)
 # seconds: prefix-cache blocks live from sub-second (evicted under pressure) to hours (system prompts)
 DEFAULT_LIFETIME_BUCKETS: tuple[float, ...] = (
     0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0, 21600.0, 86400.0,
@@ -76,9 +77,15 @@ class _Tier:
 class BlockIndex:
     """Resident blocks of one stream, per medium, built from KV-event batches."""
 
-    def __init__(self, lifetime_buckets: Sequence[float] = DEFAULT_LIFETIME_BUCKETS) -> None:
+    def __init__(
+        self,
+        lifetime_buckets: Sequence[float] = DEFAULT_LIFETIME_BUCKETS,
+        max_media: int = DEFAULT_MAX_MEDIA,
+    ) -> None:
         self._buckets = tuple(sorted(lifetime_buckets))
+        self.max_media = max_media
         self._tiers: dict[str, _Tier] = {}
+        self.media_refused_events = 0  # events of a medium past max_media: label cardinality cap
         self._usual_size: int | None = None
         self.store_of_resident_total = 0
         self.remove_of_unknown_total = 0
@@ -86,10 +93,13 @@ class BlockIndex:
         self.stored_events_total = 0
         self.removed_events_total = 0
 
-    def _tier(self, medium: str | None) -> _Tier:
+    def _tier(self, medium: str | None) -> _Tier | None:
         name = medium or DEFAULT_MEDIUM
         tier = self._tiers.get(name)
         if tier is None:
+            if len(self._tiers) >= self.max_media:  # `medium` comes off the wire: bound it
+                self.media_refused_events += 1
+                return None
             tier = self._tiers[name] = _Tier(self._buckets)
         return tier
 
@@ -105,8 +115,10 @@ class BlockIndex:
                 self._clear(ts)
 
     def _store(self, hashes: list[BlockHash], size: int, medium: str | None, ts: float) -> None:
-        self.stored_events_total += 1
         tier = self._tier(medium)
+        if tier is None:
+            return
+        self.stored_events_total += 1
         resident = tier.resident
         usual = self._usual_size
         if usual is None or size > usual:
@@ -138,8 +150,10 @@ class BlockIndex:
         return size
 
     def _remove(self, hashes: list[BlockHash], medium: str | None, ts: float) -> None:
-        self.removed_events_total += 1
         tier = self._tier(medium)
+        if tier is None:
+            return
+        self.removed_events_total += 1
         resident = tier.resident
         odd = tier.odd
         usual = self._usual_size or 0

@@ -100,6 +100,9 @@ CATALOG: tuple[MetricDef, ...] = (
        "Seconds since the collector's last snapshot arrived.", timely=True),
     _d("kvobserve_collector_start_time_seconds", "gauge", ("collector",),
        "Start time of the collector process (Unix seconds).", timely=True),
+    _d("kvobserve_collector_refused_total", "counter", ("collector", "what"),
+       "What a cardinality cap refused: streams (max_streams), medium_events (events of a "
+       "storage tier past the per-stream cap), passthrough_samples."),
     # leader scheduler metrics
     _d("kvobserve_scheduler_running_requests", "gauge", STREAM, "Running requests of the rank."),
     _d("kvobserve_scheduler_queued_requests", "gauge", STREAM, "Queued requests of the rank."),

@@ -152,6 +152,8 @@ def _fleet(f: _Families, v: FleetView) -> None:
         f.add("kvobserve_collector_snapshot_age_seconds", cl, c.age_s)
         if i.start_time > 0:
             f.add("kvobserve_collector_start_time_seconds", cl, i.start_time)
+        for what, n in sorted(c.snapshot.refused.items()):
+            f.add("kvobserve_collector_refused_total", {**cl, "what": what}, n)
     for w_id, size in sorted(v.dp_size.items()):
         f.add("kvobserve_worker_dp_size", {"worker_id": w_id}, size)
     for w_id, ids in sorted(v.leaders.items()):

@@ -71,6 +71,16 @@ class IngestOptions:
     unexpected_quiet_s: float = 30.0  # a probe port counts as active this long after a batch
     tick_s: float = 0.05
     limits: SequencerLimits = DEFAULT_LIMITS
+    max_streams: int = 4096  # streams (incl. probes) per collector: a label cardinality cap
+
+
+@dataclass(frozen=True)
+class IngestStats:
+    """What the ingest thread reports for one snapshot."""
+
+    streams: list[StreamStats]
+    unexpected: list[UnexpectedStream]
+    refused: dict[str, int]  # what a cardinality cap refused: streams, medium_events
 
 
 class _Stream:
@@ -131,6 +141,8 @@ class IngestLoop:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvobserve-ingest", daemon=True)
         self._initial = list(specs)
+        self._refused_streams: set[tuple[str, int]] = set()
+        self._warned_refused = False
         self.received_total = 0
         self.loop_errors = 0
 
@@ -157,7 +169,7 @@ class IngestLoop:
             self._calls.append((fn, fut))
         return fut
 
-    def stats(self) -> concurrent.futures.Future[tuple[list[StreamStats], list[UnexpectedStream]]]:
+    def stats(self) -> concurrent.futures.Future[IngestStats]:
         """A consistent picture of every stream, built in the ingest thread."""
         return self.call(self._build_stats)
 
@@ -368,9 +380,13 @@ class IngestLoop:
         wanted = {s.key: s for s in specs}
         for key in [k for k in self._streams if k not in wanted]:
             self._close(self._streams.pop(key))
+        self._refused_streams = set()
         for key, spec in wanted.items():
             st = self._streams.get(key)
             if st is not None and st.spec == spec:
+                continue
+            if st is None and len(self._streams) >= self.options.max_streams:
+                self._refused_streams.add(key)
                 continue
             if st is not None:  # moved (engine restarted on new ports): keep the sequence state
                 self._close(st)
@@ -393,6 +409,13 @@ class IngestLoop:
             except zmq.ZMQError as exc:  # a bad endpoint must not take the others down
                 st.decode_errors["connect"] = st.decode_errors.get("connect", 0) + 1
                 log.warning("cannot connect %s: %s", spec.endpoint, exc)
+        if self._refused_streams and not self._warned_refused:
+            self._warned_refused = True  # once: the count is in kvobserve_collector_refused_total
+            log.warning(
+                "watching %d streams, the max_streams cap; %d refused",
+                len(self._streams),
+                len(self._refused_streams),
+            )
 
     def _close_all(self) -> None:
         for st in self._streams.values():
@@ -405,10 +428,11 @@ class IngestLoop:
 
     # --- snapshot -----------------------------------------------------------------------------
 
-    def _build_stats(self) -> tuple[list[StreamStats], list[UnexpectedStream]]:
+    def _build_stats(self) -> IngestStats:
         now = self._clock()
         streams: list[StreamStats] = []
         unexpected: list[UnexpectedStream] = []
+        refused = {"streams": len(self._refused_streams), "medium_events": 0}
         for st in self._streams.values():
             spec = st.spec
             if st.seq is None:
@@ -420,7 +444,8 @@ class IngestLoop:
                 )
                 continue
             streams.append(_stream_stats(st, st.seq, now))
-        return streams, unexpected
+            refused["medium_events"] += st.seq.index.media_refused_events
+        return IngestStats(streams, unexpected, {k: v for k, v in refused.items() if v})
 
 
 def _stream_stats(st: _Stream, sq: StreamSequencer, now: float) -> StreamStats:

@@ -139,6 +139,7 @@ class Snapshot(Struct, omit_defaults=True, gc=False):
     unexpected: list[UnexpectedStream] = []
     scheduler: list[SchedulerStats] = []
     passthrough: list[Family] = []
+    refused: dict[str, int] = {}  # what a cardinality cap refused -> count (streams, ...)
 
 
 _encoder = msgspec.msgpack.Encoder()

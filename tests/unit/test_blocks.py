@@ -194,3 +194,17 @@ def test_real_capture_matches_expected_after_every_batch(version: str) -> None:
         assert idx.remove_of_unknown_total == 0
         assert idx.clears_total == 1
         assert sum(idx.blocks.values()) == 1  # one root block stored after the clear
+
+
+def test_media_past_the_cap_are_refused_and_counted() -> None:
+    idx = BlockIndex(max_media=2)
+    events: list[KvEvent] = [
+        _StoredMap(block_hashes=[1], block_size=16, medium="GPU"),
+        _StoredMap(block_hashes=[2], block_size=16, medium="CPU"),
+        _StoredMap(block_hashes=[3], block_size=16, medium="junk-1"),
+        _RemovedMap(block_hashes=[3], medium="junk-2"),
+    ]
+    idx.apply_batch(KvBatch("", 0, 1.0, 0, events))
+    assert idx.blocks == {"GPU": 1, "CPU": 1}
+    assert idx.media_refused_events == 2
+    assert idx.events_total["stored"] == 2 and idx.events_total["removed"] == 0

@@ -125,6 +125,9 @@ def test_fleet_series(reg: CollectorRegistry) -> None:
     ]
     assert ups == [1, 1, 0]
     assert val(reg, "kvobserve_collector_snapshot_age_seconds", collector="node-2") == 10
+    assert (
+        val(reg, "kvobserve_collector_refused_total", collector="node-0", what="medium_events") == 3
+    )
     assert val(reg, "kvobserve_collector_start_time_seconds", collector="node-1") == 1100
     u = {
         "worker_id": "sglang-a",
