@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 from prometheus_client.metrics_core import Metric
 
 from kvobserve.analysis.fleet import Condition, FleetState, FleetView
+from kvobserve.config import NatsConfig
 from kvobserve.transport import Transport
 from kvobserve.wire.errors import WireError
 from kvobserve.wire.snapshot import decode_snapshot
@@ -161,20 +162,11 @@ def _event(c: Condition, state: str, now: float) -> dict[str, Any]:
 class AggregateOptions:
     """`kvobserve aggregate` flags, validated."""
 
-    nats: str
+    nats: NatsConfig
     cluster: str
     listen: str
-    jetstream_kv: bool
-    nats_user: str | None
-    nats_password: str | None
-    nats_token: str | None
-    nats_creds: str | None
-    nats_tls_ca: str | None
-    nats_tls_cert: str | None
-    nats_tls_key: str | None
     otlp_endpoint: str | None
     stale_intervals: float
-    connect_timeout_s: float
 
 
 # flag -> environment variable that provides its default (secrets stay out of `ps`).
@@ -283,10 +275,10 @@ def options_from_args(args: argparse.Namespace) -> AggregateOptions:
         raise ValueError(f"--otlp-endpoint: expected an http(s):// URL, got {otlp!r}")
     stale = _positive(args.stale_intervals, "--stale-intervals")
     timeout = _positive(args.nats_connect_timeout, "--nats-connect-timeout")
-    return AggregateOptions(
-        nats_url, cluster, listen, bool(args.jetstream_kv), user, password, token, creds,
-        ca, cert, key, otlp, stale, timeout,
-    )  # fmt: skip
+    nats = NatsConfig(
+        nats_url, user, password, token, creds, ca, cert, key, bool(args.jetstream_kv), timeout
+    )
+    return AggregateOptions(nats, cluster, listen, otlp, stale)
 
 
 async def start_http(
@@ -326,21 +318,7 @@ async def serve(opts: AggregateOptions) -> int:
     """Connect, aggregate and serve until SIGTERM/SIGINT; then stop within 2 s."""
     from kvobserve.transport.nats import NatsConnectError, NatsTransport
 
-    transport = NatsTransport(
-        opts.nats,
-        opts.cluster,
-        user=opts.nats_user,
-        password=opts.nats_password,
-        token=opts.nats_token,
-        creds=opts.nats_creds,
-        tls_ca=opts.nats_tls_ca,
-        tls_cert=opts.nats_tls_cert,
-        tls_key=opts.nats_tls_key,
-        jetstream_kv=opts.jetstream_kv,
-        name="kvobserve-aggregator",
-        connect_timeout_s=opts.connect_timeout_s,
-        close_timeout_s=1.0,
-    )
+    transport = NatsTransport.from_config(opts.nats, opts.cluster, "kvobserve-aggregator")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -371,7 +349,7 @@ async def serve(opts: AggregateOptions) -> int:
         await agg.start(transport)
         log.info(
             "aggregating cluster %r from %s (jetstream_kv=%s); ready",
-            opts.cluster, opts.nats, opts.jetstream_kv,
+            opts.cluster, opts.nats.url, opts.nats.jetstream_kv,
         )  # fmt: skip
         await stop.wait()
         log.info("stopping")

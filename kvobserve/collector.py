@@ -279,21 +279,8 @@ async def _collect(cfg: Config, local_http: bool) -> int:
     from kvobserve.transport.nats import NatsConnectError, NatsTransport
 
     assert cfg.nats is not None
-    n = cfg.nats
-    transport = NatsTransport(
-        n.url,
-        cfg.cluster,
-        user=n.user,
-        password=n.password,
-        token=n.token,
-        creds=n.creds,
-        tls_ca=n.tls_ca,
-        tls_cert=n.tls_cert,
-        tls_key=n.tls_key,
-        jetstream_kv=n.jetstream_kv,
-        name=f"kvobserve-collector-{cfg.collector.id}",
-        connect_timeout_s=n.connect_timeout_s,
-        close_timeout_s=1.0,
+    transport = NatsTransport.from_config(
+        cfg.nats, cfg.cluster, f"kvobserve-collector-{cfg.collector.id}"
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -27,6 +27,7 @@ from nats.aio.client import Client, Server
 from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 
+from kvobserve.config import NatsConfig
 from kvobserve.transport import Handler, TransportCounters, TransportStatus
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,25 @@ def build_ssl_context(
 
 class NatsTransport:
     """A Transport over one NATS connection; call `connect()` first."""
+
+    @classmethod
+    def from_config(cls, cfg: NatsConfig, cluster: str, name: str) -> NatsTransport:
+        """The transport a command's validated NATS settings describe."""
+        return cls(
+            cfg.url,
+            cluster,
+            user=cfg.user,
+            password=cfg.password,
+            token=cfg.token,
+            creds=cfg.creds,
+            tls_ca=cfg.tls_ca,
+            tls_cert=cfg.tls_cert,
+            tls_key=cfg.tls_key,
+            jetstream_kv=cfg.jetstream_kv,
+            name=name,
+            connect_timeout_s=cfg.connect_timeout_s,
+            close_timeout_s=1.0,  # commands must stop within 2 s of SIGTERM
+        )
 
     def __init__(
         self,

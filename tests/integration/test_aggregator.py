@@ -72,8 +72,9 @@ async def test_collector_going_silent_fires_then_resolves(
         assert "node-0" in down["description"] and down["time"] > 0
         assert "kvobserve.v1.c1.event.collector_down" in subjects
 
+        # back, now with a long interval so it cannot go down again before the count below
         await col.publish_snapshot(
-            "node-0", encode_snapshot(make_snapshot("node-0", 1, interval_s=0.1))
+            "node-0", encode_snapshot(make_snapshot("node-0", 1, interval_s=60.0))
         )
         await eventually(
             lambda: any(e["kind"] == "collector_down" and e["state"] == "resolved" for e in events),
