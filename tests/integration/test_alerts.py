@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.design_contract import DESIGN_ALERTS, DESIGN_METRICS
+
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,36 +30,6 @@ ALERTMANAGER = ROOT / "alerts" / "alertmanager.yml"
 RUNBOOK = ROOT / "docs" / "alerts.md"
 RUNBOOK_BASE = "https://github.com/kvobserve/kvobserve/blob/main/docs/alerts.md"
 
-# The alert names of DESIGN.md ("Alerts"): the contract.
-DESIGN_ALERTS = tuple(
-    """
-KVEventSequenceGap KVEventsLost KVEventDuplicateStream KVEventRankMismatch
-KVEventUnexpectedStream KVEventPublisherRestarted KVEventStreamDown KVEventStreamStalled
-KVEventDecodeErrors KVCacheNearFull KVIndexIncomplete DPRankUncovered DPRankMultipleOwners
-MultipleSchedulerLeaders KVObserveCollectorDown
-""".split()  # noqa: SIM905 (a compact copy of the contract)
-)
-
-# The metric names of DESIGN.md ("Metrics") that rules may use; histograms add _bucket/_sum/_count.
-DESIGN_METRICS = frozenset(
-    """
-kvobserve_stream_info kvobserve_stream_up kvobserve_kv_event_batches_total
-kvobserve_kv_events_total kvobserve_kv_blocks kvobserve_kv_tokens
-kvobserve_kv_blocks_stored_total kvobserve_kv_blocks_removed_total kvobserve_kv_capacity_tokens
-kvobserve_kv_cache_usage_ratio kvobserve_kv_block_lifetime_seconds
-kvobserve_kv_sequence_gaps_total kvobserve_kv_batches_missed_total
-kvobserve_kv_batches_recovered_total kvobserve_kv_batches_lost_total
-kvobserve_kv_replay_requests_total kvobserve_kv_publisher_restarts_total
-kvobserve_kv_duplicate_batches_total kvobserve_kv_duplicate_stream
-kvobserve_kv_rank_mismatch_batches_total kvobserve_kv_unexpected_stream
-kvobserve_kv_decode_errors_total kvobserve_kv_state_complete
-kvobserve_kv_last_batch_timestamp_seconds kvobserve_kv_event_lag_seconds
-kvobserve_dp_rank_owners kvobserve_worker_dp_size kvobserve_worker_leaders
-kvobserve_collector_up kvobserve_scheduler_running_requests kvobserve_scheduler_queued_requests
-kvobserve_scheduler_token_usage_ratio kvobserve_scheduler_cache_hit_ratio
-kvobserve_scheduler_max_total_tokens kvobserve_build_info
-""".split()  # noqa: SIM905 (a compact copy of the catalog)
-)
 
 PAGING = {"KVEventsLost", "DPRankUncovered", "KVObserveCollectorDown", "KVEventStreamDown"}
 

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from kvobserve.export.catalog import BY_NAME
+from tests.design_contract import DESIGN_METRICS
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = ROOT / "dashboards"
@@ -27,26 +28,6 @@ UIDS = {
 VARIABLES = ("datasource", "job", "worker_id", "node_rank", "dp_rank")
 GRAFANA_BUILTINS = {"__rate_interval", "__interval", "__range", "__all"}
 
-# Copy of the DESIGN.md metric catalog (histograms may add _bucket/_sum/_count).
-DESIGN_METRICS = frozenset(
-    """
-kvobserve_stream_info kvobserve_stream_up kvobserve_kv_event_batches_total
-kvobserve_kv_events_total kvobserve_kv_blocks kvobserve_kv_tokens
-kvobserve_kv_blocks_stored_total kvobserve_kv_blocks_removed_total kvobserve_kv_capacity_tokens
-kvobserve_kv_cache_usage_ratio kvobserve_kv_block_lifetime_seconds
-kvobserve_kv_sequence_gaps_total kvobserve_kv_batches_missed_total
-kvobserve_kv_batches_recovered_total kvobserve_kv_batches_lost_total
-kvobserve_kv_replay_requests_total kvobserve_kv_publisher_restarts_total
-kvobserve_kv_duplicate_batches_total kvobserve_kv_duplicate_stream
-kvobserve_kv_rank_mismatch_batches_total kvobserve_kv_unexpected_stream
-kvobserve_kv_decode_errors_total kvobserve_kv_state_complete
-kvobserve_kv_last_batch_timestamp_seconds kvobserve_kv_event_lag_seconds
-kvobserve_dp_rank_owners kvobserve_worker_dp_size kvobserve_worker_leaders
-kvobserve_collector_up kvobserve_scheduler_running_requests kvobserve_scheduler_queued_requests
-kvobserve_scheduler_token_usage_ratio kvobserve_scheduler_cache_hit_ratio
-kvobserve_scheduler_max_total_tokens kvobserve_build_info
-""".split()  # noqa: SIM905 (a compact copy of the catalog)
-)
 # The aggregator's self-metrics, used by the self-monitoring dashboard only.
 SELF_METRICS = frozenset(
     {

@@ -9,9 +9,10 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from kvobserve.analysis.fleet import FleetState
-from kvobserve.export.catalog import BY_FAMILY, render_docs
+from kvobserve.export.catalog import BY_FAMILY, BY_NAME, render_docs
 from kvobserve.export.prometheus import FleetCollector, aggregator_metrics, main
 from kvobserve.transport.local import LocalBus
+from tests.design_contract import DESIGN_METRICS
 from tests.unit.test_export_fleet import rich_view
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
@@ -58,3 +59,7 @@ def test_nats_self_metrics_follow_the_transport() -> None:
     assert r.get_sample_value("kvobserve_nats_snapshots_received_total") == 7.0
     assert r.get_sample_value("kvobserve_nats_reconnects_total") == 2.0
     assert r.get_sample_value("kvobserve_nats_dropped_total", {"reason": "buffer_full"}) == 1.0
+
+
+def test_the_catalog_serves_every_metric_design_md_names() -> None:
+    assert set(DESIGN_METRICS) - set(BY_NAME) == set()
