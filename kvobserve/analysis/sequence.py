@@ -119,6 +119,18 @@ class StreamSequencer:
         """A live batch and its payload bytes (kept by reference for duplicate checks)."""
         if self.dp_rank is not None and batch.dp_rank is not None and batch.dp_rank != self.dp_rank:
             self.rank_mismatch_batches += 1
+        last = self.last_seq
+        if (
+            last is not None
+            and batch.seq == last + 1
+            and self._replay is None
+            and self._other is None
+            and not self._pending
+        ):
+            # In order with nothing in flight (nearly every batch): expire() has nothing to
+            # do and _on_live() would accept it; take that path without the calls.
+            self._accept(batch, payload)
+            return None
         action = self.expire(now)
         if self._pending:
             return self._on_pending(batch, payload, now) or action

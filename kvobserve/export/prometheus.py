@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 from kvobserve import __version__
@@ -68,6 +70,175 @@ class _Families:
         m.add_sample(f"{name}_sum", labels, h.sum)
 
 
+class _Sink(Protocol):
+    """Where `_fleet` puts samples: prometheus_client Metric objects or exposition text."""
+
+    def add(self, name: str, labels: dict[str, str], value: float) -> None: ...
+
+    def histogram(self, name: str, labels: dict[str, str], h: Histogram) -> None: ...
+
+
+_SPECIAL = re.compile(r'[\\\n"]')
+
+
+def _escape(value: str) -> str:
+    if _SPECIAL.search(value) is None:
+        return value
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+
+
+_LABELSTR_MEMO: dict[tuple[tuple[str, str], ...], str] = {}
+_LABELSTR_MEMO_MAX = 200_000  # a fleet's label sets are stable across scrapes; bound it anyway
+
+
+def _labelstr(labels: Mapping[str, str]) -> str:
+    """`{k="v",...}` sorted by name, escaped as prometheus_client does; "" for no labels."""
+    if not labels:
+        return ""
+    key = tuple(labels.items())
+    text = _LABELSTR_MEMO.get(key)
+    if text is None:
+        text = "{" + ",".join([f'{k}="{_escape(v)}"' for k, v in sorted(key)]) + "}"
+        if len(_LABELSTR_MEMO) >= _LABELSTR_MEMO_MAX:
+            _LABELSTR_MEMO.clear()
+        _LABELSTR_MEMO[key] = text
+    return text
+
+
+def _value(v: float) -> str:
+    # floatToGoString(int) is repr(float(v)) below a million: skip the float round trip
+    if type(v) is int and -1_000_000 < v < 1_000_000:
+        return f"{v}.0"
+    return floatToGoString(v)
+
+
+_LE = "\x00le\x00"  # placeholder for the `le` value while a histogram's label string is built
+
+
+class _TextFamilies:
+    """The catalog's families as exposition text, byte for byte what prometheus_client writes.
+
+    prometheus_client builds a Sample and a label dict per sample and sorts and escapes the
+    labels per sample; at 1,024 streams (~50k samples) that is about a second per scrape.
+    Here a label dict shared by several families is rendered once (cached by identity for
+    the scrape) and a histogram's labels once for all its buckets.
+    """
+
+    def __init__(self) -> None:
+        self.lines: dict[str, list[str]] = {m.name: [] for m in CATALOG}
+        self._seen: set[tuple[str, str]] = set()
+        self._cache: dict[int, tuple[Mapping[str, str], str]] = {}  # keeps the dicts alive
+        self._le: dict[float, str] = {}
+
+    def _labels(self, labels: Mapping[str, str]) -> str:
+        hit = self._cache.get(id(labels))
+        if hit is not None and hit[0] is labels:
+            return hit[1]
+        text = _labelstr(labels)
+        self._cache[id(labels)] = (labels, text)
+        return text
+
+    def add(self, name: str, labels: dict[str, str], value: float) -> None:
+        """One sample of a catalog family; a repeated label set is dropped (first one wins)."""
+        hit = self._cache.get(id(labels))
+        ls = hit[1] if hit is not None and hit[0] is labels else self._labels(labels)
+        key = (name, ls)
+        seen = self._seen
+        if key in seen:
+            return
+        seen.add(key)
+        # _value() inlined: this runs once per sample
+        if type(value) is int and -1_000_000 < value < 1_000_000:
+            self.lines[name].append(f"{name}{ls} {value}.0\n")
+        else:
+            self.lines[name].append(f"{name}{ls} {floatToGoString(value)}\n")
+
+    def histogram(self, name: str, labels: dict[str, str], h: Histogram) -> None:
+        """A cumulative histogram as _bucket/_count/_sum lines."""
+        ls = self._labels(labels)
+        key = (name, ls)
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        parts = _labelstr({**labels, "le": _LE}).split(_LE)
+        if len(parts) != 2:  # the placeholder inside a label value: do it the long way
+            f = _Families()
+            f.histogram(name, labels, h)
+            self.lines[name].extend(_sample_line(s) for s in f.metrics[name].samples)
+            return
+        head, tail = f"{name}_bucket{parts[0]}", f"{parts[1]} "
+        out = self.lines[name]
+        le = self._le
+        last = 0
+        for bound, count in zip(h.bounds, h.counts, strict=False):
+            last = max(last, count)  # cumulative: never let a bucket fall below the one before
+            b = le.get(bound)
+            if b is None:
+                b = le[bound] = floatToGoString(bound)
+            out.append(f"{head}{b}{tail}{_value(last)}\n")
+        top = _value(max(h.count, last))
+        out.append(f"{head}+Inf{tail}{top}\n")
+        out.append(f"{name}_count{ls} {top}\n")
+        out.append(f"{name}_sum{ls} {_value(h.sum)}\n")
+
+    def text(self, openmetrics: bool) -> tuple[str, set[str]]:
+        """(the families with samples as text, their prometheus_client family names)."""
+        out: list[str] = []
+        names: set[str] = set()
+        for m in CATALOG:
+            lines = self.lines[m.name]
+            if not lines:
+                continue
+            names.add(m.family)
+            if openmetrics:
+                doc = m.help.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+                out.append(f"# HELP {m.family} {doc}\n# TYPE {m.family} {m.type}\n")
+            else:
+                doc = m.help.replace("\\", r"\\").replace("\n", r"\n")
+                out.append(f"# HELP {m.name} {doc}\n# TYPE {m.name} {m.type}\n")
+            out.extend(lines)
+        return "".join(out), names
+
+
+def _sample_line(s: Sample) -> str:
+    return f"{s.name}{_labelstr(s.labels)} {floatToGoString(s.value)}\n"
+
+
+class _Listed:
+    """Metric families already built, in the shape an encoder wants (a `collect()`)."""
+
+    def __init__(self, metrics: list[Metric]) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> list[Metric]:
+        """The families."""
+        return self._metrics
+
+
+def render_exposition(
+    view: FleetView,
+    extra: Sequence[Metric],
+    encoder: Callable[[Any], bytes],
+    openmetrics: bool = False,
+) -> bytes:
+    """The whole /metrics body: catalog families rendered here, extras and passthrough by
+    `encoder` (prometheus_client's, from choose_encoder: it also writes OpenMetrics' # EOF).
+
+    Same bytes as `encoder` over FleetCollector.collect() for the text format 0.0.4 and for
+    OpenMetrics with legacy-valid names (every name here is).
+    """
+    f = _TextFamilies()
+    f.add("kvobserve_build_info", {"version": __version__}, 1)
+    _fleet(f, view)
+    head, taken = f.text(openmetrics)
+    rest = []
+    for m in [*extra, *_passthrough(view)]:
+        if m.name not in taken:
+            taken.add(m.name)
+            rest.append(m)
+    return head.encode() + encoder(_Listed(rest))
+
+
 def _stream_labels(s: StreamView) -> dict[str, str]:
     st = s.stats
     return {
@@ -77,7 +248,10 @@ def _stream_labels(s: StreamView) -> dict[str, str]:
     }
 
 
-def _stream(f: _Families, s: StreamView) -> None:
+_EVENT_TYPES = ("stored", "removed", "cleared")
+
+
+def _stream(f: _Sink, s: StreamView) -> None:
     st: StreamStats = s.stats
     lb = _stream_labels(s)
     info = {
@@ -91,10 +265,11 @@ def _stream(f: _Families, s: StreamView) -> None:
     f.add("kvobserve_stream_up", lb, 1 if s.up else 0)
     # Cumulative values stay true after the collector stops: serve them for stale streams too.
     f.add("kvobserve_kv_event_batches_total", lb, st.batches_total)
-    for typ in ("stored", "removed", "cleared"):
+    for typ in _EVENT_TYPES:
         f.add("kvobserve_kv_events_total", {**lb, "type": typ}, st.events.get(typ, 0))
     for typ, n in sorted(st.events.items()):
-        f.add("kvobserve_kv_events_total", {**lb, "type": typ}, n)
+        if typ not in _EVENT_TYPES:  # those were just added: a repeat would be dropped anyway
+            f.add("kvobserve_kv_events_total", {**lb, "type": typ}, n)
     f.add("kvobserve_kv_sequence_gaps_total", lb, st.gaps)
     f.add("kvobserve_kv_batches_missed_total", lb, st.missed)
     f.add("kvobserve_kv_batches_recovered_total", lb, st.recovered)
@@ -106,16 +281,15 @@ def _stream(f: _Families, s: StreamView) -> None:
     f.add("kvobserve_kv_rank_mismatch_batches_total", lb, st.rank_mismatch_batches)
     for reason, n in sorted(st.decode_errors.items()):
         f.add("kvobserve_kv_decode_errors_total", {**lb, "reason": reason}, n)
-    for m in st.media:
-        ml = {**lb, "medium": m.medium}
+    media = [(m, {**lb, "medium": m.medium}) for m in st.media]  # one label dict per medium
+    for m, ml in media:
         f.add("kvobserve_kv_blocks_stored_total", ml, m.stored_total)
         f.add("kvobserve_kv_blocks_removed_total", ml, m.removed_total)
         if m.lifetime is not None:
             f.histogram("kvobserve_kv_block_lifetime_seconds", ml, m.lifetime)
     if not s.live:
         return
-    for m in st.media:
-        ml = {**lb, "medium": m.medium}
+    for m, ml in media:
         f.add("kvobserve_kv_blocks", ml, m.blocks)
         f.add("kvobserve_kv_tokens", ml, m.tokens)
     if s.capacity_tokens:
@@ -140,7 +314,7 @@ _SCHEDULER_FIELDS = (
 )
 
 
-def _fleet(f: _Families, v: FleetView) -> None:
+def _fleet(f: _Sink, v: FleetView) -> None:
     for c in v.collectors:
         i = c.info
         cl = {"collector": i.collector_id}
@@ -231,6 +405,14 @@ class FleetCollector(Collector):
     def __init__(self, view_provider: ViewProvider, extra: ExtraProvider | None = None) -> None:
         self._view = view_provider
         self._extra = extra
+
+    def exposition(
+        self, encoder: Callable[[Any], bytes], openmetrics: bool = False
+    ) -> Callable[[], bytes]:
+        """Take the view and the extras now; the returned function renders the body (any thread)."""
+        v = self._view()
+        extra = list(self._extra()) if self._extra is not None else []
+        return partial(render_exposition, v, extra, encoder, openmetrics)
 
     def collect(self) -> Iterable[Metric]:
         """Metric families of one scrape."""

@@ -15,7 +15,7 @@ from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import choose_encoder
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encoder
 from prometheus_client.metrics_core import Metric
 
 from kvobserve.export import api, status_page
@@ -23,6 +23,7 @@ from kvobserve.export.prometheus import ExtraProvider, FleetCollector, ViewProvi
 
 MAX_REQUEST_BYTES = 4096
 REGISTRY = web.AppKey("registry", CollectorRegistry)
+FLEET = web.AppKey("fleet", FleetCollector)
 VIEW = web.AppKey("view", object)  # ViewProvider; AppKey wants a runtime type
 READY = web.AppKey("ready", object)
 AUTH = web.AppKey("auth", object)
@@ -54,12 +55,31 @@ class _Collected:
         return self._metrics
 
 
+def _fast_format(content_type: str) -> bool | None:
+    """False: text 0.0.4, True: OpenMetrics, None: a variant only prometheus_client writes."""
+    if content_type == CONTENT_TYPE_PLAIN_0_0_4:
+        return False
+    if content_type.startswith("application/openmetrics-text") and (
+        "escaping" not in content_type
+        or content_type.endswith(("escaping=underscores", "escaping=allow-utf-8"))
+    ):
+        return True  # our names are legacy-valid: these escapings leave them as they are
+    return None
+
+
 async def _metrics(request: web.Request) -> web.Response:
     encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
-    # Collect on the loop (the fleet state is only touched there); text encoding is most of the
-    # cost for a large fleet and works on fresh objects, so it runs off the loop.
-    collected = _Collected(list(request.app[REGISTRY].collect()))
-    body = await asyncio.to_thread(encoder, collected)
+    # The view and the extras are taken on the loop (the fleet state is only touched there);
+    # rendering works on that immutable view, so it runs off the loop. The catalog families
+    # are rendered by our own writer (same bytes; ~10x faster at 1,024 streams, see
+    # docs/performance.md), other variants by prometheus_client.
+    openmetrics = _fast_format(content_type)
+    if openmetrics is None:
+        collected = _Collected(list(request.app[REGISTRY].collect()))
+        body = await asyncio.to_thread(encoder, collected)
+    else:
+        render = request.app[FLEET].exposition(encoder, openmetrics)
+        body = await asyncio.to_thread(render)
     return web.Response(body=body, headers={"Content-Type": content_type})
 
 
@@ -150,8 +170,10 @@ def create_app(
         middlewares.append(_auth_middleware(*basic_auth))
     app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=middlewares)
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(FleetCollector(view_provider, extra_metrics))
+    fleet = FleetCollector(view_provider, extra_metrics)
+    registry.register(fleet)
     app[REGISTRY] = registry
+    app[FLEET] = fleet
     app[VIEW] = view_provider
     app[READY] = ready
     app[REFRESH] = float(refresh_s)

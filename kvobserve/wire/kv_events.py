@@ -278,7 +278,11 @@ def decode_message(frames: Sequence[bytes], max_payload: int = DEFAULT_MAX_PAYLO
     if len(frames) != 3:
         raise WireError("frame_count", f"{len(frames)} frames, expected 3 [topic, seq, payload]")
     topic, seq, payload = frames
-    return decode_payload(topic.decode("utf-8", "replace"), decode_seq(seq), payload, max_payload)
+    if len(seq) != 8:
+        raise WireError("seq_length", f"seq frame of {len(seq)} bytes, expected 8")
+    return decode_payload(
+        topic.decode("utf-8", "replace"), int.from_bytes(seq, "big"), payload, max_payload
+    )
 
 
 def hash_json(h: BlockHash | None) -> int | str | None:

@@ -1,0 +1,120 @@
+"""Each benchmark's core runs on a tiny input (no timing asserted); the fast /metrics writer is exact."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.openmetrics.exposition import generate_latest as om_generate_latest
+from prometheus_client.utils import floatToGoString
+
+from benchmarks import e2e, ingest, memory, scale
+from benchmarks._common import build_cycle
+from kvobserve.analysis.blocks import BlockIndex
+from kvobserve.analysis.fleet import FleetState, FleetView
+from kvobserve.export.prometheus import FleetCollector, _value, catalog_metric, render_exposition
+from kvobserve.wire.kv_events import decode_payload
+from kvobserve.wire.snapshot import decode_snapshot, encode_snapshot
+from tests.unit.test_export_fleet import rich_view
+
+
+def test_ingest_cycle_is_store_remove_balanced() -> None:
+    cycle = build_cycle(32)
+    idx = BlockIndex()
+    for seq, p in enumerate(cycle * 2):  # twice round: every re-store follows its removal
+        idx.apply_batch(decode_payload("kv-events", seq, p))
+    assert idx.blocks == {"GPU": 4096 * 16}
+    # the first WINDOW removes of the first cycle find nothing; after that, nothing is stale
+    assert idx.remove_of_unknown_total == 4096 * 16
+    assert idx.store_of_resident_total == 0
+
+
+def test_ingest_consumers_agree_over_real_zmq() -> None:
+    bare = ingest.measure(32, 300, "bare")
+    ours = ingest.measure(32, 300, "kvobserve")
+    assert (bare.batches, bare.gaps) == (300, 0)
+    assert (ours.batches, ours.gaps) == (300, 0)
+    assert bare.rate > 0 and ours.rate > 0
+
+
+def test_bare_and_naive_handlers_track_the_same_blocks_as_the_index() -> None:
+    payloads = build_cycle(1)[:64]  # 32 stores; the 32 removes are of groups never stored
+    bare, bare_resident = ingest.bare_handler()
+    naive, naive_resident = ingest.naive_handler()
+    idx = BlockIndex()
+    for seq, p in enumerate(payloads):
+        bare(p)
+        naive(p)
+        idx.apply_batch(decode_payload("kv-events", seq, p))
+    assert bare_resident == set(naive_resident) == idx.resident_hashes()["GPU"]
+    assert len(bare_resident) == 32 * 16
+
+
+def test_memory_fill_counts_every_block() -> None:
+    per = memory.per_block_traced(5_000, bytes_hashes=False)
+    assert 40 < per < 400  # an int object plus a dict slot, give or take a resize
+
+
+def test_scale_snapshot_round_trips_and_renders() -> None:
+    now = time.time()
+    fs = FleetState()
+    for c in range(2):
+        snap = decode_snapshot(encode_snapshot(scale.synthetic_snapshot(c, 8, 1, now)))
+        fs.update(snap, now)
+    body = FleetCollector(lambda: fs.view(now)).exposition(generate_latest)()
+    assert body.count(b"\nkvobserve_stream_up{") == 16
+
+
+def test_e2e_payload_decodes_as_one_stored_event() -> None:
+    batch = decode_payload("kv-events", 5, e2e.payload(5))
+    assert [len(ev.block_hashes) for ev in batch.events] == [16]  # type: ignore[attr-defined]
+
+
+def _fleets() -> list[FleetView]:
+    now = time.time()
+    fs = FleetState()
+    for c in range(4):
+        fs.update(scale.synthetic_snapshot(c, 8, 3, now), now)
+    return [rich_view(), fs.view(now), FleetView()]
+
+
+@pytest.mark.parametrize("accept", ["", "application/openmetrics-text; version=1.0.0"])
+def test_fast_exposition_is_byte_identical_to_prometheus_client(accept: str) -> None:
+    encoder, _ = choose_encoder(accept)
+    om = accept != ""
+    extra = [catalog_metric("kvobserve_nats_connected", [({}, 1.0)])]
+    for view in _fleets():
+        reg = CollectorRegistry(auto_describe=False)
+        reg.register(FleetCollector(lambda v=view: v, lambda: extra))  # type: ignore[misc]
+        want = (om_generate_latest if om else generate_latest)(reg)
+        got = render_exposition(view, extra, encoder, om)
+        assert got == want
+
+
+def test_label_values_needing_escapes_render_as_prometheus_client_does() -> None:
+    view = rich_view()
+    st = view.streams[0].stats
+    odd = msgspec.structs.replace(st, endpoint='tcp://a"b\\c\nd', worker_id="w\\x")
+    view.streams[0] = type(view.streams[0])(odd, *list(vars(view.streams[0]).values())[1:])
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(FleetCollector(lambda: view))
+    want = generate_latest(reg)
+    assert b'endpoint="tcp://a\\"b\\\\c\\nd"' in want  # the escapes are exercised
+    assert render_exposition(view, [], generate_latest) == want
+
+
+@pytest.mark.parametrize(
+    "v", [0, 1, -1, 999_999, 1_000_000, -1_000_000, 123_456_789, 0.5, 1e-9, 2.5e20, True, False]
+)
+def test_value_formatting_matches_float_to_go_string(v: float) -> None:
+    assert _value(v) == floatToGoString(v)
+
+
+def test_benchmark_modules_have_a_main() -> None:
+    for mod in (ingest, e2e, scale, memory):
+        assert callable(mod.main), mod.__name__
+    assert Path(ingest.__file__).parent.name == "benchmarks"
