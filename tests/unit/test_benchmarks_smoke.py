@@ -16,7 +16,8 @@ from benchmarks import e2e, ingest, memory, scale
 from benchmarks._common import build_cycle
 from kvobserve.analysis.blocks import BlockIndex
 from kvobserve.analysis.fleet import FleetState, FleetView
-from kvobserve.export.prometheus import FleetCollector, _value, catalog_metric, render_exposition
+from kvobserve.export.exposition import format_value
+from kvobserve.export.prometheus import FleetCollector, catalog_metric, render_exposition
 from kvobserve.wire.kv_events import decode_payload
 from kvobserve.wire.snapshot import decode_snapshot, encode_snapshot
 from tests.unit.test_export_fleet import rich_view
@@ -111,7 +112,7 @@ def test_label_values_needing_escapes_render_as_prometheus_client_does() -> None
     "v", [0, 1, -1, 999_999, 1_000_000, -1_000_000, 123_456_789, 0.5, 1e-9, 2.5e20, True, False]
 )
 def test_value_formatting_matches_float_to_go_string(v: float) -> None:
-    assert _value(v) == floatToGoString(v)
+    assert format_value(v) == floatToGoString(v)
 
 
 def test_benchmark_modules_have_a_main() -> None:
