@@ -18,7 +18,7 @@ from kvobserve.analysis.blocks import BlockIndex
 from kvobserve.wire.kv_events import KvBatch
 
 if TYPE_CHECKING:
-    from collections.abc import Hashable
+    pass
 
 REPLAY_RESULTS: Final = ("ok", "partial", "timeout", "error", "overflow", "aborted")
 _RECENT = 8  # payloads kept (by reference) to recognise duplicate deliveries
@@ -428,29 +428,3 @@ class StreamSequencer:
             self.state_complete = True  # replayed from 0: the index saw everything
         self.replay_requests[result] = self.replay_requests.get(result, 0) + 1
         self._replay = None
-
-
-class MirrorDetector:
-    """Per worker: notices two streams delivering the same batches (by a cheap fingerprint)."""
-
-    def __init__(self, capacity: int = 1024) -> None:
-        self._owner: dict[Hashable, StreamSequencer] = {}
-        self._order: deque[Hashable] = deque()
-        self.capacity = capacity
-
-    def observe(
-        self, stream: StreamSequencer, fingerprint: Hashable, now: float
-    ) -> StreamSequencer | None:
-        """Record `fingerprint` (e.g. `(seq, ts, len(payload))`) for `stream`; flag both on a match."""
-        other = self._owner.get(fingerprint)
-        if other is None:
-            self._owner[fingerprint] = stream
-            self._order.append(fingerprint)
-            if len(self._order) > self.capacity:
-                self._owner.pop(self._order.popleft(), None)
-            return None
-        if other is stream:
-            return None
-        other.mark_duplicate_stream(now)
-        stream.mark_duplicate_stream(now)
-        return other

@@ -22,10 +22,10 @@ from typing import Any, TypeVar
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from kvobserve.analysis.mirror import MirrorDetector
 from kvobserve.analysis.sequence import (
     DEFAULT_LIMITS,
     CancelReplay,
-    MirrorDetector,
     RequestReplay,
     SequencerLimits,
     StreamSequencer,

@@ -6,10 +6,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvobserve.analysis.blocks import BlockIndex
+from kvobserve.analysis.mirror import MirrorDetector
 from kvobserve.analysis.sequence import (
     Action,
     CancelReplay,
-    MirrorDetector,
     RequestReplay,
     SequencerLimits,
     StreamSequencer,
