@@ -82,6 +82,9 @@ class Aggregator:
         except WireError as exc:
             self.decode_errors[exc.reason] = self.decode_errors.get(exc.reason, 0) + 1
             return
+        except UnicodeDecodeError:  # msgspec's error for a str of invalid UTF-8; not msgpack
+            self.decode_errors["msgpack"] = self.decode_errors.get("msgpack", 0) + 1
+            return
         now = self.clock()
         self.fleet.update(snap, now if received is None else min(received, now))
 

@@ -102,6 +102,9 @@ class Collector:
         self._seq = 0
         self.snapshots_published = 0
         self.last_snapshot: Snapshot | None = None
+        # passthrough samples refused by the cap, cumulative (a counter): once per engine scrape
+        self._passthrough_refused = 0
+        self._passthrough_counted: dict[str, int] = {}  # worker -> the scrape last counted
 
     async def start(self) -> None:
         """Discover, open the streams, start the scheduler sources and the snapshot loop."""
@@ -177,14 +180,17 @@ class Collector:
                 extra = {"worker_id": wid, "node_rank": str(self.info.node_rank)}
                 fams = _families(relabel(src.scrape.families, extra))
                 room = MAX_PASSTHROUGH_SAMPLES - sum(len(f.samples) for f in passthrough)
+                scrape_no = src.scrape.messages_total
+                new_scrape = self._passthrough_counted.get(wid) != scrape_no
+                self._passthrough_counted[wid] = scrape_no
                 for fam in fams:  # an engine's /metrics can be large: keep the snapshot bounded
                     if len(fam.samples) > room:
-                        refused["passthrough_samples"] = refused.get(
-                            "passthrough_samples", 0
-                        ) + len(fam.samples)
+                        self._passthrough_refused += len(fam.samples) if new_scrape else 0
                         continue
                     room -= len(fam.samples)
                     passthrough.append(fam)
+        if self._passthrough_refused:
+            refused["passthrough_samples"] = self._passthrough_refused
         self._seq += 1
         return Snapshot(
             self.info,

@@ -121,13 +121,15 @@ class _Tap:
                 batch = decode_replay_message(frames, topic, self.max_payload)
             else:
                 batch = decode_message(frames, self.max_payload)
+            # lazily decoded fields (lora_name, token ids) can fail here too
+            text = None if batch is None else json.dumps(batch_to_dict(batch, self.token_ids))
         except WireError as exc:
             err = {"error": exc.reason, "detail": str(exc), "source": source, "at": where}
             sys.stderr.write(json.dumps(err) + "\n")
             sys.stderr.flush()
             return None
-        if batch is not None:
-            self.out.write(json.dumps(batch_to_dict(batch, self.token_ids)) + "\n")
+        if text is not None:
+            self.out.write(text + "\n")
             self.out.flush()
             self.printed += 1
         return batch

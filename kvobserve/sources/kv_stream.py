@@ -111,7 +111,7 @@ class _Stream:
         self.mirror: MirrorDetector | None = None
         self.connected = False
         self.decode_errors: dict[str, int] = {}
-        self.bad_seqs: deque[int] = deque(maxlen=64)  # live seqs that did not decode
+        self.bad_seqs: deque[int] = deque(maxlen=64)  # seqs that did not decode, live or replay
         self.batches = 0  # probe ports: KV batches seen
         self.last_seen = 0.0  # monotonic time of the last message
         self.last_lag: float | None = None
@@ -142,7 +142,8 @@ class IngestLoop:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvobserve-ingest", daemon=True)
         self._initial = list(specs)
-        self._refused_streams: set[tuple[str, int]] = set()
+        self._refused_streams: set[tuple[str, int]] = set()  # refused by the last plan
+        self.refused_streams_total = 0
         self._warned_refused = False
         self.received_total = 0
         self.loop_errors = 0
@@ -241,9 +242,8 @@ class IngestLoop:
             try:
                 batch = decode_message(frames, opts.max_payload)
             except WireError as exc:
-                st.decode_errors[exc.reason] = st.decode_errors.get(exc.reason, 0) + 1
-                if len(frames) == 3 and len(frames[1]) == 8:
-                    st.bad_seqs.append(int.from_bytes(frames[1], "big"))
+                seq_frame = frames[1] if len(frames) == 3 else b""
+                _count_bad(st, exc.reason, seq_frame)
                 continue
             if batch.unknown_events:
                 st.decode_errors["unknown_event"] = (
@@ -312,10 +312,7 @@ class IngestLoop:
             try:
                 batch = decode_replay_message(frames, st.spec.topic, self.options.max_payload)
             except WireError as exc:
-                # the ring returns the live bytes: a batch that failed live is counted once
-                seq_frame = frames[-2] if len(frames) in (3, 4) else b""
-                if len(seq_frame) != 8 or int.from_bytes(seq_frame, "big") not in st.bad_seqs:
-                    st.decode_errors[exc.reason] = st.decode_errors.get(exc.reason, 0) + 1
+                _count_bad(st, exc.reason, frames[-2] if len(frames) in (3, 4) else b"")
                 continue
             if batch is None:  # end marker; holes younger than the reply are asked for anew
                 self._close_replay(st)
@@ -386,7 +383,7 @@ class IngestLoop:
         wanted = {s.key: s for s in specs}
         for key in [k for k in self._streams if k not in wanted]:
             self._close(self._streams.pop(key))
-        self._refused_streams = set()
+        before, self._refused_streams = self._refused_streams, set()
         for key, spec in wanted.items():
             st = self._streams.get(key)
             if st is not None and st.spec == spec:
@@ -415,6 +412,7 @@ class IngestLoop:
             except zmq.ZMQError as exc:  # a bad endpoint must not take the others down
                 st.decode_errors["connect"] = st.decode_errors.get("connect", 0) + 1
                 log.warning("cannot connect %s: %s", spec.endpoint, exc)
+        self.refused_streams_total += len(self._refused_streams - before)  # newly refused
         if self._refused_streams and not self._warned_refused:
             self._warned_refused = True  # once: the count is in kvobserve_collector_refused_total
             log.warning(
@@ -438,7 +436,7 @@ class IngestLoop:
         now = self._clock()
         streams: list[StreamStats] = []
         unexpected: list[UnexpectedStream] = []
-        refused = {"streams": len(self._refused_streams), "medium_events": 0}
+        refused = {"streams": self.refused_streams_total, "medium_events": 0}
         for st in self._streams.values():
             spec = st.spec
             if st.seq is None:
@@ -452,6 +450,19 @@ class IngestLoop:
             streams.append(_stream_stats(st, st.seq, now))
             refused["medium_events"] += st.seq.index.media_refused_events
         return IngestStats(streams, unexpected, {k: v for k, v in refused.items() if v})
+
+
+def _count_bad(st: _Stream, reason: str, seq_frame: bytes) -> None:
+    """Count one message that did not decode, once per seq whether live or replay saw it first.
+
+    The replay ring returns the live bytes, so the same bad batch arrives on both paths.
+    """
+    if len(seq_frame) == 8:
+        seq = int.from_bytes(seq_frame, "big")
+        if seq in st.bad_seqs:
+            return
+        st.bad_seqs.append(seq)
+    st.decode_errors[reason] = st.decode_errors.get(reason, 0) + 1
 
 
 def _stream_stats(st: _Stream, sq: StreamSequencer, now: float) -> StreamStats:

@@ -356,23 +356,23 @@ class SchedulerSources:
         ranks = range(dp_size)
         self.sources: list[_Source] = []
         self.scrape: MetricsScrape | None = None
+        load = worker.load_endpoint or load_endpoint  # config wins over discovery
+        # A context of our own (not the process-wide instance), so close() ends its I/O threads.
+        self._own_ctx = None
+        if ctx is None and (load or worker.kv_metrics_endpoint or worker.fpm_endpoint):
+            ctx = self._own_ctx = zmq.asyncio.Context()
         if worker.metrics_url:
             self.scrape = MetricsScrape(
                 worker.metrics_url, worker.engine, interval_s=interval_s, clock=clock
             )
             self.sources.append(self.scrape)
-        load = worker.load_endpoint or load_endpoint  # config wins over discovery
         if load:
             self.sources.append(LoadSubscriber(load, ranks, ctx=ctx, clock=clock))
         if worker.kv_metrics_endpoint:
-            self.sources.append(
-                KvMetricsPull(
-                    worker.kv_metrics_endpoint,
-                    allow_pickle=worker.allow_pickle,
-                    ctx=ctx,
-                    clock=clock,
-                )
+            pull = KvMetricsPull(
+                worker.kv_metrics_endpoint, allow_pickle=worker.allow_pickle, ctx=ctx, clock=clock
             )
+            self.sources.append(pull)
         if worker.fpm_endpoint:
             self.sources.append(FpmSubscriber(worker.fpm_endpoint, ranks, ctx=ctx, clock=clock))
 
@@ -394,6 +394,9 @@ class SchedulerSources:
             await s.start()
 
     async def close(self) -> None:
-        """Close every source; safe to call twice."""
+        """Close every source (and our ZMQ context: no I/O thread stays); safe to call twice."""
         for s in self.sources:
             await s.close()
+        ctx, self._own_ctx = self._own_ctx, None
+        if ctx is not None:
+            ctx.destroy(linger=0)

@@ -6,12 +6,13 @@ This module imports neither, so the embedded path never loads the NATS client.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-__all__ = ["Handler", "Transport", "TransportCounters", "TransportStatus"]
+__all__ = ["Coalescer", "Handler", "Transport", "TransportCounters", "TransportStatus"]
 
 # Receives the raw bytes of one message; may be a plain function or a coroutine function.
 Handler = Callable[[bytes], Awaitable[None] | None]
@@ -70,3 +71,32 @@ class Transport(Protocol):
     async def close(self) -> None:
         """Stop delivering and release the connection; safe to call twice."""
         ...
+
+
+class Coalescer:
+    """The newest undelivered message per key, fed to `deliver` by one task (its owner cancels it)."""
+
+    # A subscriber slower than its publishers lags by at most one message per key instead of a
+    # backlog; each message replaced before delivery is counted as dropped "coalesced".
+
+    def __init__(
+        self, deliver: Callable[[bytes], Awaitable[None]], counters: TransportCounters
+    ) -> None:
+        self._deliver, self._counters = deliver, counters
+        self._pending: dict[str, bytes] = {}
+        self._wakeup = asyncio.Event()
+        self.task = asyncio.create_task(self._run(), name="kvobserve-coalescer")
+
+    def put(self, key: str, data: bytes) -> None:
+        """Queue `data` for `key`, replacing (and counting) an undelivered older one."""
+        if key in self._pending:
+            self._counters.drop("coalesced")
+        self._pending[key] = data
+        self._wakeup.set()
+
+    async def _run(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while self._pending:
+                await self._deliver(self._pending.pop(next(iter(self._pending))))

@@ -28,7 +28,7 @@ from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 
 from kvobserve.config import NatsConfig
-from kvobserve.transport import Handler, TransportCounters, TransportStatus
+from kvobserve.transport import Coalescer, Handler, TransportCounters, TransportStatus
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +142,7 @@ class NatsTransport:
         self._auth_failed = asyncio.Event()
         self._closing = False
         self._warned: set[str] = set()
+        self._deliveries: list[asyncio.Task[None]] = []  # one per coalescing subscription
 
     @property
     def client(self) -> Client | None:
@@ -305,39 +306,53 @@ class NatsTransport:
                     self._drop_once("kv_error", f"nats: KV put of {key!r} failed: {exc!r}")
 
     async def subscribe_snapshots(self, handler: Handler) -> None:
-        """Deliver every snapshot of this cluster to `handler`."""
+        """Deliver this cluster's snapshots to `handler` (while it is busy: the newest per collector)."""
+        # Snapshots are cumulative, so a replaced one loses nothing; it is counted as `coalesced`.
         await self._subscribe(
-            f"kvobserve.v1.{subject_token(self.cluster)}.snapshot.*", handler, True
+            f"kvobserve.v1.{subject_token(self.cluster)}.snapshot.*", handler, True, True
         )
 
     async def subscribe_events(self, handler: Handler) -> None:
         """Deliver every condition event of this cluster to `handler`."""
         await self._subscribe(f"kvobserve.v1.{subject_token(self.cluster)}.event.*", handler, False)
 
-    async def _subscribe(self, subject: str, handler: Handler, count: bool) -> None:
+    async def _subscribe(
+        self, subject: str, handler: Handler, count: bool, coalesce: bool = False
+    ) -> None:
         nc = self._nc
         if nc is None:
             raise RuntimeError("NatsTransport.connect() was not called")
-        counters = self.counters
+
+        box = None
+        if coalesce:  # nats-py would queue 512k messages behind a slow handler before dropping
+            box = Coalescer(lambda data: self._handle(handler, data, subject, count), self.counters)
+            self._deliveries.append(box.task)
 
         async def on_msg(msg: Msg) -> None:
-            try:
-                result = handler(msg.data)
-                if inspect.isawaitable(result):
-                    await result
-            except Exception:
-                counters.handler_errors += 1
-                if "handler" not in self._warned:
-                    self._warned.add("handler")
-                    log.warning("nats: the %s handler raised (warned once)", subject, exc_info=True)
-                return
-            if count:
-                counters.received += 1
+            if box is not None:
+                box.put(msg.subject, msg.data)
+            else:
+                await self._handle(handler, msg.data, subject, count)
 
         await nc.subscribe(subject, cb=on_msg)
         # Make sure the server has registered the interest before callers rely on it.
         with contextlib.suppress(nats.errors.Error, TimeoutError):
             await nc.flush(timeout=max(1, int(self._connect_timeout_s)))
+
+    async def _handle(self, handler: Handler, data: bytes, subject: str, count: bool) -> None:
+        """Run the subscriber's handler on one message; it raising is counted, never fatal."""
+        try:
+            result = handler(data)
+            if inspect.isawaitable(result):
+                await result
+        except Exception:
+            self.counters.handler_errors += 1
+            if "handler" not in self._warned:
+                self._warned.add("handler")
+                log.warning("nats: the %s handler raised (warned once)", subject, exc_info=True)
+            return
+        if count:
+            self.counters.received += 1
 
     async def retained_snapshots(self) -> list[tuple[bytes, float]]:
         """(snapshot bytes, wall-clock time it was stored) per collector in the KV bucket."""
@@ -372,6 +387,10 @@ class NatsTransport:
         if self._closing:
             return
         self._closing = True
+        for task in self._deliveries:
+            task.cancel()
+        await asyncio.gather(*self._deliveries, return_exceptions=True)
+        self._deliveries.clear()
         if self._kv_task is not None:
             self._kv_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

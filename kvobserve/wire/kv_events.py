@@ -17,6 +17,16 @@ from msgspec import Raw, Struct
 from kvobserve.wire.errors import WireError
 
 DEFAULT_MAX_PAYLOAD = 32 * 1024 * 1024
+
+
+def _lazy(dec: msgspec.msgpack.Decoder[Any], raw: Raw, field: str) -> Any:
+    """Decode a field kept raw in the batch; its errors are WireErrors like any other."""
+    try:
+        return dec.decode(raw)
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise WireError("schema", f"{field}: {exc}") from None
+
+
 END_SEQ = b"\xff" * 8
 
 BlockHash = int | bytes
@@ -64,10 +74,12 @@ class BlockStored(KvEvent, gc=False):
         raise NotImplementedError
 
     def decoded_token_ids(self) -> list[Any]:
-        """The token ids (or bigram pairs); decoded only on request."""
+        """The token ids (or bigram pairs); decoded only on request. Raises WireError only."""
         if not self.token_ids:
             return []
-        return list(msgspec.msgpack.decode(self.token_ids))
+        tokens = _lazy(_dec_token_ids, self.token_ids, "token_ids")
+        assert isinstance(tokens, list)
+        return tokens
 
 
 class BlockRemoved(KvEvent, gc=False):
@@ -96,7 +108,7 @@ class _StoredArr(BlockStored, array_like=True, tag="BlockStored", gc=False):
     def lora(self) -> str | None:
         first = memoryview(self.slot7)[:1].tobytes()
         if first and (0xA0 <= first[0] <= 0xBF or first[0] in (0xD9, 0xDA, 0xDB)):
-            return str(msgspec.msgpack.decode(self.slot7))
+            return str(_lazy(_dec_str, self.slot7, "lora_name"))
         return None
 
 
@@ -158,6 +170,8 @@ class _TagMap(Struct):
     type: str
 
 
+_dec_token_ids = msgspec.msgpack.Decoder(list[int | list[int]])
+_dec_str = msgspec.msgpack.Decoder(str)
 _dec_batch_arr = msgspec.msgpack.Decoder(_BatchArr)
 _dec_batch_map = msgspec.msgpack.Decoder(_BatchMap)
 _dec_batch_raw = msgspec.msgpack.Decoder(_BatchRaw)

@@ -231,12 +231,21 @@ class _RestrictedUnpickler(pickle.Unpickler):
         raise WireError("pickle_forbidden", "pickle uses a persistent id")
 
 
+_MEMO_INDEXED = frozenset({"PUT", "BINPUT", "LONG_BINPUT", "GET", "BINGET", "LONG_BINGET"})
+
+
 def _load_kv_metrics_pickle(payload: bytes) -> KvMetrics:
     # walk the opcodes first: every counted length is checked against the real data, so the
     # C unpickler never pre-allocates a size a forged header claims
     try:
-        for _ in pickletools.genops(payload):
-            pass
+        for ops, (op, arg, _) in enumerate(pickletools.genops(payload), 1):
+            # the C unpickler sizes its memo table by the largest index a PUT names: a forged
+            # index (2**31) would reserve gigabytes; a real pickle never names more slots than
+            # it has opcodes
+            if op.name in _MEMO_INDEXED and isinstance(arg, int) and arg > ops:
+                raise WireError("schema", f"KvMetrics pickle: memo index {arg} out of range")
+    except WireError:
+        raise
     except Exception as exc:  # genops raises ValueError and friends on malformed input
         raise WireError("schema", f"KvMetrics pickle: {exc!r}") from None
     try:

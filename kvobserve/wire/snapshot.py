@@ -159,7 +159,7 @@ def decode_snapshot(data: bytes) -> Snapshot:
         snap = _decoder.decode(data)
     except msgspec.ValidationError as exc:
         raise WireError("schema", f"snapshot: {exc}") from None
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # bad UTF-8 is not a DecodeError
         raise WireError("msgpack", f"snapshot: {exc}") from None
     except RecursionError:
         raise WireError("msgpack", "snapshot nesting too deep") from None

@@ -17,10 +17,14 @@ def test_streams_past_the_cap_are_refused_and_counted() -> None:
         stats = loop.stats().result(timeout=5)
         assert [s.dp_rank for s in stats.streams] == [0, 1]
         assert stats.refused == {"streams": 1}
-        # a re-plan that drops a stream makes room: nothing is refused any more
+        # a re-plan that drops a stream makes room: rank 2 is watched now; the counter is
+        # cumulative, and a stream refused again by the next plan is not counted twice
         loop.set_specs(specs[1:]).result(timeout=5)
         stats = loop.stats().result(timeout=5)
         assert sorted(s.dp_rank for s in stats.streams) == [1, 2]
-        assert stats.refused == {}
+        assert stats.refused == {"streams": 1}
+        loop.set_specs([*specs[1:], StreamSpec("w", 3, "vllm", specs[0].endpoint)]).result(5)
+        loop.set_specs([*specs[1:], StreamSpec("w", 3, "vllm", specs[0].endpoint)]).result(5)
+        assert loop.stats().result(timeout=5).refused == {"streams": 2}
     finally:
         loop.stop()
