@@ -170,6 +170,8 @@ class AggregateOptions:
     listen: str
     otlp_endpoint: str | None
     stale_intervals: float
+    basic_auth: tuple[str, str] | None = None  # on every route but /healthz
+    tls: tuple[str, str] | None = None  # (cert, key) files: serve HTTPS
 
 
 # flag -> environment variable that provides its default (secrets stay out of `ps`).
@@ -185,6 +187,10 @@ _ENV = {
     "nats-tls-cert": "KVOBSERVE_NATS_TLS_CERT",
     "nats-tls-key": "KVOBSERVE_NATS_TLS_KEY",
     "otlp-endpoint": "KVOBSERVE_AGGREGATOR_OTLP_ENDPOINT",
+    "http-user": "KVOBSERVE_HTTP_USER",
+    "http-password": "KVOBSERVE_HTTP_PASSWORD",
+    "tls-cert": "KVOBSERVE_TLS_CERT",
+    "tls-key": "KVOBSERVE_TLS_KEY",
 }
 _DEFAULTS = {"cluster": "default", "listen": "127.0.0.1:9477"}
 
@@ -281,7 +287,28 @@ def options_from_args(args: argparse.Namespace) -> AggregateOptions:
     nats = NatsConfig(
         nats_url, user, password, token, creds, ca, cert, key, bool(args.jetstream_kv), timeout
     )
-    return AggregateOptions(nats, cluster, listen, otlp, stale)
+    http_user, http_password = _flag(args, "http-user"), _flag(args, "http-password")
+    if bool(http_user) != bool(http_password):
+        raise ValueError("--http-user/--http-password: give both or neither")
+    tls_cert, tls_key = _flag(args, "tls-cert"), _flag(args, "tls-key")
+    if bool(tls_cert) != bool(tls_key):
+        raise ValueError("--tls-cert/--tls-key: give both or neither")
+    if tls_cert and tls_key:
+        from kvobserve.export.server import make_ssl_context
+
+        try:
+            make_ssl_context(tls_cert, tls_key)  # unreadable files: a flag error, not a crash
+        except ValueError as exc:
+            raise ValueError(f"--tls-cert/--tls-key: {exc}") from None
+    return AggregateOptions(
+        nats,
+        cluster,
+        listen,
+        otlp,
+        stale,
+        (http_user, http_password) if http_user and http_password else None,
+        (tls_cert, tls_key) if tls_cert and tls_key else None,
+    )
 
 
 async def start_http(
@@ -290,6 +317,8 @@ async def start_http(
     otlp_endpoint: str | None = None,
     otlp_interval_s: float = 10.0,
     nats: Transport | None = None,
+    basic_auth: tuple[str, str] | None = None,
+    tls: tuple[str, str] | None = None,
 ) -> Callable[[], Awaitable[None]]:
     """Serve /metrics, /healthz, /readyz, /api/v1/*, / for `agg.view` (and push OTLP when asked).
 
@@ -302,8 +331,9 @@ async def start_http(
     def extra() -> list[Metric]:
         return aggregator_metrics(agg.fleet, agg.decode_errors, nats)
 
-    app = server.create_app(agg.view, extra_metrics=extra)
-    http = await server.serve(app, listen)
+    app = server.create_app(agg.view, extra_metrics=extra, basic_auth=basic_auth)
+    ssl_context = server.make_ssl_context(*tls) if tls else None
+    http = await server.serve(app, listen, ssl_context)
     log.info("serving %s/metrics", http.url)
     push = (
         start_otlp(agg.view, otlp_endpoint, otlp_interval_s, extra=extra) if otlp_endpoint else None
@@ -345,7 +375,14 @@ async def serve(opts: AggregateOptions) -> int:
     stop_http: Callable[[], Awaitable[None]] | None = None
     try:
         try:
-            stop_http = await start_http(agg, opts.listen, opts.otlp_endpoint, nats=transport)
+            stop_http = await start_http(
+                agg,
+                opts.listen,
+                opts.otlp_endpoint,
+                nats=transport,
+                basic_auth=opts.basic_auth,
+                tls=opts.tls,
+            )
         except OSError as exc:
             print(f"kvobserve aggregate: error: --listen: {exc.strerror or exc}", file=sys.stderr)
             return 1

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -89,8 +91,8 @@ async def test_collector_going_silent_fires_then_resolves(
         await agg_t.close()
 
 
-def _spawn(args: list[str]) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def _spawn(args: list[str], extra_env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(extra_env or {})}
     return subprocess.Popen(
         [sys.executable, "-m", "kvobserve", "aggregate", *args],
         stdout=subprocess.DEVNULL,
@@ -184,3 +186,53 @@ def test_unreachable_nats_exits_1() -> None:
             proc.wait(timeout=5)
     assert proc.returncode == 1
     assert "kvobserve aggregate: error: nats nats://127.0.0.1:" in stderr
+
+
+async def test_aggregate_serves_https_with_basic_auth(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    from tests.integration.test_export_server import _self_signed
+
+    cert, key = _self_signed(tmp_path)
+    port = free_port()
+    proc = _spawn(
+        ["--nats", nats_server.url, "--listen", f"127.0.0.1:{port}",
+         "--http-user", "ops", "--tls-cert", cert, "--tls-key", key],
+        {"KVOBSERVE_HTTP_PASSWORD": "s3cret"},  # a secret from the environment, not from `ps`
+    )  # fmt: skip
+    client = ssl.create_default_context(cafile=cert)
+    url = f"https://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+            end = time.monotonic() + 15
+            while True:
+                assert proc.poll() is None, proc.communicate()[1]
+                try:
+                    async with http.get(f"{url}/healthz", ssl=client) as r:
+                        assert r.status == 200  # health needs no credentials
+                        break
+                except aiohttp.ClientConnectionError:
+                    assert time.monotonic() < end, "aggregate did not serve HTTPS"
+                    await asyncio.sleep(0.1)
+            async with http.get(f"{url}/metrics", ssl=client) as r:
+                assert r.status == 401
+            auth = {"Authorization": "Basic " + base64.b64encode(b"ops:s3cret").decode()}
+            async with http.get(f"{url}/metrics", ssl=client, headers=auth) as r:
+                assert r.status == 200 and "kvobserve_build_info" in await r.text()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=5)
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--http-user", "ops"], "--http-user/--http-password"),
+        (["--tls-cert", "/nonexistent.pem", "--tls-key", "/nonexistent.key"], "--tls-cert"),
+    ],
+)
+def test_bad_http_security_flags_exit_2_naming_them(flags: list[str], named: str) -> None:
+    proc = _spawn(["--nats", "nats://127.0.0.1:4222", *flags])
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 2
+    assert named in err and len(err.strip().splitlines()) == 1
