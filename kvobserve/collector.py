@@ -32,6 +32,7 @@ from kvobserve.wire.snapshot import (
     Sample,
     SchedulerStats,
     Snapshot,
+    SourceErrors,
     WorkerInfo,
     encode_snapshot,
 )
@@ -160,6 +161,11 @@ class Collector:
         refused = dict(ingest.refused)
         sched: list[SchedulerStats] = []
         passthrough: list[Family] = []
+        errors = [
+            SourceErrors(wid, source, reason, n)
+            for wid, src in self.scheduler.items()
+            for (source, reason), n in sorted(src.errors().items())
+        ]
         for wid, src in self.scheduler.items():
             for rank, v in sorted(src.values().items()):
                 sched.append(
@@ -201,6 +207,7 @@ class Collector:
             streams=ingest.streams,
             unexpected=ingest.unexpected,
             scheduler=sched,
+            scheduler_errors=errors,
             passthrough=passthrough,
             refused=refused,
         )

@@ -111,6 +111,9 @@ CATALOG: tuple[MetricDef, ...] = (
     _d("kvobserve_scheduler_cache_hit_ratio", "gauge", STREAM, "Prefix cache hit ratio (0-1)."),
     _d("kvobserve_scheduler_max_total_tokens", "gauge", STREAM,
        "KV capacity in tokens as the scheduler reports it."),
+    _d("kvobserve_scheduler_source_errors_total", "counter", ("worker_id", "source", "reason"),
+       "Scheduler-source messages the leader could not use (e.g. reason pickle_refused), by "
+       "source (metrics, load, kv_metrics, fpm) and reason."),
     # the aggregator itself
     _d("kvobserve_aggregator_snapshots_applied_total", "counter", (),
        "Collector snapshots applied to the fleet state."),

@@ -147,6 +147,9 @@ def _fleet(f: Sink, v: FleetView) -> None:
         f.add("kvobserve_collector_snapshot_age_seconds", cl, c.age_s)
         if i.start_time > 0:
             f.add("kvobserve_collector_start_time_seconds", cl, i.start_time)
+        for e in c.snapshot.scheduler_errors:  # cumulative: served for a down collector too
+            labels = {"worker_id": e.worker_id, "source": e.source, "reason": e.reason}
+            f.add("kvobserve_scheduler_source_errors_total", labels, e.count)
         for what, n in sorted(c.snapshot.refused.items()):
             f.add("kvobserve_collector_refused_total", {**cl, "what": what}, n)
     for w_id, size in sorted(v.dp_size.items()):

@@ -87,6 +87,15 @@ class SchedulerStats(Struct, omit_defaults=True, gc=False):
     updated: float = 0.0  # wall-clock time of the last update
 
 
+class SourceErrors(Struct, array_like=True, gc=False):
+    """Messages a scheduler source of a worker could not use, by reason (cumulative)."""
+
+    worker_id: str
+    source: str  # metrics, load, kv_metrics, fpm
+    reason: str  # a WireError reason, or connection/http/parse for the /metrics scrape
+    count: int
+
+
 class WorkerInfo(Struct, omit_defaults=True, gc=False):
     """What a collector declares about a worker it watches."""
 
@@ -138,6 +147,7 @@ class Snapshot(Struct, omit_defaults=True, gc=False):
     streams: list[StreamStats] = []
     unexpected: list[UnexpectedStream] = []
     scheduler: list[SchedulerStats] = []
+    scheduler_errors: list[SourceErrors] = []
     passthrough: list[Family] = []
     refused: dict[str, int] = {}  # what a cardinality cap refused -> count (streams, ...)
 

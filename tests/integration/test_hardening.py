@@ -283,6 +283,10 @@ async def test_a_malicious_pickle_over_push_pull_is_refused_and_nothing_runs(
             await asyncio.sleep(0.02)  # polling interval, not synchronization
         assert not marker.exists(), "the pickle ran code"
         snap = await col.snapshot()
+        # what was refused reaches the operator: kvobserve_scheduler_source_errors_total
+        assert [(e.worker_id, e.source, e.reason, e.count) for e in snap.scheduler_errors] == [
+            ("w", "kv_metrics", reason, 2 - allow_pickle)
+        ]
         if allow_pickle:  # the real KvMetrics loads, into a stand-in, as numbers
             (sch,) = snap.scheduler
             got = (sch.source, sch.running_requests, sch.queued_requests, sch.max_total_tokens)

@@ -11,6 +11,7 @@ from kvobserve.wire.snapshot import (
     Sample,
     SchedulerStats,
     Snapshot,
+    SourceErrors,
     StreamStats,
     UnexpectedStream,
     WorkerInfo,
@@ -71,6 +72,7 @@ def _node0() -> Snapshot:
         streams=[r0, r1, v0, v1],
         unexpected=[UnexpectedStream("sglang-a", 4, "tcp://10.0.0.5:5561", 7, True)],
         refused={"medium_events": 3},
+        scheduler_errors=[SourceErrors("sglang-a", "kv_metrics", "pickle_refused", 2)],
         scheduler=[
             SchedulerStats("sglang-a", 0, "metrics", 3, 1, 0.3, 0.5, 640),
             SchedulerStats("sglang-a", 1, "metrics", 0, 0, None, None, 640),
