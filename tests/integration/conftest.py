@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvobserve.wire.snapshot import CollectorInfo, Snapshot, StreamStats, WorkerInfo
+from tests.integration.collector_helpers import Sims
 
 
 def nats_server_binary() -> str:
@@ -175,3 +176,11 @@ async def eventually(
         if time.monotonic() > end:
             raise AssertionError(f"not true after {timeout_s} s: {what or predicate}")
         await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+def sims() -> Iterator[Sims]:
+    """Simulated workers started by a test, all stopped after it."""
+    s = Sims()
+    yield s
+    s.stop_all()

@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -19,13 +19,6 @@ from tests.integration.collector_helpers import Sims, sim_config, truth_instance
 from tests.integration.conftest import NatsServer, free_port
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def sims() -> Iterator[Sims]:
-    s = Sims()
-    yield s
-    s.stop_all()
 
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]

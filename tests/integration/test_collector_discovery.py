@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from kvobserve.simulate import FaultConfig
@@ -22,13 +20,6 @@ from tests.integration.collector_helpers import (
 )
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def sims() -> Iterator[Sims]:
-    s = Sims()
-    yield s
-    s.stop_all()
 
 
 # SGLang 0.5.23 advertises per-rank sources in /server_info; vLLM 0.33 serves /kv_event_sources

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator
 
 import pytest
 import zmq
@@ -26,13 +25,6 @@ from tests.integration.collector_helpers import (
 )
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def sims() -> Iterator[Sims]:
-    s = Sims()
-    yield s
-    s.stop_all()
 
 
 def _restart_on_same_ports(sims: Sims, old: SimulatedWorker, cfg: WorkerConfig) -> SimulatedWorker:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from kvobserve.simulate import FaultConfig
@@ -23,13 +21,6 @@ from tests.integration.collector_helpers import (
 
 pytestmark = pytest.mark.integration
 DROPPED = frozenset({10, 11, 12, 50})  # two gaps: 3 batches, then 1
-
-
-@pytest.fixture
-def sims() -> Iterator[Sims]:
-    s = Sims()
-    yield s
-    s.stop_all()
 
 
 # sglang-0.5.12 replies with 3 frames, vllm-0.33 with 4 (topic)

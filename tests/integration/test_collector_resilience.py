@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,13 +28,6 @@ from tests.integration.conftest import eventually
 
 pytestmark = pytest.mark.integration
 MALFORMED = frozenset({5, 6, 30})  # two gaps: seqs 5-6, then 30
-
-
-@pytest.fixture
-def sims() -> Iterator[Sims]:
-    s = Sims()
-    yield s
-    s.stop_all()
 
 
 async def test_engine_not_up_yet_then_up(sims: Sims) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -38,13 +38,6 @@ NAMES = {
     "vllm:kv_cache_usage_perc": "token_usage_ratio",
     "vllm:gpu_cache_usage_perc": "token_usage_ratio",
 }
-
-
-@pytest.fixture
-def sims() -> Iterator[Sims]:
-    s = Sims()
-    yield s
-    s.stop_all()
 
 
 async def scrape_engine(sim: SimulatedWorker) -> dict[int, dict[str, float]]:

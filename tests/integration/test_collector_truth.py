@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 
@@ -31,13 +31,6 @@ from tests.integration.collector_helpers import (
 )
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def sims() -> Iterator[Sims]:
-    s = Sims()
-    yield s
-    s.stop_all()
 
 
 @pytest.mark.parametrize("folder", CAPTURE_FOLDERS)

@@ -39,13 +39,6 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
     p.stop_all()
 
 
-@pytest.fixture
-def sims() -> Iterator[Sims]:
-    s = Sims()
-    yield s
-    s.stop_all()
-
-
 START_DELAY = 5.0  # the engine publishes this long after it binds: the processes start meanwhile
 
 

@@ -37,13 +37,6 @@ from tests.integration.collector_helpers import (
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-def sims() -> Iterator[Sims]:
-    s = Sims()
-    yield s
-    s.stop_all()
-
-
 @contextmanager
 def live_tap(sim: SimulatedWorker, rank: int) -> Iterator[zmq.Socket[bytes]]:
     """A raw SUB on one rank's port, connected before the engine publishes; read it at the end."""

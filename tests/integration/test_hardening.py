@@ -305,13 +305,6 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
     p.stop_all()
 
 
-@pytest.fixture
-def sims() -> Iterator[Sims]:
-    s = Sims()
-    yield s
-    s.stop_all()
-
-
 def _gone(procs: Procs, pid: int) -> bool:
     return not procs.alive(pid)
 
