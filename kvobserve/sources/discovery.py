@@ -6,8 +6,6 @@ must connect to the host it reached the engine at, so those are replaced by the 
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import inspect
 import json
 import logging
@@ -19,6 +17,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from kvobserve.config import WILDCARD_HOSTS, split_host_port
+from kvobserve.sources.periodic import PeriodicPoll
 
 log = logging.getLogger(__name__)
 
@@ -237,17 +236,14 @@ class Rediscovery:
         self.current = current
         self.last_error: DiscoveryError | None = None
         self.polls_total = self.errors_total = self.changes_total = 0
-        self._session: aiohttp.ClientSession | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._poll = PeriodicPoll(f"rediscovery {url}", interval_s, self.poll_once)
 
     async def poll_once(self) -> bool:
         """One discovery round; True when the result differs from the previous one."""
-        if self._session is None:
-            self._session = aiohttp.ClientSession()
         self.polls_total += 1
         try:
             found = await discover(
-                self.url, self.engine, session=self._session, timeout_s=self.timeout_s
+                self.url, self.engine, session=self._poll.session(), timeout_s=self.timeout_s
             )
         except DiscoveryError as exc:
             if self.last_error is None or str(exc) != str(self.last_error):
@@ -266,23 +262,10 @@ class Rediscovery:
                 await result
         return True
 
-    async def _run(self) -> None:
-        while True:
-            await self.poll_once()
-            await asyncio.sleep(self.interval_s)
-
     async def start(self) -> None:
         """Start polling in the background (first poll at once)."""
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name=f"rediscovery {self.url}")
+        await self._poll.start()
 
     async def close(self) -> None:
         """Stop polling and close the HTTP session; safe to call twice."""
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        session, self._session = self._session, None
-        if session is not None:
-            await session.close()
+        await self._poll.close()

@@ -20,6 +20,7 @@ from prometheus_client.metrics_core import Metric
 
 from kvobserve.config import WorkerConfig
 from kvobserve.sources.passthrough import parse_engine_metrics
+from kvobserve.sources.periodic import PeriodicPoll
 from kvobserve.wire.errors import WireError
 from kvobserve.wire.scheduler import (
     decode_forward_pass_message,
@@ -97,8 +98,7 @@ class MetricsScrape(_Source):
         self.up = False
         self.families: list[Metric] = []  # the last scrape, kept for passthrough
         self._counters: dict[int, tuple[float, float]] = {}  # vLLM prefix (hits, queries)
-        self._session: aiohttp.ClientSession | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._poll = PeriodicPoll(f"scrape {url}", interval_s, self.scrape_once)
 
     def ingest(self, text: str, now: float | None = None) -> None:
         """Parse one /metrics body and update the values; a malformed body counts as `parse`."""
@@ -124,11 +124,9 @@ class MetricsScrape(_Source):
 
     async def scrape_once(self) -> None:
         """One GET + ingest; failures count by reason and mark the source down."""
-        if self._session is None:
-            self._session = aiohttp.ClientSession()
         try:
             timeout = aiohttp.ClientTimeout(total=self.timeout_s)
-            async with self._session.get(self.url, timeout=timeout) as resp:
+            async with self._poll.session().get(self.url, timeout=timeout) as resp:
                 if resp.status != 200:
                     self.errors["status"] += 1
                     self.up = False
@@ -140,26 +138,13 @@ class MetricsScrape(_Source):
             return
         self.ingest(text)
 
-    async def _run(self) -> None:
-        while True:
-            await self.scrape_once()
-            await asyncio.sleep(self.interval_s)
-
     async def start(self) -> None:
         """Scrape every `interval_s` in the background."""
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name=f"scrape {self.url}")
+        await self._poll.start()
 
     async def close(self) -> None:
         """Stop scraping and close the HTTP session; safe to call twice."""
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        session, self._session = self._session, None
-        if session is not None:
-            await session.close()
+        await self._poll.close()
 
 
 # --- ZMQ side channels ----------------------------------------------------------------------
