@@ -25,6 +25,7 @@ lint: venv
 	$(BIN)/ruff check kvobserve tests benchmarks
 	$(BIN)/ruff format --check kvobserve tests benchmarks
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 test: venv tools lint
 	$(BIN)/pytest

@@ -71,7 +71,7 @@ def run(samples: int, interval: float, workdir: Path) -> list[float]:
     cfg = workdir / "collector.toml"
     cfg.write_text(
         f'cluster = "e2e"\n[collector]\nid = "node-0"\ninterval_s = {interval}\n'
-        f'listen = "127.0.0.1:{local}"\n'
+        f'[http]\nlisten = "127.0.0.1:{local}"\n'
         '[[worker]]\nid = "bench"\nengine = "sglang"\ndp_size = 1\nprobe_extra_ports = 0\n'
         f'kv_endpoint = "tcp://127.0.0.1:{kv}"\ntopic = "kv-events"\n'
     )

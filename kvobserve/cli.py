@@ -9,19 +9,24 @@ from collections.abc import Sequence
 
 from kvobserve import __version__
 
-# subcommand -> (module, one-line help). Each module defines
+# command -> one-line help; the command's module is kvobserve.commands.<command>, defining
 #   add_arguments(parser: argparse.ArgumentParser) -> None
 #   run(args: argparse.Namespace) -> int
-COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("kvobserve.demo", "simulated fleet + collectors + aggregator in one process"),
-    "run": ("kvobserve.embedded", "collectors + aggregator + HTTP in one process, no NATS"),
-    "collect": ("kvobserve.collector", "one node's collector, publishing snapshots to NATS"),
-    "aggregate": ("kvobserve.aggregator", "the fleet aggregator: /metrics, API, status page"),
-    "simulate": ("kvobserve.simulate.cli", "simulated engine workers with faults and ground truth"),
-    "tap": ("kvobserve.tap", "decode a live or recorded KV-event stream, one JSON line per batch"),
-    "status": ("kvobserve.statuscmd", "the aggregator's view as a terminal table"),
-    "check": ("kvobserve.checkcmd", "validate a config and print what would be watched"),
+COMMANDS: dict[str, str] = {
+    "demo": "simulated fleet + collectors + aggregator in one process",
+    "run": "collectors + aggregator + HTTP in one process, no NATS",
+    "collect": "one node's collector, publishing snapshots to NATS",
+    "aggregate": "the fleet aggregator: /metrics, API, status page",
+    "simulate": "simulated engine workers with faults and ground truth",
+    "tap": "decode a live or recorded KV-event stream, one JSON line per batch",
+    "status": "the aggregator's view as a terminal table",
+    "check": "validate a config and print what would be watched",
 }
+
+
+def module_name(command: str) -> str:
+    """The module that implements `command`."""
+    return f"kvobserve.commands.{command}"
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -31,11 +36,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"kvobserve {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, (modname, help_text) in COMMANDS.items():
+    for name, help_text in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         if command is not None and name != command:
             continue  # listed in --help, but its (possibly heavy) module is not imported
-        mod = importlib.import_module(modname)
+        mod = importlib.import_module(module_name(name))
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
     return parser

@@ -6,26 +6,21 @@ scheduler sources, the snapshot loop, HTTP) runs on the asyncio loop.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
-import os
-import signal
 import socket
-import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from kvobserve import __version__
-from kvobserve.checkcmd import worker_plan
-from kvobserve.config import Config, ConfigError, add_config_flags, load_config, overrides_from_args
+from kvobserve.config import Config
 from kvobserve.sources.discovery import DiscoveredEngine, DiscoveryError, Rediscovery, discover
-from kvobserve.sources.kv_stream import IngestLoop, IngestOptions, StreamSpec
+from kvobserve.sources.kv_stream import IngestLoop, IngestOptions
 from kvobserve.sources.passthrough import relabel
+from kvobserve.sources.plan import StreamSpec, WorkerPlan, plan_worker
 from kvobserve.sources.scheduler import SchedulerSources
-from kvobserve.transport import Transport
 from kvobserve.wire.snapshot import (
     CollectorInfo,
     Family,
@@ -33,7 +28,6 @@ from kvobserve.wire.snapshot import (
     SchedulerStats,
     Snapshot,
     SourceErrors,
-    WorkerInfo,
     encode_snapshot,
 )
 
@@ -41,36 +35,12 @@ log = logging.getLogger(__name__)
 MAX_PASSTHROUGH_SAMPLES = 20_000  # per collector snapshot
 
 
-def plan_streams(
-    cfg: Config, found: dict[str, DiscoveredEngine]
-) -> tuple[list[StreamSpec], list[WorkerInfo], dict[str, int]]:
-    """The streams and probes this node watches, what it declares per worker, dp_size per worker."""
-    specs: list[StreamSpec] = []
-    infos: list[WorkerInfo] = []
-    sizes: dict[str, int] = {}
-    for i, w in enumerate(cfg.workers):
-        plan = worker_plan(i, w, cfg, found.get(w.id))
-        watched: list[int] = plan["watched_ranks"]
-        dp_size = plan["dp_size"] or 0
-        sizes[w.id] = dp_size
-        for s in plan["streams"]:
-            if s["dp_rank"] in watched:
-                specs.append(
-                    StreamSpec(
-                        w.id,
-                        s["dp_rank"],
-                        w.engine,
-                        s["endpoint"],
-                        s["topic"],
-                        s["replay_endpoint"] or None,
-                    )
-                )
-        if dp_size and dp_size - 1 in watched:  # the node with the last rank probes past it
-            topic = plan["streams"][0]["topic"] if plan["streams"] else w.topic
-            for k, ep in enumerate(plan["probe_endpoints"]):
-                specs.append(StreamSpec(w.id, dp_size + k, w.engine, ep, topic, probe=True))
-        infos.append(WorkerInfo(w.id, w.engine, dp_size, watched, w.leader, w.capacity_tokens))
-    return specs, infos, sizes
+class SnapshotSink(Protocol):
+    """Where snapshots go: any transport (kvobserve.transport) has this method."""
+
+    async def publish_snapshot(self, collector_id: str, data: bytes) -> None:
+        """Send one encoded snapshot; a failed send is counted by the sink, never raised."""
+        ...
 
 
 class Collector:
@@ -79,7 +49,7 @@ class Collector:
     def __init__(
         self,
         cfg: Config,
-        transport: Transport,
+        transport: SnapshotSink,
         *,
         ingest: IngestOptions | None = None,
         clock: Callable[[], float] = time.time,
@@ -95,7 +65,7 @@ class Collector:
         )
         self._ingest_options = ingest
         self.ingest: IngestLoop | None = None
-        self.workers: list[WorkerInfo] = []
+        self.plans: list[WorkerPlan] = []
         self.scheduler: dict[str, SchedulerSources] = {}
         self._rediscovery: list[Rediscovery] = []
         self._found: dict[str, DiscoveredEngine] = {}
@@ -121,17 +91,16 @@ class Collector:
                     w.url, w.engine, on_change=self._on_rediscovered, current=self._found.get(w.id)
                 )
             )
-        specs, self.workers, sizes = plan_streams(self.cfg, self._found)
-        self.ingest = IngestLoop(specs, self._ingest_options)
+        self.ingest = IngestLoop(self._replan(), self._ingest_options)
         self.ingest.start()
-        for w in self.cfg.workers:
-            if not w.leader or not sizes.get(w.id):
+        for plan in self.plans:
+            w = plan.worker
+            if not plan.scheduler or not plan.dp_size:
                 continue
-            found = self._found.get(w.id)
             src = SchedulerSources(
-                w,
-                sizes[w.id],
-                load_endpoint=found.load_endpoint_base if found else None,
+                plan.scheduler,
+                w.engine,
+                allow_pickle=w.allow_pickle,
                 interval_s=self.cfg.collector.interval_s,
             )
             try:
@@ -145,11 +114,19 @@ class Collector:
             await r.start()
         self._task = asyncio.create_task(self._loop(), name="kvobserve-snapshots")
 
+    def _replan(self) -> list[StreamSpec]:
+        """Plan every worker anew from the config and discovery; the streams to watch."""
+        node = self.cfg.collector
+        self.plans = [
+            plan_worker(i, w, node, self._found.get(w.id)) for i, w in enumerate(self.cfg.workers)
+        ]
+        return [s for p in self.plans for s in p.watched]
+
     def _on_rediscovered(self, new: DiscoveredEngine, old: DiscoveredEngine | None) -> None:
         for w in self.cfg.workers:
             if w.url == new.url:
                 self._found[w.id] = new
-        specs, self.workers, _ = plan_streams(self.cfg, self._found)
+        specs = self._replan()
         if self.ingest is not None:
             self.ingest.set_specs(specs)
         log.info("endpoints of %s changed; now watching %d streams", new.url, len(specs))
@@ -203,7 +180,7 @@ class Collector:
             seq=self._seq,
             time=self._clock(),
             interval_s=self.cfg.collector.interval_s,
-            workers=list(self.workers),
+            workers=[p.info() for p in self.plans],
             streams=ingest.streams,
             unexpected=ingest.unexpected,
             scheduler=sched,
@@ -260,71 +237,3 @@ def _families(metrics: list[Any]) -> list[Family]:
         )
         for m in metrics
     ]
-
-
-# --- `kvobserve collect` ----------------------------------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of `kvobserve collect` (the config flags; --nats is required in file or flags)."""
-    add_config_flags(parser)
-    parser.add_argument(
-        "--no-local-http", action="store_true", help="do not serve the collector's own /metrics"
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    """`kvobserve collect -c FILE --nats URL`."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    try:
-        cfg = load_config(args.config, overrides_from_args(args), os.environ)
-        if cfg.nats is None:
-            raise ConfigError("nats.url: required by `collect` (--nats URL or [nats] url)")
-    except ConfigError as exc:  # one line on stderr, as every other command does
-        print(f"kvobserve collect: error: {exc}".replace("\n", " "), file=sys.stderr)
-        return 2
-    return asyncio.run(_collect(cfg, local_http=not args.no_local_http))
-
-
-async def _collect(cfg: Config, local_http: bool) -> int:
-    from kvobserve.aggregator import Aggregator, start_http
-    from kvobserve.analysis.fleet import FleetState
-    from kvobserve.transport.nats import NatsConnectError, NatsTransport
-
-    assert cfg.nats is not None
-    transport = NatsTransport.from_config(
-        cfg.nats, cfg.cluster, f"kvobserve-collector-{cfg.collector.id}"
-    )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await transport.connect()
-    except NatsConnectError as exc:
-        print(f"kvobserve collect: error: {exc}", file=sys.stderr)
-        return 1
-    local = Aggregator(FleetState())  # the node's own view: a fleet of one, fed directly
-    collector = Collector(
-        cfg, transport, observers=[lambda snap: local.fleet.update(snap, time.time())]
-    )
-    stop_http = None
-    try:
-        await collector.start()
-        if local_http and cfg.collector.listen:
-            try:
-                stop_http = await start_http(local, cfg.collector.listen)
-            except OSError as exc:
-                log.warning("local /metrics not served: %s", exc)
-        log.info("collector %s watching %d workers", cfg.collector.id, len(cfg.workers))
-        await stop.wait()
-    finally:
-        await asyncio.wait_for(_shutdown(collector, transport, stop_http), 1.8)
-    return 0
-
-
-async def _shutdown(collector: Collector, transport: Transport, stop_http: Any) -> None:
-    if stop_http is not None:
-        await stop_http()
-    await collector.close()
-    await transport.close()

@@ -6,7 +6,7 @@ the store-ts float object is shared by every block of a batch, and a block's tok
 kept only when it differs from the stream's usual block size (the largest one seen), so
 SGLang's short last pages cost one more small entry and everything else costs nothing extra.
 
-Counting rules (DESIGN.md "Stream semantics"):
+Counting rules (docs/stream-semantics.md):
 - `stored_total` counts blocks that became resident; a store of an already resident hash goes to
   `store_of_resident_total` and keeps the first store time.
 - `removed_total` counts blocks that left by `BlockRemoved` or `AllBlocksCleared`, so

@@ -1,8 +1,9 @@
 """DP-rank ownership across collector nodes, and the engines' per-rank port rules.
 
-Facts are from research/wire-formats.md: the port rule `offset_endpoint_port` (sections 1.5 and 3),
-which rank an SGLang scheduler publishes on (section 1.5, `select_kv_publisher_dp_rank`), and
-Dynamo's reading of where pure-DP SGLang ranks run (section 4.3).
+The engines' rules, as docs/collector.md states them: rank r publishes on port base + r (both
+engines' `offset_endpoint_port`); an SGLang scheduler publishes as its attention-DP rank under DP
+attention, else as its DP rank (from 0.5.16, `select_kv_publisher_dp_rank`); pure-DP SGLang runs
+every rank's scheduler on the leader node.
 """
 
 from __future__ import annotations
@@ -44,9 +45,9 @@ def watched_ranks(
     engine: str, dp_attention: bool, node_rank: int, nnodes: int, dp_size: int
 ) -> range:
     """The DP ranks whose KV-event streams this node's collector watches."""
-    # Pure-DP SGLang (no DP attention) runs every rank's scheduler on the leader node (Dynamo's
-    # reading, wire-formats.md 4.3): node 0 watches all, the others none. DP-attention SGLang and
-    # vLLM split the ranks contiguously over the nodes.
+    # Pure-DP SGLang (no DP attention) runs every rank's scheduler on the leader node: node 0
+    # watches all, the others none. DP-attention SGLang and vLLM split the ranks contiguously
+    # over the nodes.
     _check_engine(engine)
     ranks = owned_ranks(node_rank, nnodes, dp_size)  # validates the numbers
     if engine == "sglang" and not dp_attention:

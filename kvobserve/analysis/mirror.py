@@ -1,4 +1,4 @@
-"""Mirrored streams: two streams of one worker delivering the same batches (DESIGN.md)."""
+"""Mirrored streams: two streams of one worker delivering the same batches (docs/stream-semantics.md)."""
 
 from __future__ import annotations
 

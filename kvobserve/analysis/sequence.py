@@ -12,13 +12,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 from kvobserve.analysis.blocks import BlockIndex
 from kvobserve.wire.kv_events import KvBatch
-
-if TYPE_CHECKING:
-    pass
 
 REPLAY_RESULTS: Final = ("ok", "partial", "timeout", "error", "overflow", "aborted")
 _RECENT = 8  # payloads kept (by reference) to recognise duplicate deliveries

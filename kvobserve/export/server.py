@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encoder
 from prometheus_client.metrics_core import Metric
 
+from kvobserve.config import split_host_port
 from kvobserve.export import api, status_page
 from kvobserve.export.prometheus import ExtraProvider, FleetCollector, ViewProvider
 
@@ -189,11 +190,11 @@ def create_app(
 
 def parse_listen(listen: str) -> tuple[str, int]:
     """'host:port', '[v6]:port' or ':port' (all interfaces) -> (host, port); ValueError names it."""
-    host, sep, port_s = listen.rpartition(":")
-    if not sep or not port_s.isdigit() or int(port_s) > 65535:
-        raise ValueError(f"listen: {listen!r} is not host:port (e.g. 127.0.0.1:9477)")
-    host = host.strip("[]") or "0.0.0.0"
-    return host, int(port_s)
+    try:
+        host, port = split_host_port(listen)
+    except ValueError:
+        raise ValueError(f"listen: {listen!r} is not host:port (e.g. 127.0.0.1:9477)") from None
+    return host or "0.0.0.0", port
 
 
 def make_ssl_context(cert: str, key: str) -> ssl.SSLContext:

@@ -70,7 +70,10 @@ def _public_endpoint(endpoint: str, url_host: str) -> str:
     scheme, sep, rest = endpoint.partition("://")
     if scheme != "tcp" or not sep:
         return endpoint  # ipc/inproc: only usable on the engine's own node, kept as advertised
-    host, port = split_host_port(rest)
+    try:
+        host, port = split_host_port(rest)
+    except ValueError:
+        return endpoint  # malformed: kept as advertised, the connect attempt reports it
     if host in WILDCARD_HOSTS or (_is_loopback(host) and not _is_loopback(url_host)):
         return f"tcp://{_bracket(url_host)}:{port}"
     return endpoint

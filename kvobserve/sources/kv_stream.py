@@ -30,6 +30,7 @@ from kvobserve.analysis.sequence import (
     SequencerLimits,
     StreamSequencer,
 )
+from kvobserve.sources.plan import StreamSpec
 from kvobserve.wire.errors import WireError
 from kvobserve.wire.kv_events import DEFAULT_MAX_PAYLOAD, decode_message
 from kvobserve.wire.replay import decode_replay_message, encode_replay_request
@@ -40,24 +41,6 @@ T = TypeVar("T")
 
 DRAIN_LIMIT = 512  # messages taken from one socket per poll round, so no stream starves others
 _RCVMORE = int(zmq.RCVMORE)
-
-
-@dataclass(frozen=True)
-class StreamSpec:
-    """One KV-event endpoint to watch."""
-
-    worker_id: str
-    dp_rank: int
-    engine: str
-    endpoint: str
-    topic: str = ""
-    replay_endpoint: str | None = None
-    probe: bool = False  # a port past the worker's last rank: nothing should publish there
-
-    @property
-    def key(self) -> tuple[str, int]:
-        """(worker_id, dp_rank)."""
-        return (self.worker_id, self.dp_rank)
 
 
 @dataclass(frozen=True)

@@ -3,12 +3,11 @@ families through with `worker_id` and `node_rank` added (`--passthrough-engine-m
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.registry import Collector
 
 # sample name -> SchedulerValues field
 SGLANG_NAMES = {
@@ -80,22 +79,3 @@ def relabel(families: Iterable[Metric], extra: Mapping[str, str]) -> list[Metric
             m.samples.append(s._replace(labels=labels))
         out.append(m)
     return out
-
-
-class PassthroughCollector(Collector):
-    """Re-exports the last scrape of each worker; `source()` yields (families, extra labels)."""
-
-    def __init__(
-        self, source: Callable[[], Iterable[tuple[list[Metric], Mapping[str, str]]]]
-    ) -> None:
-        self._source = source
-
-    def collect(self) -> Iterator[Metric]:
-        """Merge families of the same name across workers (one TYPE line per name)."""
-        merged: dict[str, Metric] = {}
-        for families, extra in self._source():
-            for fam in relabel(families, extra):
-                have = merged.setdefault(fam.name, fam)
-                if have is not fam and have.type == fam.type:
-                    have.samples.extend(fam.samples)
-        yield from merged.values()

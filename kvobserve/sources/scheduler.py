@@ -18,9 +18,9 @@ import zmq
 import zmq.asyncio
 from prometheus_client.metrics_core import Metric
 
-from kvobserve.config import WorkerConfig
 from kvobserve.sources.passthrough import parse_engine_metrics
 from kvobserve.sources.periodic import PeriodicPoll
+from kvobserve.sources.plan import SchedulerSpec
 from kvobserve.wire.errors import WireError
 from kvobserve.wire.scheduler import (
     decode_forward_pass_message,
@@ -150,15 +150,6 @@ class MetricsScrape(_Source):
 # --- ZMQ side channels ----------------------------------------------------------------------
 
 
-def rank_endpoint(base: str, rank: int, *, dotted_ipc: bool = False) -> str:
-    """Rank r's endpoint: tcp port + r; ipc `{base}.{r}` (FPM) or `{base}` shared (KvMetrics)."""
-    scheme, _, rest = base.partition("://")
-    if scheme == "tcp":
-        host, _, port = rest.rpartition(":")
-        return f"tcp://{host}:{int(port) + rank}"
-    return f"{base}.{rank}" if dotted_ipc else base
-
-
 class _ZmqSource(_Source):
     """Sockets with one receive task each; frames go to `_handle(frames, rank, now)`."""
 
@@ -213,22 +204,21 @@ class _ZmqSource(_Source):
 
 
 class _SubPerRank(_ZmqSource):
-    """One SUB per rank, connected to the rank's endpoint derived from `base`."""
+    """One SUB per rank: `endpoints[i]` carries rank `ranks[i]`."""
 
     topic = b""
-    dotted_ipc = False
 
     def __init__(
         self,
-        base: str,
-        ranks: Iterable[int],
+        endpoints: Sequence[str],
+        ranks: Sequence[int],
         *,
         ctx: zmq.asyncio.Context | None = None,
         clock: Clock = time.time,
     ) -> None:
         super().__init__(ctx, clock)
         self._ranks = list(ranks)
-        self.endpoints = [rank_endpoint(base, r, dotted_ipc=self.dotted_ipc) for r in self._ranks]
+        self.endpoints = list(endpoints)
 
     def _open(self) -> None:
         for r, ep in zip(self._ranks, self.endpoints, strict=True):
@@ -295,7 +285,7 @@ class KvMetricsPull(_ZmqSource):
 class FpmSubscriber(_SubPerRank):
     """SGLang forward-pass metrics PUB per rank (`{base}.{r}` ipc, port + r tcp)."""
 
-    name, dotted_ipc = "fpm", True
+    name = "fpm"
 
     def _handle(self, frames: Sequence[bytes], rank: int, now: float) -> None:
         _, m = decode_forward_pass_message(frames)
@@ -326,44 +316,41 @@ def merge_values(per_source: Iterable[dict[int, SchedulerValues]]) -> dict[int, 
 
 
 class SchedulerSources:
-    """All scheduler sources configured for one worker, merged per dp_rank."""
+    """The scheduler sources of one worker's plan, merged per dp_rank."""
 
     def __init__(
         self,
-        worker: WorkerConfig,
-        dp_size: int,
+        specs: Sequence[SchedulerSpec],
+        engine: str,
         *,
-        load_endpoint: str | None = None,
+        allow_pickle: bool = False,
         interval_s: float = 1.0,
         ctx: zmq.asyncio.Context | None = None,
         clock: Clock = time.time,
     ) -> None:
-        ranks = range(dp_size)
         self.sources: list[_Source] = []
         self.scrape: MetricsScrape | None = None
-        load = worker.load_endpoint or load_endpoint  # config wins over discovery
         # A context of our own (not the process-wide instance), so close() ends its I/O threads.
         self._own_ctx = None
-        if ctx is None and (load or worker.kv_metrics_endpoint or worker.fpm_endpoint):
+        if ctx is None and any(s.source != "metrics" for s in specs):
             ctx = self._own_ctx = zmq.asyncio.Context()
-        if worker.metrics_url:
-            self.scrape = MetricsScrape(
-                worker.metrics_url, worker.engine, interval_s=interval_s, clock=clock
-            )
-            self.sources.append(self.scrape)
-        if load:
-            self.sources.append(LoadSubscriber(load, ranks, ctx=ctx, clock=clock))
-        if worker.kv_metrics_endpoint:
-            pull = KvMetricsPull(
-                worker.kv_metrics_endpoint, allow_pickle=worker.allow_pickle, ctx=ctx, clock=clock
-            )
-            self.sources.append(pull)
-        if worker.fpm_endpoint:
-            self.sources.append(FpmSubscriber(worker.fpm_endpoint, ranks, ctx=ctx, clock=clock))
-
-    def describe(self) -> list[tuple[str, str]]:
-        """(source name, endpoint or URL) for each socket or scrape."""
-        return [(s.name, ep) for s in self.sources for ep in s.endpoints]
+        for spec in specs:
+            if spec.source == "metrics":
+                self.scrape = MetricsScrape(
+                    spec.endpoints[0], engine, interval_s=interval_s, clock=clock
+                )
+                self.sources.append(self.scrape)
+            elif spec.source == "load":
+                self.sources.append(
+                    LoadSubscriber(spec.endpoints, spec.ranks, ctx=ctx, clock=clock)
+                )
+            elif spec.source == "kv_metrics":
+                pull = KvMetricsPull(
+                    spec.endpoints[0], allow_pickle=allow_pickle, ctx=ctx, clock=clock
+                )
+                self.sources.append(pull)
+            elif spec.source == "fpm":
+                self.sources.append(FpmSubscriber(spec.endpoints, spec.ranks, ctx=ctx, clock=clock))
 
     def errors(self) -> dict[tuple[str, str], int]:
         """(source, reason) -> count."""

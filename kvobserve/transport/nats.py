@@ -151,12 +151,13 @@ class NatsTransport:
 
     async def connect(self) -> None:
         """Connect within `connect_timeout_s` (or fail with NatsConnectError), then keep reconnecting."""
-        if self._creds is not None and importlib.util.find_spec("nkeys") is None:
-            raise NatsConnectError(
-                "nats creds: needs the nkeys package (pip install 'nats-py[nkeys]')"
-            )
+        if self._creds is not None:
             if not os.path.isfile(self._creds):
                 raise NatsConnectError(f"nats creds {self._creds!r}: no such file")
+            if importlib.util.find_spec("nkeys") is None:
+                raise NatsConnectError(
+                    "nats creds: needs the nkeys package (pip install 'nats-py[nkeys]')"
+                )
         force_tls = any(u.startswith("tls://") for u in self.servers)
         tls = build_ssl_context(*self._tls, force=force_tls)
         nc = Client()

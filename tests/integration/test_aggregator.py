@@ -163,7 +163,7 @@ async def test_aggregate_process_serves_and_stops_on_sigterm(
         (["--nats", "nats://h:4222", "--listen", "localhost"], "--listen", "'localhost'"),
         (["--nats", "nats://h:4222", "--listen", "h:99999"], "--listen", "'h:99999'"),
         (["--nats", "nats://h:4222", "--cluster", "a.b"], "--cluster", "'a.b'"),
-        (["--nats", "nats://h:4222", "--stale-intervals", "0"], "--stale-intervals", "'0'"),
+        (["--nats", "nats://h:4222", "--stale-intervals", "0"], "--stale-intervals", "0.0"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line(
@@ -191,9 +191,9 @@ def test_unreachable_nats_exits_1() -> None:
 async def test_aggregate_serves_https_with_basic_auth(
     nats_server: NatsServer, tmp_path: Path
 ) -> None:
-    from tests.integration.test_export_server import _self_signed
+    from tests.certs import self_signed
 
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     port = free_port()
     proc = _spawn(
         ["--nats", nats_server.url, "--listen", f"127.0.0.1:{port}",
@@ -227,7 +227,7 @@ async def test_aggregate_serves_https_with_basic_auth(
 @pytest.mark.parametrize(
     ("flags", "named"),
     [
-        (["--http-user", "ops"], "--http-user/--http-password"),
+        (["--http-user", "ops"], "http.password: missing (--http-user (http.user) is set)"),
         (["--tls-cert", "/nonexistent.pem", "--tls-key", "/nonexistent.key"], "--tls-cert"),
     ],
 )

@@ -52,7 +52,7 @@ async def test_collect_serves_local_metrics_and_stops_on_sigterm(
     cfg = tmp_path / "node0.toml"
     cfg.write_text(
         'cluster = "t"\n[collector]\nid = "node-0"\ninterval_s = 0.2\n'
-        f'listen = "127.0.0.1:{port}"\n'
+        f'[http]\nlisten = "127.0.0.1:{port}"\n'
         '[[worker]]\nid = "w"\nengine = "sglang"\ndp_size = 2\ndp_attention = true\n'
         f'kv_endpoint = "tcp://127.0.0.1:{kv}"\nreplay_endpoint = "tcp://127.0.0.1:{replay}"\n'
     )

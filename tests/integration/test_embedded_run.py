@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from kvobserve.analysis.fleet import FleetView
+from kvobserve.commands.run import start_embedded
 from kvobserve.config import Config, load_config
-from kvobserve.embedded import start_embedded
 from kvobserve.simulate import FaultConfig, SimulatedWorker, WorkerConfig, nodes_of
 from kvobserve.simulate.profiles import PROFILES
 from kvobserve.simulate.truth import build_truth
@@ -103,7 +103,7 @@ def test_run_watches_two_engines_without_nats(procs: Procs, tmp_path: Path) -> N
             "cluster": "local",
             "collector": {"id": "box", "interval_s": 0.2},
             "worker": workers,
-            "aggregator": {"listen": f"127.0.0.1:{port}"},
+            "http": {"listen": f"127.0.0.1:{port}"},
         },
     )
     wrapper = tmp_path / "no_nats.py"
@@ -165,7 +165,7 @@ async def test_run_honours_aggregator_stale_intervals() -> None:
         {"worker.engine": "vllm", "worker.kv_endpoint": f"tcp://127.0.0.1:{free_port()}"},
         {"KVOBSERVE_AGGREGATOR_STALE_INTERVALS": "5"},
     )
-    emb = await start_embedded([cfg], listen=None)
+    emb = await start_embedded([cfg], http=None)
     try:
         assert emb.aggregator.fleet.stale_intervals == 5
     finally:
@@ -353,7 +353,7 @@ async def test_fault_profile_matches_the_truth(profile: str, fmt: str) -> None:
         )
     ).start()  # fmt: skip
     try:
-        emb = await start_embedded([_embedded_config(sim)], listen=None)
+        emb = await start_embedded([_embedded_config(sim)], http=None)
         try:
             want = _expected(await _final_truth(sim, faults), faults, sim.kv_base)
             view = emb.aggregator.view

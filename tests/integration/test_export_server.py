@@ -15,6 +15,7 @@ import pytest
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.export.server import HttpServer, create_app, make_ssl_context, parse_listen, serve
 from kvobserve.wire.snapshot import CollectorInfo, Snapshot, StreamStats, WorkerInfo
+from tests.certs import self_signed
 from tests.unit.test_export_fleet import NOW, rich_state
 
 pytestmark = pytest.mark.integration
@@ -169,21 +170,8 @@ async def test_basic_auth_guards_everything_but_healthz() -> None:
         await srv.close()
 
 
-def _self_signed(tmp: Path) -> tuple[str, str]:
-    openssl = shutil.which("openssl")
-    assert openssl, "openssl missing"
-    cert, key = tmp / "cert.pem", tmp / "key.pem"
-    subprocess.run(
-        [openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-         "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-         "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True, timeout=60,
-    )  # fmt: skip
-    return str(cert), str(key)
-
-
 async def test_tls(tmp_path: Path) -> None:
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     state = rich_state()
     srv = await _start(state, make_ssl_context(cert, key))
     try:

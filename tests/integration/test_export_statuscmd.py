@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from kvobserve import statuscmd
+from kvobserve.commands import status as statuscmd
 from kvobserve.export.server import create_app, serve
 from tests.unit.test_export_fleet import NOW, rich_state
 

@@ -56,7 +56,8 @@ def collector_toml(tmp_path: Path, sim: SimulatedWorker, nats: str, **extra: Any
         tmp_path / "node-0.toml",
         {
             "cluster": CLUSTER,
-            "collector": {"id": "node-0", "interval_s": 0.5, "listen": f"127.0.0.1:{free_port()}"},
+            "collector": {"id": "node-0", "interval_s": 0.5},
+            "http": {"listen": f"127.0.0.1:{free_port()}"},
             "worker": [
                 {
                     "id": "w",

@@ -98,8 +98,8 @@ def _collector_toml(
             "node_rank": node_rank,
             "nnodes": 3,
             "interval_s": INTERVAL,
-            "listen": listen,
         },
+        "http": {"listen": listen},
         "worker": workers,
         "nats": {"url": nats},
     }

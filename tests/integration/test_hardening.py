@@ -23,9 +23,11 @@ import zmq.asyncio
 from aiohttp import web
 
 import kvobserve.collector as collector_mod
-from kvobserve.aggregator import Aggregator, start_http
+from kvobserve.aggregator import Aggregator
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.collector import Collector
+from kvobserve.commands.common import start_http
+from kvobserve.config import HttpConfig
 from kvobserve.export.server import create_app, serve
 from kvobserve.simulate.encoders import encode_batch, get_format
 from kvobserve.simulate.group import free_port_range
@@ -55,7 +57,7 @@ async def exported(col: Collector) -> AsyncIterator[str]:
     agg = Aggregator(FleetState())
     await agg.start(col.transport)
     port = free_port()
-    stop = await start_http(agg, f"127.0.0.1:{port}")
+    stop = await start_http(agg, HttpConfig(f"127.0.0.1:{port}"))
     try:
         yield f"http://127.0.0.1:{port}/metrics"
     finally:

@@ -16,10 +16,10 @@ import pytest
 import zmq
 import zmq.asyncio
 from aiohttp import web
-from prometheus_client import CollectorRegistry, generate_latest
 
 from kvobserve.config import WorkerConfig
-from kvobserve.sources.passthrough import PassthroughCollector, parse_engine_metrics, relabel
+from kvobserve.sources.passthrough import parse_engine_metrics, relabel
+from kvobserve.sources.plan import rank_endpoint, scheduler_specs
 from kvobserve.sources.scheduler import (
     FpmSubscriber,
     KvMetricsPull,
@@ -241,7 +241,8 @@ def bind_consecutive_pubs(ctx: zmq.asyncio.Context, n: int) -> tuple[int, list[z
 async def test_load_pub_capture(ctx: zmq.asyncio.Context) -> None:
     lines, expected = load_capture("load")
     base, pubs = bind_consecutive_pubs(ctx, 2)
-    src = LoadSubscriber(f"tcp://127.0.0.1:{base}", [0, 1], ctx=ctx)
+    eps = [rank_endpoint(f"tcp://127.0.0.1:{base}", r) for r in (0, 1)]
+    src = LoadSubscriber(eps, [0, 1], ctx=ctx)
     await src.start()
     try:
         assert src.endpoints == [f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{base + 1}"]
@@ -306,7 +307,7 @@ async def test_fpm_sub_capture(ctx: zmq.asyncio.Context, tmp_path: Path) -> None
         s = ctx.socket(zmq.PUB)
         s.bind(f"{base}.{r}")
         pubs.append(s)
-    src = FpmSubscriber(base, [0, 1], ctx=ctx)
+    src = FpmSubscriber([rank_endpoint(base, r, dotted_ipc=True) for r in (0, 1)], [0, 1], ctx=ctx)
     await src.start()
     try:
         for line, exp in zip(lines, expected, strict=True):
@@ -343,8 +344,8 @@ async def test_scheduler_sources_for_a_worker(ctx: zmq.asyncio.Context, tmp_path
         metrics_url="http://10.0.0.5:30000/metrics", kv_metrics_endpoint=f"ipc://{tmp_path}/m",
         fpm_endpoint="tcp://10.0.0.5:7000",
     )  # fmt: skip
-    srcs = SchedulerSources(w, 2, load_endpoint="tcp://10.0.0.5:5561", ctx=ctx)
-    assert srcs.describe() == [
+    specs = scheduler_specs(w, range(2), load_base="tcp://10.0.0.5:5561")
+    assert [(s.source, e) for s in specs for e in s.endpoints] == [
         ("metrics", "http://10.0.0.5:30000/metrics"),
         ("load", "tcp://10.0.0.5:5561"),
         ("load", "tcp://10.0.0.5:5562"),
@@ -352,6 +353,10 @@ async def test_scheduler_sources_for_a_worker(ctx: zmq.asyncio.Context, tmp_path
         ("fpm", "tcp://10.0.0.5:7000"),
         ("fpm", "tcp://10.0.0.5:7001"),
     ]
+    srcs = SchedulerSources(specs, w.engine, ctx=ctx)
+    assert [type(s).__name__ for s in srcs.sources] == [
+        "MetricsScrape", "LoadSubscriber", "KvMetricsPull", "FpmSubscriber"
+    ]  # fmt: skip
     lines, _ = load_capture("kv_metrics")
     kv = srcs.sources[2]
     await kv.start()  # only the PULL: the other endpoints are not reachable here
@@ -367,20 +372,11 @@ async def test_scheduler_sources_for_a_worker(ctx: zmq.asyncio.Context, tmp_path
         await srcs.close()
 
 
-def test_passthrough_relabels_and_exports() -> None:
+def test_passthrough_relabels() -> None:
     fams = parse_engine_metrics(SGLANG_METRICS, "sglang").families
     out = relabel(fams, {"worker_id": "w1", "node_rank": "0", "tp_rank": "x"})
     sample = next(s for f in out for s in f.samples if s.name == "sglang:num_running_reqs")
     assert sample.labels["worker_id"] == "w1" and sample.labels["exported_tp_rank"] == "0"
-    reg = CollectorRegistry()
-    pairs = [
-        (fams, {"worker_id": "a", "node_rank": "0"}),
-        (fams, {"worker_id": "b", "node_rank": "1"}),
-    ]
-    reg.register(PassthroughCollector(lambda: pairs))
-    text = generate_latest(reg).decode()
-    assert text.count("# TYPE sglang:num_running_reqs gauge") == 1
-    rank1 = {"dp_rank": "1", "engine_type": "unified", "model_name": "Qwen/Qwen3-8B", "moe_ep_rank": "0", "pp_rank": "0", "tp_rank": "4"}  # fmt: skip
-    assert reg.get_sample_value("sglang:num_running_reqs", {**rank1, "worker_id": "b", "node_rank": "1"}) == 3.0  # fmt: skip
-    model = {"model_name": "Qwen/Qwen3-8B"}
-    assert reg.get_sample_value("sglang:prompt_tokens_total", {**model, "worker_id": "a", "node_rank": "0"}) == 123456.0  # fmt: skip
+    assert sample.labels["dp_rank"] == "0" and sample.value == 7.0  # the engine's own labels stay
+    assert [f.name for f in out] == [f.name for f in fams]  # copies: the scrape is not changed
+    assert all("worker_id" not in s.labels for f in fams for s in f.samples)

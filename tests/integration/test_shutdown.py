@@ -86,11 +86,11 @@ def _start(name: str, procs: Procs, tmp_path: Path, request: pytest.FixtureReque
         nats: NatsServer = request.getfixturevalue("nats_server")
     if name == "run":
         cfg = write_toml(tmp_path / "run.toml", {"collector": {"interval_s": 0.2}, "worker": [worker],
-                                                 "aggregator": {"listen": f"127.0.0.1:{port}"}})  # fmt: skip
+                                                 "http": {"listen": f"127.0.0.1:{port}"}})  # fmt: skip
         pid = procs.kvobserve(name, "run", "-c", str(cfg))
         poll(_healthy(base), 20, "run serves", lambda: procs.log(pid))
     elif name == "collect":
-        cfg = write_toml(tmp_path / "c.toml", {"collector": {"listen": f"127.0.0.1:{port}"},
+        cfg = write_toml(tmp_path / "c.toml", {"http": {"listen": f"127.0.0.1:{port}"},
                                                "worker": [worker], "nats": {"url": nats.url}})  # fmt: skip
         pid = procs.kvobserve(name, "collect", "-c", str(cfg))
         poll(_healthy(base), 20, "collect serves", lambda: procs.log(pid))
@@ -171,8 +171,8 @@ def _baseline() -> tuple[set[threading.Thread], int, set[int]]:
 
 def child_main() -> None:
     """Start and stop each object; print {object: leftovers} as JSON."""
+    from kvobserve.commands.run import start_embedded
     from kvobserve.config import load_config
-    from kvobserve.embedded import start_embedded
     from kvobserve.simulate import SimulatedWorker, WorkerConfig
     from kvobserve.sources.kv_stream import IngestLoop, StreamSpec
 
@@ -199,7 +199,7 @@ def child_main() -> None:
          "worker.dp_size": 2, "worker.load_endpoint": f"tcp://127.0.0.1:{free_port()}",
          "worker.kv_metrics_endpoint": f"tcp://127.0.0.1:{free_port()}",
          "worker.metrics_url": f"http://127.0.0.1:{free_port()}/metrics",
-         "collector.interval_s": 0.1, "aggregator.listen": f"127.0.0.1:{port}"}  # fmt: skip
+         "collector.interval_s": 0.1, "http.listen": f"127.0.0.1:{port}"}  # fmt: skip
     cfg = load_config(None, o, {})
 
     async def collector() -> None:
@@ -219,7 +219,7 @@ def child_main() -> None:
     report["Collector"] = _leftovers(b)
 
     async def embedded() -> None:
-        emb = await start_embedded([cfg], cfg.aggregator.listen)
+        emb = await start_embedded([cfg], cfg.http)
         assert port in listening_ports()
         await emb.close()
 

@@ -8,12 +8,12 @@ import sys
 
 import pytest
 
-from kvobserve.cli import COMMANDS, build_parser
+from kvobserve.cli import COMMANDS, build_parser, module_name
 
 
 @pytest.mark.parametrize("name", sorted(COMMANDS))
 def test_every_command_module_has_add_arguments_and_run(name: str) -> None:
-    mod = importlib.import_module(COMMANDS[name][0])
+    mod = importlib.import_module(module_name(name))
     assert callable(mod.add_arguments) and callable(mod.run)
     sub = build_parser(name)._subparsers._group_actions[0].choices[name]  # type: ignore[union-attr]
     assert sub.get_default("_run") is mod.run

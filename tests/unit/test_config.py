@@ -8,7 +8,14 @@ from typing import Any
 
 import pytest
 
-from kvobserve.config import ConfigError, add_config_flags, load_config, overrides_from_args
+from kvobserve.config import (
+    SECTIONS,
+    ConfigError,
+    add_config_flags,
+    load_config,
+    overrides_from_args,
+)
+from tests.certs import self_signed
 
 FULL = """
 cluster = "prod-a"
@@ -18,7 +25,6 @@ id = "node-0"
 node_rank = 0
 nnodes = 2
 interval_s = 2
-listen = "127.0.0.1:9478"
 
 [[worker]]
 id = "sglang-dp8"
@@ -34,8 +40,11 @@ capacity_tokens = 0
 probe_extra_ports = 2
 
 [aggregator]
-listen = "127.0.0.1:9477"
 nats = "nats://127.0.0.1:4222"
+stale_intervals = 5
+
+[http]
+listen = "0.0.0.0:9477"
 """
 
 
@@ -47,7 +56,7 @@ def write(tmp_path: Path, text: str) -> str:
 
 def parse_flags(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    add_config_flags(parser)
+    add_config_flags(parser, SECTIONS)
     return parser.parse_args(argv)
 
 
@@ -67,7 +76,45 @@ def test_full_file(tmp_path: Path) -> None:
     assert w.leader is True  # node_rank 0
     assert w.probe_extra_ports == 2 and w.allow_pickle is False
     assert cfg.nats is not None and cfg.nats.url == "nats://127.0.0.1:4222"
-    assert cfg.aggregator.nats is cfg.nats
+    assert cfg.aggregator.stale_intervals == 5.0
+    assert (cfg.http.listen, cfg.http.basic_auth, cfg.http.tls) == ("0.0.0.0:9477", None, None)
+
+
+def test_http_auth_and_tls_from_env(tmp_path: Path) -> None:
+    cert, key = self_signed(tmp_path)
+    env = {
+        "KVOBSERVE_HTTP_USER": "prometheus",
+        "KVOBSERVE_HTTP_PASSWORD": "pw",
+        "KVOBSERVE_HTTP_TLS_CERT": cert,
+        "KVOBSERVE_HTTP_TLS_KEY": key,
+    }
+    cfg = load_config(write(tmp_path, FULL), {}, env)
+    assert cfg.http.basic_auth == ("prometheus", "pw")
+    assert cfg.http.tls == (cert, key)
+    assert "pw" not in repr(cfg)
+    # a key that does not belong to the cert is found at load time, naming both settings
+    _, other = self_signed(tmp_path / "other")
+    with pytest.raises(
+        ConfigError, match=r"^KVOBSERVE_HTTP_TLS_CERT \(http.tls_cert\): .*KVOBSERVE_HTTP_TLS_KEY"
+    ):
+        load_config(None, {}, {**env, "KVOBSERVE_HTTP_TLS_KEY": other})
+
+
+def test_a_command_default_is_replaced_but_not_a_given_value(tmp_path: Path) -> None:
+    collect = {"http.listen": "127.0.0.1:9478"}
+    assert load_config(None, {}, {}, defaults=collect).http.listen == "127.0.0.1:9478"
+    assert (
+        load_config(write(tmp_path, FULL), {}, {}, defaults=collect).http.listen == "0.0.0.0:9477"
+    )
+    env = {"KVOBSERVE_HTTP_LISTEN": "127.0.0.5:1"}
+    assert load_config(None, {}, env, defaults=collect).http.listen == "127.0.0.5:1"
+
+
+def test_listen_flag_spellings_are_one_setting() -> None:
+    for flag in ("--listen", "--collector-listen", "--aggregator-listen"):
+        assert overrides_from_args(parse_flags([flag, "127.0.0.1:1"])) == {
+            "http.listen": "127.0.0.1:1"
+        }
 
 
 def test_defaults_without_file() -> None:
@@ -75,8 +122,8 @@ def test_defaults_without_file() -> None:
     assert cfg.workers == ()
     assert cfg.collector.node_rank == 0 and cfg.collector.nnodes == 1
     assert cfg.collector.interval_s == 1.0
-    assert cfg.collector.listen == "127.0.0.1:9478"
-    assert cfg.aggregator.listen == "127.0.0.1:9477"
+    assert cfg.http.listen == "127.0.0.1:9477" and cfg.http.basic_auth is None
+    assert cfg.aggregator.stale_intervals == 3.0
     assert cfg.nats is None
     assert cfg.collector.id  # hostname
 
@@ -167,9 +214,20 @@ BAD: list[tuple[str, dict[str, Any], dict[str, str], str]] = [
         '[[worker]]\nengine = "sglang"\nkv_endpiont = "tcp://h:1"\n',
         {},
         {},
-        "worker[0].kv_endpiont: unknown key (value 'tcp://h:1')",
+        "worker[0].kv_endpiont: unknown key (value 'tcp://h:1'); did you mean 'kv_endpoint'?",
     ),
-    ("[collector]\nnode_rnk = 1\n", {}, {}, "collector.node_rnk: unknown key (value 1)"),
+    (
+        "[collector]\nnode_rnk = 1\n",
+        {},
+        {},
+        "collector.node_rnk: unknown key (value 1); did you mean 'node_rank'?",
+    ),
+    (
+        "[colector]\nnode_rank = 1\n",
+        {},
+        {},
+        "colector: unknown key (value {'node_rank': 1}); did you mean 'collector'?",
+    ),
     ('clusterr = "x"\n', {}, {}, "clusterr: unknown key (value 'x')"),
     ('[collector]\nnode_rank = "one"\n', {}, {}, "collector.node_rank: expected int, got 'one'"),
     ("[collector]\nnode_rank = true\n", {}, {}, "collector.node_rank: expected int, got True"),
@@ -180,13 +238,34 @@ BAD: list[tuple[str, dict[str, Any], dict[str, str], str]] = [
         "collector.node_rank: 2 must be < collector.nnodes (2)",
     ),
     ("[collector]\ninterval_s = 0\n", {}, {}, "collector.interval_s: must be > 0, got 0.0"),
-    ('[collector]\nlisten = "9478"\n', {}, {}, "collector.listen: expected host:port, got '9478'"),
+    ('[http]\nlisten = "9478"\n', {}, {}, "http.listen: expected host:port, got '9478'"),
     (
-        '[aggregator]\nlisten = "localhost:http"\n',
+        '[http]\nlisten = "localhost:http"\n',
         {},
         {},
-        "aggregator.listen: expected host:port, got 'localhost:http'",
+        "http.listen: expected host:port, got 'localhost:http'",
     ),
+    (
+        '[collector]\nlisten = "127.0.0.1:9478"\n',
+        {},
+        {},
+        "collector.listen: unknown key (value '127.0.0.1:9478'); it moved to http.listen",
+    ),
+    (
+        "",
+        {},
+        {"KVOBSERVE_AGGREGATOR_LISTEN": "0.0.0.0:9477"},
+        "KVOBSERVE_AGGREGATOR_LISTEN: renamed to KVOBSERVE_HTTP_LISTEN (http.listen)",
+    ),
+    (
+        "",
+        {},
+        {"KVOBSERVE_TLS_CERT": "c.pem"},
+        "KVOBSERVE_TLS_CERT: renamed to KVOBSERVE_HTTP_TLS_CERT (http.tls_cert)",
+    ),
+    ("", {"http.user": "u"}, {}, "http.password: missing (--http-user (http.user) is set)"),
+    ("", {"http.tls_key": "k.pem"}, {}, "http.tls_cert: missing (--tls-key (http.tls_key) is set)"),
+    ("[aggregator]\nstale_intervals = 0.5\n", {}, {}, "aggregator.stale_intervals: must be >= 1"),
     (
         '[[worker]]\nengine = "sglang"\nkv_endpoint = "tcp://h:1"\ndp_size = -2\n',
         {},
@@ -253,7 +332,7 @@ BAD: list[tuple[str, dict[str, Any], dict[str, str], str]] = [
         "",
         {},
         {"KVOBSERVE_COLLECTOR_NODERANK": "1"},
-        "KVOBSERVE_COLLECTOR_NODERANK: unknown key 'noderank' in [collector] (value '1')",
+        "KVOBSERVE_COLLECTOR_NODERANK: unknown key 'noderank' in [collector] (value '1'); did you mean 'node_rank'?",
     ),
     (
         "",
@@ -265,32 +344,32 @@ BAD: list[tuple[str, dict[str, Any], dict[str, str], str]] = [
         "",
         {"nats.url": "http://n:4222"},
         {},
-        "nats.url: expected nats://host[:port], got 'http://n:4222'",
+        "--nats (nats.url): expected nats://host[:port], got 'http://n:4222'",
     ),
     (
         "",
         {"nats.url": "nats://n:4222", "nats.user": "u"},
         {},
-        "nats.password: missing (nats.user is set)",
+        "nats.password: missing (--nats-user (nats.user) is set)",
     ),
     (
         "",
         {"nats.url": "nats://n:4222", "nats.tls_cert": "c.pem"},
         {},
-        "nats.tls_key: missing (nats.tls_cert is set)",
+        "nats.tls_key: missing (--nats-tls-cert (nats.tls_cert) is set)",
     ),
     ('[nats]\ntoken = "t"\n', {}, {}, "nats.token: set, but nats.url is missing"),
     (
         "",
         {"nats.url": "nats://n:4222", "nats.connect_timeout_s": "0"},
         {},
-        "nats.connect_timeout_s: must be > 0, got 0.0",
+        "--nats-connect-timeout (nats.connect_timeout_s): must be > 0, got 0.0",
     ),
     (
         "",
         {"nats.url": "nats://n:4222", "nats.token": "t", "nats.user": "u", "nats.password": "p"},
         {},
-        "nats.token: set together with nats.user",
+        "--nats-token (nats.token): set together with --nats-user (nats.user)",
     ),
 ]
 

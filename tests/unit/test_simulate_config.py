@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from kvobserve.commands.simulate import add_arguments, build_configs
 from kvobserve.simulate import FaultConfig, WorkerConfig, nodes_of
-from kvobserve.simulate.cli import add_arguments, build_configs
 
 
 def _args(*argv: str) -> argparse.Namespace:

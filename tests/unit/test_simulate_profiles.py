@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from kvobserve.simulate.cli import add_arguments, build_configs
+from kvobserve.commands.simulate import add_arguments, build_configs
 from kvobserve.simulate.profiles import PROFILES, profile
 
 

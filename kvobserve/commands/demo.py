@@ -14,14 +14,21 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import signal
 import sys
 import time
 from dataclasses import dataclass
 from typing import TextIO
 
-from kvobserve.config import AggregatorConfig, CollectorConfig, Config, WorkerConfig
-from kvobserve.embedded import Embedded, start_embedded
+from kvobserve.commands.common import fail, load, stop_event
+from kvobserve.commands.embedded import Embedded, start_embedded
+from kvobserve.config import (
+    CollectorConfig,
+    Config,
+    ConfigError,
+    HttpConfig,
+    WorkerConfig,
+    add_config_flags,
+)
 from kvobserve.simulate import FaultConfig, SimulatedWorker, nodes_of
 from kvobserve.simulate.config import WorkerConfig as SimConfig
 from kvobserve.simulate.truth import write_truth
@@ -54,12 +61,7 @@ class Demo:
 def _collector_config(
     cid: str, node_rank: int, nnodes: int, worker: WorkerConfig, interval_s: float
 ) -> Config:
-    return Config(
-        cluster="demo",
-        collector=CollectorConfig(cid, node_rank, nnodes, interval_s, listen=""),
-        workers=(worker,),
-        aggregator=AggregatorConfig(),
-    )
+    return Config("demo", CollectorConfig(cid, node_rank, nnodes, interval_s), (worker,))
 
 
 def _worker_config(sim: SimulatedWorker, engine: str, leader: bool) -> WorkerConfig:
@@ -80,7 +82,7 @@ def _worker_config(sim: SimulatedWorker, engine: str, leader: bool) -> WorkerCon
 
 
 async def start_demo(
-    listen: str | None,
+    http: HttpConfig | None,
     *,
     rate: float = 20.0,
     interval_s: float = 1.0,
@@ -88,7 +90,7 @@ async def start_demo(
     sglang_faults: FaultConfig = DEMO_FAULTS_SGLANG,
     vllm_faults: FaultConfig = DEMO_FAULTS_VLLM,
 ) -> Demo:
-    """Start the simulated fleet and kvobserve; serve HTTP on `listen` (None: no HTTP)."""
+    """Start the simulated fleet and kvobserve; serve `http` (None: no HTTP)."""
     sglang = SimConfig(
         worker_id="sglang-dp8",
         format="sglang-0.5.23",
@@ -123,7 +125,7 @@ async def start_demo(
         _collector_config("vllm-node-0", 0, 1, _worker_config(vl, "vllm", True), interval_s),
     ]
     try:
-        emb = await start_embedded(configs, listen)
+        emb = await start_embedded(configs, http)
     except BaseException:
         for s in sims:
             s.stop()
@@ -156,8 +158,8 @@ def summary_line(demo: Demo, last: tuple[float, int] | None) -> tuple[str, tuple
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of `kvobserve demo`."""
-    parser.add_argument("--listen", default="127.0.0.1:9477", help="HTTP host:port")
+    """Flags of `kvobserve demo`: its HTTP ([http]: --listen, auth, TLS) and the simulation."""
+    add_config_flags(parser, ("http",))
     parser.add_argument("--rate", type=float, default=20.0, help="batches/s per DP rank")
     parser.add_argument("--interval", type=float, default=1.0, help="snapshot interval, seconds")
     parser.add_argument("--duration", type=float, default=0.0, help="stop after S seconds (0: run)")
@@ -168,27 +170,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """`kvobserve demo`."""
     if args.rate <= 0 or args.interval <= 0:
-        print(f"kvobserve demo: --rate {args.rate} / --interval {args.interval}: must be > 0")
-        return 2
-    return asyncio.run(_demo(args, sys.stdout))
-
-
-async def _demo(args: argparse.Namespace, out: TextIO) -> int:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        return fail("demo", f"--rate {args.rate} / --interval {args.interval}: must be > 0")
     try:
-        demo = await start_demo(
-            args.listen, rate=args.rate, interval_s=args.interval, seed=args.seed
-        )
+        http = load(args).http
+    except ConfigError as exc:
+        return fail("demo", exc)
+    return asyncio.run(_demo(args, http, sys.stdout))
+
+
+async def _demo(args: argparse.Namespace, http: HttpConfig, out: TextIO) -> int:
+    stop = stop_event()
+    try:
+        demo = await start_demo(http, rate=args.rate, interval_s=args.interval, seed=args.seed)
     except OSError as exc:
-        print(f"kvobserve demo: --listen {args.listen}: {exc}", file=out, flush=True)
-        return 1
+        return fail("demo", f"http.listen {http.listen}: {exc.strerror or exc}", 1)
+    base = f"{'https' if http.tls else 'http'}://{http.listen}"
     print(
         f"kvobserve demo: 3 simulated engine nodes, 12 KV-event streams, 3 collectors\n"
-        f"  metrics      http://{args.listen}/metrics\n"
-        f"  status page  http://{args.listen}/\n"
+        f"  metrics      {base}/metrics\n"
+        f"  status page  {base}/\n"
         f"  faults       SGLang ranks 2,5: batches lost on the wire (recovered by replay) and"
         f" publisher restarts; vLLM rank 1: a second publisher (duplicate stream)\n"
         f"Ctrl-C stops.",

@@ -1,0 +1,77 @@
+"""`kvobserve aggregate`: the fleet aggregator over NATS: one /metrics, the API, the status page."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+
+from kvobserve.aggregator import Aggregator
+from kvobserve.analysis.fleet import FleetState
+from kvobserve.commands.common import Stop, fail, load, setup_logging, start_http, stop_event
+from kvobserve.config import Config, ConfigError, add_config_flags
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `kvobserve aggregate` (nats.url is required, in the file, env or --nats)."""
+    add_config_flags(parser, ("", "aggregator", "http", "nats"))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Exit 2 on a bad setting, 1 when NATS is unreachable or it cannot listen, 0 on a signal."""
+    try:
+        cfg = load(args)
+        if cfg.nats is None:
+            raise ConfigError("nats.url: required by `aggregate` (--nats URL or [nats] url)")
+    except ConfigError as exc:
+        return fail("aggregate", exc)
+    setup_logging()
+    return asyncio.run(serve(cfg))
+
+
+async def serve(cfg: Config) -> int:
+    """Connect, aggregate and serve until SIGTERM/SIGINT; then stop within 2 s."""
+    from kvobserve.transport.nats import NatsConnectError, NatsTransport
+
+    assert cfg.nats is not None
+    stop = stop_event()
+    transport = NatsTransport.from_config(cfg.nats, cfg.cluster, "kvobserve-aggregator")
+    connecting = asyncio.ensure_future(transport.connect())
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if not connecting.done():  # a signal during the first connect ends the process at once
+        connecting.cancel()
+        with contextlib.suppress(asyncio.CancelledError, NatsConnectError):
+            await connecting
+        await transport.close()
+        return 0
+    try:
+        connecting.result()
+    except NatsConnectError as exc:
+        return fail("aggregate", exc, 1)
+    agg = Aggregator(FleetState(stale_intervals=cfg.aggregator.stale_intervals))
+    stop_http: Stop | None = None
+    try:
+        try:
+            stop_http = await start_http(
+                agg, cfg.http, otlp_endpoint=cfg.aggregator.otlp_endpoint, transport=transport
+            )
+        except OSError as exc:
+            return fail("aggregate", f"http.listen {cfg.http.listen}: {exc.strerror or exc}", 1)
+        await agg.start(transport)
+        log.info(
+            "aggregating cluster %r from %s (jetstream_kv=%s); ready",
+            cfg.cluster, cfg.nats.url, cfg.nats.jetstream_kv,
+        )  # fmt: skip
+        await stop.wait()
+        log.info("stopping")
+    finally:
+        await agg.stop()
+        # Concurrently: each has its own ~1 s bound and SIGTERM must end the process within 2 s.
+        closing = [transport.close()] + ([stop_http()] if stop_http is not None else [])
+        await asyncio.gather(*closing, return_exceptions=True)
+    return 0

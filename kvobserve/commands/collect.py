@@ -1,0 +1,76 @@
+"""`kvobserve collect`: one node's collector, publishing snapshots to NATS, with its own local view."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import time
+
+from kvobserve.aggregator import Aggregator
+from kvobserve.analysis.fleet import FleetState
+from kvobserve.collector import Collector
+from kvobserve.commands.common import Stop, fail, load, setup_logging, start_http, stop_event
+from kvobserve.config import Config, ConfigError, add_config_flags
+from kvobserve.transport import Transport
+
+log = logging.getLogger(__name__)
+LOCAL_LISTEN = "127.0.0.1:9478"  # the collector's own HTTP; the aggregator has 9477
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `kvobserve collect` (nats.url is required, in the file, env or --nats)."""
+    add_config_flags(parser, ("", "collector", "worker", "http", "nats"))
+    parser.add_argument(
+        "--no-local-http", action="store_true", help="do not serve the collector's own /metrics"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """`kvobserve collect -c FILE --nats URL`: 2 on a bad setting, 1 when NATS is unreachable."""
+    try:
+        cfg = load(args, defaults={"http.listen": LOCAL_LISTEN})
+        if cfg.nats is None:
+            raise ConfigError("nats.url: required by `collect` (--nats URL or [nats] url)")
+    except ConfigError as exc:
+        return fail("collect", exc)
+    setup_logging()
+    return asyncio.run(_collect(cfg, local_http=not args.no_local_http))
+
+
+async def _collect(cfg: Config, local_http: bool) -> int:
+    from kvobserve.transport.nats import NatsConnectError, NatsTransport
+
+    assert cfg.nats is not None
+    stop = stop_event()
+    transport = NatsTransport.from_config(
+        cfg.nats, cfg.cluster, f"kvobserve-collector-{cfg.collector.id}"
+    )
+    try:
+        await transport.connect()
+    except NatsConnectError as exc:
+        return fail("collect", exc, 1)
+    local = Aggregator(FleetState())  # the node's own view: a fleet of one, fed directly
+    collector = Collector(
+        cfg, transport, observers=[lambda snap: local.fleet.update(snap, time.time())]
+    )
+    stop_http: Stop | None = None
+    try:
+        await collector.start()
+        if local_http and cfg.http.listen:
+            try:
+                stop_http = await start_http(local, cfg.http, transport=transport)
+            except OSError as exc:
+                log.warning("local /metrics not served: %s", exc)
+        log.info("collector %s watching %d workers", cfg.collector.id, len(cfg.workers))
+        await stop.wait()
+    finally:
+        await asyncio.wait_for(_shutdown(collector, transport, stop_http), 1.8)
+    return 0
+
+
+async def _shutdown(collector: Collector, transport: Transport, stop_http: Stop | None) -> None:
+    if stop_http is not None:
+        await stop_http()
+    await collector.close()
+    await transport.close()

@@ -1,0 +1,86 @@
+"""What the commands share: the configuration, logging, stop signals and the HTTP side."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from prometheus_client.metrics_core import Metric
+
+from kvobserve.aggregator import Aggregator
+from kvobserve.config import (
+    Config,
+    HttpConfig,
+    load_config,
+    overrides_from_args,
+)
+from kvobserve.transport import Transport
+
+log = logging.getLogger(__name__)
+Stop = Callable[[], Awaitable[None]]
+
+
+def fail(command: str, message: object, code: int = 2) -> int:
+    """Print one line `kvobserve COMMAND: error: ...` on stderr; return the exit code."""
+    text = str(message).replace("\n", " ")
+    print(f"kvobserve {command}: error: {text}", file=sys.stderr, flush=True)
+    return code
+
+
+def load(args: argparse.Namespace, defaults: Mapping[str, Any] | None = None) -> Config:
+    """The configuration from `-c`, KVOBSERVE_* and the flags; ConfigError names the setting."""
+    return load_config(args.config, overrides_from_args(args), os.environ, defaults=defaults)
+
+
+def setup_logging() -> None:
+    """One log format for every daemon command."""
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+
+def stop_event() -> asyncio.Event:
+    """An event set by SIGTERM or SIGINT (call inside the running loop)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def start_http(
+    agg: Aggregator,
+    http: HttpConfig,
+    *,
+    otlp_endpoint: str | None = None,
+    otlp_interval_s: float = 10.0,
+    transport: Transport | None = None,
+) -> Stop:
+    """Serve `agg` on [http] listen (and push OTLP when asked); returns the function that stops both."""
+    from kvobserve.export import server
+    from kvobserve.export.otlp import start_otlp
+    from kvobserve.export.prometheus import aggregator_metrics
+
+    def extra() -> list[Metric]:
+        return aggregator_metrics(agg.fleet, agg.decode_errors, transport)
+
+    app = server.create_app(agg.view, extra_metrics=extra, basic_auth=http.basic_auth)
+    tls = server.make_ssl_context(*http.tls) if http.tls else None
+    served = await server.serve(app, http.listen, tls)
+    log.info("serving %s/metrics", served.url)
+    push = (
+        start_otlp(agg.view, otlp_endpoint, otlp_interval_s, extra=extra) if otlp_endpoint else None
+    )
+
+    async def stop() -> None:
+        if push is not None:
+            await push.shutdown()
+        await served.close()
+
+    return stop

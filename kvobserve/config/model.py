@@ -1,0 +1,117 @@
+"""The configuration model: one frozen dataclass per section; each default is declared here once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message names the field and the value (one line)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CollectorConfig:
+    """This node's collector; an empty `id` becomes the short hostname."""
+
+    id: str = ""
+    node_rank: int = 0
+    nnodes: int = 1
+    interval_s: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """One engine deployment (all its DP ranks); `dp_size` None = take it from discovery."""
+
+    id: str
+    engine: str
+    url: str | None = None
+    kv_endpoint: str | None = None
+    replay_endpoint: str | None = None
+    topic: str = ""
+    dp_size: int | None = 1
+    dp_attention: bool = False
+    metrics_url: str | None = None
+    leader: bool = True
+    capacity_tokens: int = 0
+    probe_extra_ports: int = 1
+    load_endpoint: str | None = None
+    kv_metrics_endpoint: str | None = None
+    fpm_endpoint: str | None = None
+    allow_pickle: bool = False
+    passthrough_engine_metrics: bool = False
+    version: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class NatsConfig:
+    """NATS connection and auth; used by `collect` (publish) and `aggregate` (subscribe)."""
+
+    url: str
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)  # secrets stay out of logs
+    token: str | None = field(default=None, repr=False)
+    creds: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    jetstream_kv: bool = False
+    connect_timeout_s: float = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class HttpConfig:
+    """The HTTP server of this process (/metrics, API, status page); `listen` "" = none."""
+
+    listen: str = "127.0.0.1:9477"
+    user: str | None = None  # basic auth on every route but /healthz
+    password: str | None = field(default=None, repr=False)
+    tls_cert: str | None = None  # PEM files: serve HTTPS
+    tls_key: str | None = None
+
+    @property
+    def basic_auth(self) -> tuple[str, str] | None:
+        """(user, password) when basic auth is on."""
+        return (self.user, self.password) if self.user and self.password else None
+
+    @property
+    def tls(self) -> tuple[str, str] | None:
+        """(cert, key) when HTTPS is on."""
+        return (self.tls_cert, self.tls_key) if self.tls_cert and self.tls_key else None
+
+
+@dataclass(frozen=True, slots=True)
+class AggregatorConfig:
+    """The fleet aggregator (`aggregate`, and the one inside `run` and `demo`)."""
+
+    stale_intervals: float = 3.0
+    otlp_endpoint: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """Everything one kvobserve process needs; `nats` None = the in-process bus."""
+
+    cluster: str = "default"
+    collector: CollectorConfig = field(default_factory=CollectorConfig)
+    workers: tuple[WorkerConfig, ...] = ()
+    aggregator: AggregatorConfig = field(default_factory=AggregatorConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
+    nats: NatsConfig | None = None
+    path: str | None = None
+
+
+def _spec(cls: type) -> dict[str, type]:
+    """Key -> value type, read from a config dataclass (`int | None` -> int)."""
+    names = {"bool": bool, "int": int, "float": float}
+    return {f.name: names.get(str(f.type).split(" ")[0], str) for f in fields(cls)}
+
+
+SECTIONS: dict[str, dict[str, type]] = {
+    "": {"cluster": str},
+    "collector": _spec(CollectorConfig),
+    "worker": _spec(WorkerConfig),
+    "aggregator": {**_spec(AggregatorConfig), "nats": str},  # nats: the [nats] url shorthand
+    "http": _spec(HttpConfig),
+    "nats": _spec(NatsConfig),
+}
