@@ -32,7 +32,7 @@ from benchmarks._common import (
     wait_for_port,
 )
 from kvobserve.analysis.blocks import DEFAULT_LIFETIME_BUCKETS
-from kvobserve.transport.nats import snapshot_subject
+from kvobserve.transport.subjects import snapshot_subject
 from kvobserve.wire.snapshot import (
     CollectorInfo,
     Histogram,

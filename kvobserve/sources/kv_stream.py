@@ -25,21 +25,19 @@ from zmq.utils.monitor import parse_monitor_message
 from kvobserve.analysis.mirror import MirrorDetector
 from kvobserve.analysis.sequence import (
     DEFAULT_LIMITS,
-    CancelReplay,
-    RequestReplay,
     SequencerLimits,
     StreamSequencer,
 )
 from kvobserve.sources.plan import StreamSpec
+from kvobserve.sources.replays import DRAIN_LIMIT, ReplayClient
+from kvobserve.sources.stream_state import WatchedStream, count_bad, stream_stats
 from kvobserve.wire.errors import WireError
 from kvobserve.wire.kv_events import DEFAULT_MAX_PAYLOAD, decode_message
-from kvobserve.wire.replay import decode_replay_message, encode_replay_request
-from kvobserve.wire.snapshot import Histogram, MediumStats, StreamStats, UnexpectedStream
+from kvobserve.wire.snapshot import StreamStats, UnexpectedStream
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-DRAIN_LIMIT = 512  # messages taken from one socket per poll round, so no stream starves others
 _RCVMORE = int(zmq.RCVMORE)
 
 
@@ -67,39 +65,6 @@ class IngestStats:
     refused: dict[str, int]  # what a cardinality cap refused: streams, medium_events
 
 
-class _Stream:
-    """State of one watched endpoint, owned by the ingest thread."""
-
-    __slots__ = (
-        "bad_seqs",
-        "batches",
-        "connected",
-        "decode_errors",
-        "last_lag",
-        "last_seen",
-        "mirror",
-        "monitor",
-        "replay",
-        "seq",
-        "sock",
-        "spec",
-    )
-
-    def __init__(self, spec: StreamSpec, seq: StreamSequencer | None) -> None:
-        self.spec = spec
-        self.seq = seq  # None for probe ports
-        self.sock: zmq.Socket[bytes] | None = None
-        self.monitor: zmq.Socket[bytes] | None = None
-        self.replay: tuple[int, zmq.Socket[bytes]] | None = None
-        self.mirror: MirrorDetector | None = None
-        self.connected = False
-        self.decode_errors: dict[str, int] = {}
-        self.bad_seqs: deque[int] = deque(maxlen=64)  # seqs that did not decode, live or replay
-        self.batches = 0  # probe ports: KV batches seen
-        self.last_seen = 0.0  # monotonic time of the last message
-        self.last_lag: float | None = None
-
-
 class IngestLoop:
     """The ingest thread of one collector."""
 
@@ -114,13 +79,15 @@ class IngestLoop:
         self.options = options or IngestOptions()
         self._clock, self._wall = clock, wall
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._streams: dict[tuple[str, int], _Stream] = {}
+        self._streams: dict[tuple[str, int], WatchedStream] = {}
         self._mirrors: dict[str, MirrorDetector] = {}
-        self._by_sock: dict[zmq.Socket[bytes], _Stream] = {}
-        self._by_monitor: dict[zmq.Socket[bytes], _Stream] = {}
-        self._by_replay: dict[zmq.Socket[bytes], _Stream] = {}
-        self._replay_queue: deque[tuple[_Stream, RequestReplay]] = deque()
+        self._by_sock: dict[zmq.Socket[bytes], WatchedStream] = {}
+        self._by_monitor: dict[zmq.Socket[bytes], WatchedStream] = {}
         self._poller = zmq.Poller()
+        o = self.options
+        self.replays = ReplayClient(
+            self._ctx, self._poller, o.max_concurrent_replays, o.max_payload, clock
+        )
         self._calls: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvobserve-ingest", daemon=True)
@@ -180,8 +147,8 @@ class IngestLoop:
                     st = self._by_sock.get(sock)
                     if st is not None:
                         self._drain(st, sock, now)
-                    elif (st := self._by_replay.get(sock)) is not None:
-                        self._drain_replay(st, sock)
+                    elif (st := self.replays.by_sock.get(sock)) is not None:
+                        self.replays.drain(st, sock)
                     elif (st := self._by_monitor.get(sock)) is not None:
                         self._on_monitor(st, sock)
                 self._housekeeping(self._clock())
@@ -204,10 +171,10 @@ class IngestLoop:
             if st.seq is not None:
                 action = st.seq.expire(now)
                 if action is not None:
-                    self._act(st, action)
-        self._start_queued_replays()
+                    self.replays.act(st, action)
+        self.replays.start_queued()
 
-    def _drain(self, st: _Stream, sock: zmq.Socket[bytes], now: float) -> None:
+    def _drain(self, st: WatchedStream, sock: zmq.Socket[bytes], now: float) -> None:
         seq, opts = st.seq, self.options
         wall = self._wall()
         # recv_multipart() spends ~20% of its time converting RCVMORE to an Enum per frame:
@@ -226,7 +193,7 @@ class IngestLoop:
                 batch = decode_message(frames, opts.max_payload)
             except WireError as exc:
                 seq_frame = frames[1] if len(frames) == 3 else b""
-                _count_bad(st, exc.reason, seq_frame)
+                count_bad(st, exc.reason, seq_frame)
                 continue
             if batch.unknown_events:
                 st.decode_errors["unknown_event"] = (
@@ -246,80 +213,11 @@ class IngestLoop:
                     log.debug("mirrored stream on %s", st.spec.endpoint)
             action = seq.on_batch(batch, payload, now)
             if action is not None:
-                self._act(st, action)
-
-    # --- replay -------------------------------------------------------------------------------
-
-    def _act(self, st: _Stream, action: RequestReplay | CancelReplay) -> None:
-        if isinstance(action, CancelReplay):
-            self._close_replay(st)
-            self._replay_queue = deque((s, a) for s, a in self._replay_queue if s is not st)
-            return
-        self._close_replay(st)
-        self._replay_queue = deque((s, a) for s, a in self._replay_queue if s is not st)
-        self._replay_queue.append((st, action))
-        self._start_queued_replays()
-
-    def _start_queued_replays(self) -> None:
-        while self._replay_queue and len(self._by_replay) < self.options.max_concurrent_replays:
-            st, req = self._replay_queue.popleft()
-            if st.seq is None or st.seq.replay_in_flight != req.replay_id:
-                continue  # superseded or timed out while queued
-            endpoint = st.spec.replay_endpoint
-            if endpoint is None:
-                st.seq.on_replay_end(req.replay_id, "error")
-                continue
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)  # a replay may be up to buffer_steps batches at once
-            try:
-                sock.connect(endpoint)
-                sock.send_multipart(encode_replay_request(req.start_seq), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                sock.close(linger=0)
-                st.seq.on_replay_end(req.replay_id, "error")
-                continue
-            st.replay = (req.replay_id, sock)
-            self._by_replay[sock] = st
-            self._poller.register(sock, zmq.POLLIN)
-
-    def _drain_replay(self, st: _Stream, sock: zmq.Socket[bytes]) -> None:
-        if st.replay is None or st.seq is None:
-            return
-        replay_id = st.replay[0]
-        for _ in range(DRAIN_LIMIT):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                batch = decode_replay_message(frames, st.spec.topic, self.options.max_payload)
-            except WireError as exc:
-                _count_bad(st, exc.reason, frames[-2] if len(frames) in (3, 4) else b"")
-                continue
-            if batch is None:  # end marker; holes younger than the reply are asked for anew
-                self._close_replay(st)
-                action = st.seq.on_replay_end(replay_id, "ok", self._clock())
-                if action is not None:
-                    self._act(st, action)
-                return
-            st.seq.on_replay_batch(replay_id, batch)
-            if st.seq.replay_in_flight != replay_id:  # hole filled, or given up
-                self._close_replay(st)
-                return
-
-    def _close_replay(self, st: _Stream) -> None:
-        if st.replay is None:
-            return
-        sock = st.replay[1]
-        st.replay = None
-        self._by_replay.pop(sock, None)
-        self._poller.unregister(sock)
-        sock.close(linger=0)
+                self.replays.act(st, action)
 
     # --- sockets ------------------------------------------------------------------------------
 
-    def _on_monitor(self, st: _Stream, mon: zmq.Socket[bytes]) -> None:
+    def _on_monitor(self, st: WatchedStream, mon: zmq.Socket[bytes]) -> None:
         while True:
             try:
                 msg = parse_monitor_message(mon.recv_multipart(zmq.NOBLOCK))
@@ -330,7 +228,7 @@ class IngestLoop:
             elif msg["event"] in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
                 st.connected = False
 
-    def _open(self, st: _Stream) -> None:
+    def _open(self, st: WatchedStream) -> None:
         o = self.options
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
@@ -348,8 +246,8 @@ class IngestLoop:
         self._poller.register(sock, zmq.POLLIN)
         self._poller.register(mon, zmq.POLLIN)
 
-    def _close(self, st: _Stream) -> None:
-        self._close_replay(st)
+    def _close(self, st: WatchedStream) -> None:
+        self.replays.close(st)
         for sock, table in ((st.sock, self._by_sock), (st.monitor, self._by_monitor)):
             if sock is not None:
                 table.pop(sock, None)
@@ -387,7 +285,7 @@ class IngestLoop:
                         replay=spec.replay_endpoint is not None,
                         limits=self.options.limits,
                     )
-                st = self._streams[key] = _Stream(spec, seq)
+                st = self._streams[key] = WatchedStream(spec, seq)
                 if seq is not None:
                     st.mirror = self._mirrors.setdefault(spec.worker_id, MirrorDetector())
             try:
@@ -407,7 +305,7 @@ class IngestLoop:
     def _close_all(self) -> None:
         for st in self._streams.values():
             self._close(st)
-        self._replay_queue.clear()
+        self.replays.clear()
         while self._calls:
             _, fut = self._calls.popleft()
             if fut.set_running_or_notify_cancel():
@@ -430,64 +328,6 @@ class IngestLoop:
                     )
                 )
                 continue
-            streams.append(_stream_stats(st, st.seq, now))
+            streams.append(stream_stats(st, st.seq, now))
             refused["medium_events"] += st.seq.index.media_refused_events
         return IngestStats(streams, unexpected, {k: v for k, v in refused.items() if v})
-
-
-def _count_bad(st: _Stream, reason: str, seq_frame: bytes) -> None:
-    """Count one message that did not decode, once per seq whether live or replay saw it first.
-
-    The replay ring returns the live bytes, so the same bad batch arrives on both paths.
-    """
-    if len(seq_frame) == 8:
-        seq = int.from_bytes(seq_frame, "big")
-        if seq in st.bad_seqs:
-            return
-        st.bad_seqs.append(seq)
-    st.decode_errors[reason] = st.decode_errors.get(reason, 0) + 1
-
-
-def _stream_stats(st: _Stream, sq: StreamSequencer, now: float) -> StreamStats:
-    idx = sq.index
-    blocks, tokens = idx.blocks, idx.tokens
-    stored, removed, lifetimes = idx.stored_total, idx.removed_total, idx.lifetime
-    media = []
-    for medium in sorted(blocks):
-        h = lifetimes[medium]
-        cum = h.cumulative()
-        media.append(
-            MediumStats(
-                medium,
-                blocks[medium],
-                tokens[medium],
-                stored[medium],
-                removed[medium],
-                Histogram([b for b, _ in cum[:-1]], [c for _, c in cum[:-1]], h.count, h.sum),
-            )
-        )
-    spec = st.spec
-    return StreamStats(
-        spec.worker_id,
-        spec.dp_rank,
-        engine=spec.engine,
-        endpoint=spec.endpoint,
-        topic=spec.topic,
-        up=st.connected,
-        batches_total=sq.batches_applied,
-        events=idx.events_total,
-        media=media,
-        gaps=sq.gaps,
-        missed=sq.missed,
-        recovered=sq.recovered,
-        lost=sq.lost,
-        replay_requests={k: v for k, v in sq.replay_requests.items() if v},
-        restarts=sq.restarts,
-        duplicate_batches=sq.duplicate_batches,
-        duplicate_stream=sq.duplicate_stream(now),
-        rank_mismatch_batches=sq.rank_mismatch_batches,
-        decode_errors=dict(st.decode_errors),
-        state_complete=sq.state_complete,
-        last_batch_ts=sq.last_ts or 0.0,
-        lag_seconds=st.last_lag,
-    )

@@ -15,48 +15,31 @@ import inspect
 import logging
 import os
 import random
-import re
 import ssl
-import time
 from typing import Any
 
 import nats
 import nats.errors
-import nats.js.errors
 from nats.aio.client import Client, Server
 from nats.aio.msg import Msg
-from nats.js.kv import KeyValue
 
 from kvobserve.config import NatsConfig
 from kvobserve.transport import Coalescer, Handler, TransportCounters, TransportStatus
+from kvobserve.transport.nats_kv import SnapshotBucket
+from kvobserve.transport.subjects import (
+    event_subject,
+    event_wildcard,
+    kv_bucket,
+    snapshot_subject,
+    snapshot_wildcard,
+    subject_token,
+)
 
 log = logging.getLogger(__name__)
-
-_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 
 
 class NatsConnectError(Exception):
     """The first connection (or the KV bucket) could not be set up; the message says why."""
-
-
-def subject_token(value: str) -> str:
-    """`value` as one NATS subject token (and KV key): anything but [A-Za-z0-9_-] becomes '_'."""
-    return _UNSAFE.sub("_", value) or "_"
-
-
-def snapshot_subject(cluster: str, collector_id: str) -> str:
-    """The subject one collector publishes its snapshots on."""
-    return f"kvobserve.v1.{subject_token(cluster)}.snapshot.{subject_token(collector_id)}"
-
-
-def event_subject(cluster: str, kind: str) -> str:
-    """The subject condition transitions of `kind` are published on."""
-    return f"kvobserve.v1.{subject_token(cluster)}.event.{subject_token(kind)}"
-
-
-def kv_bucket(cluster: str) -> str:
-    """The JetStream KV bucket holding the last snapshot per collector."""
-    return f"kvobserve_snapshots_{subject_token(cluster)}"
 
 
 def build_ssl_context(
@@ -133,10 +116,7 @@ class NatsTransport:
         self._connect_timeout_s, self._close_timeout_s = connect_timeout_s, close_timeout_s
         self._reconnect_wait_s, self._reconnect_max_wait_s = reconnect_wait_s, reconnect_max_wait_s
         self._nc: Client | None = None
-        self._kv: KeyValue | None = None
-        self._kv_pending: dict[str, bytes] = {}  # collector id -> newest snapshot not yet put
-        self._kv_wakeup = asyncio.Event()
-        self._kv_task: asyncio.Task[None] | None = None
+        self._kv: SnapshotBucket | None = None
         self._subjects: dict[str, str] = {}  # collector id -> subject, built once
         self._last_error: Exception | None = None
         self._auth_failed = asyncio.Event()
@@ -219,22 +199,23 @@ class NatsTransport:
 
     async def _setup_kv(self, nc: Client) -> None:
         """Open the snapshot bucket, creating it when absent."""
-        bucket = kv_bucket(self.cluster)
-        js = nc.jetstream(timeout=self._connect_timeout_s)
         try:
-            async with asyncio.timeout(self._connect_timeout_s * 2):
-                try:
-                    self._kv = await js.key_value(bucket)
-                except nats.js.errors.BucketNotFoundError:
-                    self._kv = await js.create_key_value(
-                        bucket=bucket, history=1, ttl=self._kv_ttl_s
-                    )
+            kv = await SnapshotBucket.open_kv(
+                nc, self.cluster, self._kv_ttl_s, self._connect_timeout_s
+            )
         except (TimeoutError, nats.errors.Error) as exc:
             await self.close()
             raise NatsConnectError(
-                f"nats JetStream KV bucket {bucket!r}: {exc or type(exc).__name__} "
-                "(is the server started with JetStream, -js?)"
+                f"nats JetStream KV bucket {kv_bucket(self.cluster)!r}: "
+                f"{exc or type(exc).__name__} (is the server started with JetStream, -js?)"
             ) from None
+        self._kv = SnapshotBucket(
+            kv, kv_bucket(self.cluster), self.counters, self._connected, self._drop_once,
+            self._connect_timeout_s,
+        )  # fmt: skip
+
+    def _connected(self) -> bool:
+        return self.status is TransportStatus.CONNECTED
 
     def _pick_server(
         self, servers: list[Server], info: dict[str, Any]
@@ -250,11 +231,7 @@ class NatsTransport:
         if subject is None:
             subject = self._subjects[collector_id] = snapshot_subject(self.cluster, collector_id)
         if await self._publish(subject, data) and self._kv is not None:
-            # Only the newest snapshot per collector matters; older unsent ones are replaced.
-            self._kv_pending[subject_token(collector_id)] = data
-            self._kv_wakeup.set()
-            if self._kv_task is None:
-                self._kv_task = asyncio.create_task(self._kv_writer(self._kv))
+            self._kv.put(subject_token(collector_id), data)
 
     async def publish_event(self, kind: str, data: bytes) -> None:
         """Publish one condition transition (JSON bytes)."""
@@ -290,32 +267,14 @@ class NatsTransport:
             self._warned.add(reason)
             log.warning("%s (counted as dropped, reason=%s; warned once)", message, reason)
 
-    async def _kv_writer(self, kv: KeyValue) -> None:
-        """Put the newest pending snapshot of each collector into the bucket; one task owns this."""
-        while True:
-            await self._kv_wakeup.wait()
-            self._kv_wakeup.clear()
-            while self._kv_pending:
-                key, data = self._kv_pending.popitem()
-                if self.status is not TransportStatus.CONNECTED:
-                    self.counters.drop("kv_disconnected")
-                    continue
-                try:
-                    async with asyncio.timeout(2.0):
-                        await kv.put(key, data)
-                except (TimeoutError, nats.errors.Error) as exc:
-                    self._drop_once("kv_error", f"nats: KV put of {key!r} failed: {exc!r}")
-
     async def subscribe_snapshots(self, handler: Handler) -> None:
         """Deliver this cluster's snapshots to `handler` (while it is busy: the newest per collector)."""
         # Snapshots are cumulative, so a replaced one loses nothing; it is counted as `coalesced`.
-        await self._subscribe(
-            f"kvobserve.v1.{subject_token(self.cluster)}.snapshot.*", handler, True, True
-        )
+        await self._subscribe(snapshot_wildcard(self.cluster), handler, True, True)
 
     async def subscribe_events(self, handler: Handler) -> None:
         """Deliver every condition event of this cluster to `handler`."""
-        await self._subscribe(f"kvobserve.v1.{subject_token(self.cluster)}.event.*", handler, False)
+        await self._subscribe(event_wildcard(self.cluster), handler, False)
 
     async def _subscribe(
         self, subject: str, handler: Handler, count: bool, coalesce: bool = False
@@ -357,31 +316,7 @@ class NatsTransport:
 
     async def retained_snapshots(self) -> list[tuple[bytes, float]]:
         """(snapshot bytes, wall-clock time it was stored) per collector in the KV bucket."""
-        if self._kv is None:
-            return []
-        out: list[tuple[bytes, float]] = []
-        bucket = kv_bucket(self.cluster)
-        try:
-            watcher = await self._kv.watchall(ignore_deletes=True)
-        except (TimeoutError, nats.errors.Error) as exc:
-            log.warning("nats: cannot read KV bucket %s, starting cold: %r", bucket, exc)
-            return out
-        try:
-            async with asyncio.timeout(self._connect_timeout_s):
-                async for entry in watcher:
-                    if entry is None:  # nats-py's marker: the initial values are all delivered
-                        break
-                    if entry.value:
-                        created = entry.created.timestamp() if entry.created else time.time()
-                        out.append((entry.value, created))
-        except (TimeoutError, nats.errors.Error) as exc:
-            log.warning(
-                "nats: reading KV bucket %s failed after %d entries: %r", bucket, len(out), exc
-            )
-        finally:
-            with contextlib.suppress(Exception):
-                await watcher.stop()
-        return out
+        return [] if self._kv is None else await self._kv.read_all()
 
     async def close(self) -> None:
         """Stop the KV writer, drain (or close) the connection within `close_timeout_s`."""
@@ -392,10 +327,8 @@ class NatsTransport:
             task.cancel()
         await asyncio.gather(*self._deliveries, return_exceptions=True)
         self._deliveries.clear()
-        if self._kv_task is not None:
-            self._kv_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._kv_task
+        if self._kv is not None:
+            await self._kv.close()
         nc = self._nc
         if nc is not None and not nc.is_closed:
             try:

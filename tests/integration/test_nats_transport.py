@@ -15,7 +15,8 @@ import pytest
 from kvobserve.aggregator import Aggregator
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.transport import TransportStatus
-from kvobserve.transport.nats import NatsConnectError, NatsTransport, kv_bucket
+from kvobserve.transport.nats import NatsConnectError, NatsTransport
+from kvobserve.transport.subjects import kv_bucket
 from kvobserve.wire.snapshot import encode_snapshot
 from tests.integration.conftest import NatsServer, eventually, free_port, make_snapshot
 

@@ -1,0 +1,47 @@
+"""What a StreamSequencer asks of its I/O (replay requests), the replay results it counts, and
+its limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+REPLAY_RESULTS: Final = ("ok", "partial", "timeout", "error", "overflow", "aborted")
+
+
+@dataclass(frozen=True, slots=True)
+class SequencerLimits:
+    """Tunables of a StreamSequencer (counts of batches, times in seconds of `now`)."""
+
+    hold_limit: int = 4096  # live batches held while a replay runs; more: give the replay up
+    replay_timeout_s: float = 5.0
+    restart_confirm_batches: int = 3  # a fallen-back head going on this long is a restart
+    restart_confirm_s: float = 2.0  # ... or staying unopposed this long
+    quiet_s: float = 30.0  # the duplicate-stream gauge drops back after this much quiet
+    other_memory_s: float = 600.0  # how long a second or retired head is remembered
+
+    def __post_init__(self) -> None:
+        for name in ("hold_limit", "restart_confirm_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+
+
+DEFAULT_LIMITS: Final = SequencerLimits()
+
+
+@dataclass(frozen=True, slots=True)
+class RequestReplay:
+    """Ask the stream's replay endpoint for every batch from `start_seq` on."""
+
+    replay_id: int
+    start_seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class CancelReplay:
+    """Stop the replay in flight; its late replies are ignored anyway."""
+
+    replay_id: int
+
+
+Action = RequestReplay | CancelReplay
