@@ -107,14 +107,6 @@ class RouterEvent(Struct, gc=False):
         """The storage tier, with Dynamo's default."""
         return "device" if self.storage_tier is UNSET else self.storage_tier
 
-    def known_keys(self) -> int:
-        """How many of this struct's keys the map carried."""
-        n = 2
-        for v in (self.storage_tier, self.residency_domain, self.state_source, self.session_id):
-            if v is not UNSET:
-                n += 1
-        return n
-
 
 class ActiveLoad(Struct, frozen=True, gc=False):
     """Worker load on `kv_metrics` (per dp_rank; 1 ms debounce plus a 10 s heartbeat)."""
@@ -177,6 +169,7 @@ _dec_event = msgspec.msgpack.Decoder(RouterEvent)
 _dec_event_json = msgspec.json.Decoder(RouterEvent)
 _dec_load = msgspec.msgpack.Decoder(ActiveLoad)
 _ENVELOPE_KEYS = 5
+_NO_TOKENS = Raw(b"")
 
 
 def _map_len(buf: bytes | Raw) -> int:
@@ -295,17 +288,38 @@ def decode_router_events(msg: DynamoMessage) -> RouterEvents:
             "schema", f"kv-events payload is neither an array nor a map (0x{first:02x})"
         )
     out = RouterEvents([], [], single)
-    for raw in raws:
-        ev = _decode(_dec_event, raw, "RouterEvent")
-        n = _map_len(raw)
-        if n < 0:
-            raise WireError("schema", "RouterEvent is not a map")
-        out.unknown_keys += max(0, n - ev.known_keys())
-        if not _known(ev):
-            out.unknown_variants += 1
-            continue
-        out.events.append(ev)
-        out.raws.append(bytes(raw))
+    events, kept, dec = out.events, out.raws, _dec_event.decode
+    unknown_keys = unknown_variants = 0
+    try:
+        for raw in raws:
+            rb = bytes(raw)
+            ev = dec(rb)
+            b = rb[0]
+            # entries in the map header minus the known keys it carried (UNSET = absent)
+            n = b & 0x0F if 0x80 <= b <= 0x8F else _map_len(rb)
+            if n > 2:
+                n -= 2 + (ev.storage_tier is not UNSET) + (ev.residency_domain is not UNSET)
+                n -= (ev.state_source is not UNSET) + (ev.session_id is not UNSET)
+                unknown_keys += n if n > 0 else 0
+            data = ev.event.data
+            if isinstance(data, str):
+                ok = data == "cleared"
+            else:
+                ok = not (
+                    data.stored is None and data.removed is None and data.tier_cleared is None
+                )
+            if ok:
+                events.append(ev)
+                kept.append(rb)
+            else:
+                unknown_variants += 1
+    except msgspec.ValidationError as exc:
+        raise WireError("schema", f"RouterEvent: {exc}") from None
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        raise WireError("msgpack", f"RouterEvent: {exc}") from None
+    except RecursionError:
+        raise WireError("msgpack", "RouterEvent: nesting too deep") from None
+    out.unknown_keys, out.unknown_variants = unknown_keys, unknown_variants
     return out
 
 
@@ -338,7 +352,7 @@ def to_kv_event(ev: RouterEvent, block_size: int) -> KvEvent:
     if data.stored is not None:
         s = data.stored
         hashes: list[int | bytes] = [b.block_hash for b in s.blocks]
-        return DynamoStored(hashes, s.parent_hash, block_size=block_size, medium=medium)
+        return DynamoStored(hashes, s.parent_hash, _NO_TOKENS, block_size, None, medium)
     if data.removed is not None:
         return BlockRemoved(list(data.removed.block_hashes), medium)
     assert data.tier_cleared is not None
