@@ -9,7 +9,8 @@ SGLang's short last pages cost one more small entry and everything else costs no
 Counting rules (docs/stream-semantics.md):
 - `stored_total` counts blocks that became resident; a store of an already resident hash goes to
   `store_of_resident_total` and keeps the first store time.
-- `removed_total` counts blocks that left by `BlockRemoved` or `AllBlocksCleared`, so
+- `removed_total` counts blocks that left by `BlockRemoved`, `AllBlocksCleared` or `TierCleared`
+  (Dynamo's clear of one medium; event `kind` "TierCleared" with a `medium`), so
   `stored_total - removed_total == blocks` until a `reset()` (publisher restart), which drops
   blocks without counting them (the engine did not tell us when they left).
 - Lifetime = removal ts - store ts (engine timestamps, clamped at 0), observed for removals and
@@ -93,7 +94,8 @@ class BlockIndex:
         self._usual_size: int | None = None
         self.store_of_resident_total = 0
         self.remove_of_unknown_total = 0
-        self.clears_total = 0
+        self.clears_total = 0  # whole-cache clears only: the sequencer treats one as a fresh start
+        self.tier_clears_total = 0  # one-medium clears (Dynamo TierCleared)
         self.stored_events_total = 0
         self.removed_events_total = 0
 
@@ -139,6 +141,8 @@ class BlockIndex:
                 self._remove(ev.block_hashes, ev.medium, ts)  # type: ignore[attr-defined]
             elif kind == "AllBlocksCleared":
                 self._clear(ts)
+            elif kind == "TierCleared":
+                self._clear_medium(ev.medium, ts)  # type: ignore[attr-defined]
 
     def _store(self, hashes: list[BlockHash], size: int, medium: str | None, ts: float) -> None:
         tier = self._tier(medium)
@@ -225,6 +229,20 @@ class BlockIndex:
             tier.odd.clear()
             tier.tokens = 0
 
+    def _clear_medium(self, medium: str, ts: float) -> None:
+        """Drop every block of one medium (a medium never seen has nothing to drop)."""
+        self.tier_clears_total += 1
+        tier = self._tiers.get(medium)
+        if tier is None:
+            return
+        observe = tier.lifetime.observe
+        for stored_at, n in Counter(tier.resident.values()).items():
+            observe(ts - stored_at, n)
+        tier.removed += len(tier.resident)
+        tier.resident.clear()
+        tier.odd.clear()
+        tier.tokens = 0
+
     def reset(self) -> None:
         """Forget every resident block (publisher restart); counters and histograms are kept."""
         for tier in self._tiers.values():
@@ -268,5 +286,5 @@ class BlockIndex:
         return {
             "stored": self.stored_events_total,
             "removed": self.removed_events_total,
-            "cleared": self.clears_total,
+            "cleared": self.clears_total + self.tier_clears_total,
         }
