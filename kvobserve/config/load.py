@@ -61,6 +61,8 @@ _MOVED = {
     "tls.cert": "http.tls_cert",
     "tls.key": "http.tls_key",
 }
+# What Kubernetes injects for a Service named `kvobserve-<x>` (KVOBSERVE_<X>_SERVICE_HOST, ...).
+_SERVICE_LINK = re.compile(r"^(service_host|service_port(_.+)?|port(_\d+_(tcp|udp|sctp)(_.+)?)?)$")
 # Worker keys that a flag/env var sets on every worker; the others need at most one worker.
 _ALL_WORKERS = frozenset({"allow_pickle", "passthrough_engine_metrics"})
 
@@ -133,6 +135,8 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
         elif f"{section}.{key}" in _MOVED:
             new = _MOVED[f"{section}.{key}"]
             raise ConfigError(f"{name}: renamed to {_env_name(new)} ({new}) (value {value!r})")
+        elif _SERVICE_LINK.match(key):
+            continue  # Kubernetes' variables for a Service named kvobserve-<section>: not ours
         elif section and section in SECTIONS:  # other KVOBSERVE_* names belong to other parts
             if key not in SECTIONS[section]:
                 hint = _hint(f"{section}.{key}", key, SECTIONS[section])

@@ -29,7 +29,7 @@ VIEW = web.AppKey("view", object)  # ViewProvider; AppKey wants a runtime type
 READY = web.AppKey("ready", object)
 AUTH = web.AppKey("auth", object)
 REFRESH = web.AppKey("refresh_s", float)
-_OPEN_PATHS = frozenset({"/healthz"})  # liveness probes carry no credentials
+_OPEN_PATHS = frozenset({"/healthz", "/readyz"})  # probes carry no credentials
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 

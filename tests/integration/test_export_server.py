@@ -152,7 +152,7 @@ def _basic(user: str, password: str) -> dict[str, str]:
     return {"Authorization": f"Basic {token}"}
 
 
-async def test_basic_auth_guards_everything_but_healthz() -> None:
+async def test_basic_auth_guards_everything_but_the_probes() -> None:
     state = rich_state()
     srv = await _start(state, basic_auth=("ops", "s3cret"))
     try:
@@ -166,6 +166,8 @@ async def test_basic_auth_guards_everything_but_healthz() -> None:
         status, _, body = await _get(f"{srv.url}/metrics", headers=_basic("ops", "s3cret"))
         assert status == 200 and "kvobserve_stream_up" in body
         assert (await _get(f"{srv.url}/healthz"))[0] == 200
+        assert (await _get(f"{srv.url}/readyz"))[0] == 200  # Kubernetes probes send no credentials
+        assert (await _get(f"{srv.url}/api/v1/alerts"))[0] == 401
     finally:
         await srv.close()
 

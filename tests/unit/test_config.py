@@ -100,6 +100,18 @@ def test_http_auth_and_tls_from_env(tmp_path: Path) -> None:
         load_config(None, {}, {**env, "KVOBSERVE_HTTP_TLS_KEY": other})
 
 
+def test_kubernetes_service_links_are_not_settings() -> None:
+    links = {
+        "KVOBSERVE_AGGREGATOR_SERVICE_HOST": "10.96.0.7",
+        "KVOBSERVE_AGGREGATOR_SERVICE_PORT_HTTP": "9477",
+        "KVOBSERVE_AGGREGATOR_PORT": "tcp://10.96.0.7:9477",
+        "KVOBSERVE_AGGREGATOR_PORT_9477_TCP_ADDR": "10.96.0.7",
+    }
+    assert load_config(None, {}, links) == load_config(None, {}, {})
+    with pytest.raises(ConfigError, match="KVOBSERVE_AGGREGATOR_PORTS: unknown key"):
+        load_config(None, {}, {"KVOBSERVE_AGGREGATOR_PORTS": "1"})
+
+
 def test_a_command_default_is_replaced_but_not_a_given_value(tmp_path: Path) -> None:
     collect = {"http.listen": "127.0.0.1:9478"}
     assert load_config(None, {}, {}, defaults=collect).http.listen == "127.0.0.1:9478"
