@@ -7,13 +7,13 @@ aggregate` with NATS (kvobserve/commands/ wires it to a transport and to the HTT
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
+from kvobserve.aio import cancel_and_wait
 from kvobserve.analysis.fleet import Condition, FleetState, FleetView
 from kvobserve.transport import Transport
 from kvobserve.wire.errors import WireError
@@ -135,9 +135,7 @@ class Aggregator:
     async def stop(self) -> None:
         """Stop the condition task; the transport belongs to the caller."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
 
 

@@ -7,7 +7,6 @@ scheduler sources, the snapshot loop, HTTP) runs on the asyncio loop.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 import time
@@ -15,6 +14,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from kvobserve import __version__
+from kvobserve.aio import cancel_and_wait
 from kvobserve.config import Config
 from kvobserve.sources.discovery import DiscoveredEngine, DiscoveryError, Rediscovery, discover
 from kvobserve.sources.kv_stream import IngestLoop, IngestOptions
@@ -215,9 +215,7 @@ class Collector:
     async def close(self) -> None:
         """Stop everything; idempotent."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
         for r in self._rediscovery:
             await r.close()

@@ -78,6 +78,16 @@ class _Tier:
         self.removed = 0
         self.lifetime = LifetimeHistogram(buckets)
 
+    def clear(self, ts: float) -> None:
+        """Every resident block leaves at `ts` (lifetimes observed, counted as removed)."""
+        observe = self.lifetime.observe
+        for stored_at, n in Counter(self.resident.values()).items():
+            observe(ts - stored_at, n)
+        self.removed += len(self.resident)
+        self.resident.clear()
+        self.odd.clear()
+        self.tokens = 0
+
 
 class BlockIndex:
     """Resident blocks of one stream, per medium, built from KV-event batches."""
@@ -221,27 +231,14 @@ class BlockIndex:
     def _clear(self, ts: float) -> None:
         self.clears_total += 1
         for tier in self._tiers.values():
-            observe = tier.lifetime.observe
-            for stored_at, n in Counter(tier.resident.values()).items():
-                observe(ts - stored_at, n)
-            tier.removed += len(tier.resident)
-            tier.resident.clear()
-            tier.odd.clear()
-            tier.tokens = 0
+            tier.clear(ts)
 
     def _clear_medium(self, medium: str, ts: float) -> None:
         """Drop every block of one medium (a medium never seen has nothing to drop)."""
         self.tier_clears_total += 1
         tier = self._tiers.get(medium)
-        if tier is None:
-            return
-        observe = tier.lifetime.observe
-        for stored_at, n in Counter(tier.resident.values()).items():
-            observe(ts - stored_at, n)
-        tier.removed += len(tier.resident)
-        tier.resident.clear()
-        tier.odd.clear()
-        tier.tokens = 0
+        if tier is not None:
+            tier.clear(ts)
 
     def reset(self) -> None:
         """Forget every resident block (publisher restart); counters and histograms are kept."""

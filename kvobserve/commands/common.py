@@ -64,7 +64,7 @@ async def start_http(
 ) -> Stop:
     """Serve `agg` on [http] listen (and push OTLP when asked); returns the function that stops both."""
     from kvobserve.export import server
-    from kvobserve.export.otlp import start_otlp
+    from kvobserve.export.otlp import OtlpPush
     from kvobserve.export.prometheus import aggregator_metrics
 
     def extra() -> list[Metric]:
@@ -75,7 +75,9 @@ async def start_http(
     served = await server.serve(app, http.listen, tls)
     log.info("serving %s/metrics", served.url)
     push = (
-        start_otlp(agg.view, otlp_endpoint, otlp_interval_s, extra=extra) if otlp_endpoint else None
+        OtlpPush(agg.view, otlp_endpoint, otlp_interval_s, extra=extra).start()
+        if otlp_endpoint
+        else None
     )
 
     async def stop() -> None:

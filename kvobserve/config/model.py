@@ -4,6 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+__all__ = [
+    "SECTIONS",
+    "AggregatorConfig",
+    "CollectorConfig",
+    "Config",
+    "ConfigError",
+    "HttpConfig",
+    "NatsConfig",
+    "WorkerConfig",
+]
+
 
 class ConfigError(ValueError):
     """A bad configuration value; the message names the field and the value (one line)."""

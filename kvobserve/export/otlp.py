@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 from collections.abc import Iterable, Sequence
@@ -21,6 +20,7 @@ from opentelemetry.sdk.metrics.export import (
 from opentelemetry.sdk.resources import Resource
 
 from kvobserve import __version__
+from kvobserve.aio import cancel_and_wait
 from kvobserve.export.catalog import BY_FAMILY, CATALOG
 from kvobserve.export.prometheus import ExtraProvider, FleetCollector, ViewProvider
 
@@ -63,6 +63,7 @@ class OtlpPush:
         view_provider: ViewProvider,
         endpoint: str,
         interval_s: float,
+        *,
         headers: dict[str, str] | None = None,
         timeout_s: float = 10.0,
         extra: ExtraProvider | None = None,
@@ -141,34 +142,18 @@ class OtlpPush:
                 log.exception("otlp push to %s failed", self.endpoint)
             await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - started)))
 
-    def start(self) -> None:
-        """Start the push task on the running loop."""
+    def start(self) -> OtlpPush:
+        """Start the push task on the running loop; returns self."""
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="otlp-push")
+        return self
 
     async def shutdown(self) -> None:
         """Stop pushing and release the exporter (idempotent)."""
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
             await asyncio.to_thread(self._provider.shutdown, self._timeout_ms)
-
-
-def start_otlp(
-    view_provider: ViewProvider,
-    endpoint: str,
-    interval_s: float,
-    *,
-    headers: dict[str, str] | None = None,
-    timeout_s: float = 10.0,
-    extra: ExtraProvider | None = None,
-) -> OtlpPush:
-    """Start pushing to `endpoint` every `interval_s`; call from a running event loop."""
-    push = OtlpPush(view_provider, endpoint, interval_s, headers, timeout_s, extra)
-    push.start()
-    return push
 
 
 def parse_headers(items: Sequence[str]) -> dict[str, str]:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable, Callable
 
 import aiohttp
+
+from kvobserve.aio import cancel_and_wait
 
 
 class PeriodicPoll:
@@ -37,9 +38,7 @@ class PeriodicPoll:
         """Stop polling and close the session; safe to call twice."""
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
         session, self._session = self._session, None
         if session is not None:
             await session.close()

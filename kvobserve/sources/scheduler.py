@@ -7,7 +7,6 @@ of one worker field by field, the freshest value winning. Bad input is counted b
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -18,6 +17,7 @@ import zmq
 import zmq.asyncio
 from prometheus_client.metrics_core import Metric
 
+from kvobserve.aio import cancel_and_wait
 from kvobserve.sources.passthrough import parse_engine_metrics
 from kvobserve.sources.periodic import PeriodicPoll
 from kvobserve.sources.plan import SchedulerSpec
@@ -193,11 +193,7 @@ class _ZmqSource(_Source):
     async def close(self) -> None:
         """Cancel the receive tasks and close sockets with linger 0; safe to call twice."""
         tasks, self._tasks = self._tasks, []
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_and_wait(*tasks)
         socks, self._socks = self._socks, []
         for s, _ in socks:
             s.close(linger=0)

@@ -23,6 +23,7 @@ import nats.errors
 from nats.aio.client import Client, Server
 from nats.aio.msg import Msg
 
+from kvobserve.aio import cancel_and_wait
 from kvobserve.config import NatsConfig
 from kvobserve.transport import Coalescer, Handler, TransportCounters, TransportStatus
 from kvobserve.transport.nats_kv import SnapshotBucket
@@ -323,9 +324,7 @@ class NatsTransport:
         if self._closing:
             return
         self._closing = True
-        for task in self._deliveries:
-            task.cancel()
-        await asyncio.gather(*self._deliveries, return_exceptions=True)
+        await cancel_and_wait(*self._deliveries)
         self._deliveries.clear()
         if self._kv is not None:
             await self._kv.close()

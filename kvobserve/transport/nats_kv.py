@@ -18,6 +18,7 @@ import nats.js.errors
 from nats.aio.client import Client
 from nats.js.kv import KeyValue
 
+from kvobserve.aio import cancel_and_wait
 from kvobserve.transport import TransportCounters
 from kvobserve.transport.subjects import kv_bucket
 
@@ -105,6 +106,4 @@ class SnapshotBucket:
         """Stop the writer task; safe to call twice."""
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)

@@ -13,13 +13,13 @@ Everything raises WireError only. Layouts and the mapping are in docs/wire.md ("
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import msgspec
 from msgspec import UNSET, Raw, Struct, UnsetType
 
 from kvobserve.wire.dynamo_subject import Subject, parse_subject
-from kvobserve.wire.errors import WireError
+from kvobserve.wire.errors import WireError, decode
 from kvobserve.wire.kv_events import (
     DEFAULT_MAX_PAYLOAD,
     AllBlocksCleared,
@@ -185,18 +185,6 @@ def _map_len(buf: bytes | Raw) -> int:
     return -1
 
 
-def _decode(dec: Any, data: bytes | Raw, what: str) -> Any:
-    try:
-        return dec.decode(data)
-    except msgspec.ValidationError as exc:
-        raise WireError("schema", f"{what}: {exc}") from None
-    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-        # msgspec raises UnicodeDecodeError (not DecodeError) for a str with invalid UTF-8
-        raise WireError("msgpack", f"{what}: {exc}") from None
-    except RecursionError:
-        raise WireError("msgpack", f"{what}: nesting too deep") from None
-
-
 def _check_size(data: bytes, limit: int, what: str) -> None:
     if len(data) > limit:
         raise WireError("oversize", f"{what} of {len(data)} bytes > limit {limit}")
@@ -205,7 +193,7 @@ def _check_size(data: bytes, limit: int, what: str) -> None:
 def decode_envelope(body: bytes, max_payload: int = DEFAULT_MAX_PAYLOAD) -> DynamoMessage:
     """Decode an EventEnvelope (a NATS body, or the envelope inside a ZMQ frame)."""
     _check_size(body, max_payload, "envelope")
-    env: Envelope = _decode(_dec_env, body, "envelope")
+    env: Envelope = decode(_dec_env, body, "envelope")
     known = _ENVELOPE_KEYS + (env.published_at_ns is not None)
     return DynamoMessage(
         env.topic,
@@ -274,12 +262,12 @@ def decode_router_events(msg: DynamoMessage) -> RouterEvents:
     """The RouterEvents of a `kv-events` message (array, single map, or JSON)."""
     payload = msg.payload
     if msg.encoding == "json":
-        ev = _decode(_dec_event_json, payload, "RouterEvent (JSON)")
+        ev = decode(_dec_event_json, payload, "RouterEvent (JSON)")
         ok = _known(ev)
         return RouterEvents([ev] if ok else [], [payload] if ok else [], True, 0, int(not ok))
     first = payload[0] if payload else -1
     if 0x90 <= first <= 0x9F or first in (0xDC, 0xDD):
-        raws: list[Raw] = _decode(_dec_raws, payload, "RouterEvent list")
+        raws: list[Raw] = decode(_dec_raws, payload, "RouterEvent list")
         single = False
     elif _map_len(payload) >= 0:
         raws, single = [Raw(payload)], True
@@ -326,7 +314,7 @@ def decode_router_events(msg: DynamoMessage) -> RouterEvents:
 def decode_active_load(msg: DynamoMessage | bytes) -> ActiveLoad:
     """ActiveLoad of a `kv_metrics` message (or its payload bytes)."""
     payload = msg.payload if isinstance(msg, DynamoMessage) else msg
-    return _decode(_dec_load, payload, "ActiveLoad")
+    return decode(_dec_load, payload, "ActiveLoad")
 
 
 def decode_fpm(msg: DynamoMessage | bytes) -> ForwardPassMetrics:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
+
+import msgspec
 
 Reason = Literal[
     "frame_count",  # a message with the wrong number of ZMQ frames
@@ -25,3 +27,18 @@ class WireError(ValueError):
     def __init__(self, reason: Reason, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
         self.reason: Reason = reason
+
+
+def decode(dec: Any, data: Any, what: str, limit: int | None = None) -> Any:
+    """`dec.decode(data)` with every failure a WireError naming `what` (oversize past `limit`)."""
+    if limit is not None and len(data) > limit:
+        raise WireError("oversize", f"{what} of {len(data)} bytes > limit {limit}")
+    try:
+        return dec.decode(data)
+    except msgspec.ValidationError as exc:
+        raise WireError("schema", f"{what}: {exc}") from None
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        # msgspec raises UnicodeDecodeError (not DecodeError) for a str with invalid UTF-8
+        raise WireError("msgpack", f"{what}: {exc}") from None
+    except RecursionError:
+        raise WireError("msgpack", f"{what}: nesting too deep") from None

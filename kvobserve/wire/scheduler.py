@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 from msgspec import Struct
 
-from kvobserve.wire.errors import WireError
+from kvobserve.wire.errors import WireError, decode
 from kvobserve.wire.kv_events import decode_seq
 
 DEFAULT_MAX_SCHEDULER_PAYLOAD = 1024 * 1024
@@ -101,20 +101,6 @@ _dec_fpm = msgspec.msgpack.Decoder(ForwardPassMetrics)
 _KV_METRICS_FIELDS: tuple[str, ...] = KvMetrics.__struct_fields__
 
 
-def _decode(dec: msgspec.msgpack.Decoder[Any], payload: bytes, limit: int, what: str) -> Any:
-    if len(payload) > limit:
-        raise WireError("oversize", f"{what} of {len(payload)} bytes > limit {limit}")
-    try:
-        return dec.decode(payload)
-    except msgspec.ValidationError as exc:
-        raise WireError("schema", f"{what}: {exc}") from None
-    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-        # msgspec raises UnicodeDecodeError (not DecodeError) for a str with invalid UTF-8
-        raise WireError("msgpack", f"{what}: {exc}") from None
-    except RecursionError:
-        raise WireError("msgpack", f"{what}: nesting too deep") from None
-
-
 def _seq_message(frames: Sequence[bytes], topic: bytes, what: str) -> tuple[int, bytes]:
     if len(frames) != 3:
         raise WireError("frame_count", f"{what}: {len(frames)} frames, expected 3")
@@ -127,7 +113,7 @@ def _seq_message(frames: Sequence[bytes], topic: bytes, what: str) -> tuple[int,
 
 def decode_load_stat(payload: bytes, max_payload: int = DEFAULT_MAX_SCHEDULER_PAYLOAD) -> LoadStat:
     """Decode a LoadStat payload (6 or 11 elements)."""
-    return _decode(_dec_load, payload, max_payload, "LoadStat")
+    return decode(_dec_load, payload, "LoadStat", max_payload)
 
 
 def decode_load_message(
@@ -142,7 +128,7 @@ def decode_forward_pass_metrics(
     payload: bytes, max_payload: int = DEFAULT_MAX_SCHEDULER_PAYLOAD
 ) -> ForwardPassMetrics:
     """Decode a ForwardPassMetrics map payload."""
-    return _decode(_dec_fpm, payload, max_payload, "ForwardPassMetrics")
+    return decode(_dec_fpm, payload, "ForwardPassMetrics", max_payload)
 
 
 def decode_forward_pass_message(
@@ -272,4 +258,4 @@ def decode_kv_metrics(
         if not allow_pickle:
             raise WireError("pickle_refused", "KvMetrics payload is a pickle; pickle is disabled")
         return _load_kv_metrics_pickle(payload)
-    return _decode(_dec_kv_metrics, payload, max_payload, "KvMetrics")
+    return decode(_dec_kv_metrics, payload, "KvMetrics", max_payload)

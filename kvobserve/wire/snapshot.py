@@ -10,7 +10,7 @@ from __future__ import annotations
 import msgspec
 from msgspec import Struct
 
-from kvobserve.wire.errors import WireError
+from kvobserve.wire.errors import WireError, decode
 
 SNAPSHOT_VERSION = 1
 MAX_SNAPSHOT_BYTES = 64 * 1024 * 1024
@@ -163,16 +163,7 @@ def encode_snapshot(snap: Snapshot) -> bytes:
 
 def decode_snapshot(data: bytes) -> Snapshot:
     """msgpack bytes -> Snapshot; raises WireError only."""
-    if len(data) > MAX_SNAPSHOT_BYTES:
-        raise WireError("oversize", f"snapshot of {len(data)} bytes > {MAX_SNAPSHOT_BYTES}")
-    try:
-        snap = _decoder.decode(data)
-    except msgspec.ValidationError as exc:
-        raise WireError("schema", f"snapshot: {exc}") from None
-    except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # bad UTF-8 is not a DecodeError
-        raise WireError("msgpack", f"snapshot: {exc}") from None
-    except RecursionError:
-        raise WireError("msgpack", "snapshot nesting too deep") from None
+    snap: Snapshot = decode(_decoder, data, "snapshot", MAX_SNAPSHOT_BYTES)
     if snap.version != SNAPSHOT_VERSION:
         raise WireError("schema", f"snapshot version {snap.version} != {SNAPSHOT_VERSION}")
     return snap

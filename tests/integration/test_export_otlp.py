@@ -15,7 +15,7 @@ from opentelemetry.proto.metrics.v1.metrics_pb2 import AggregationTemporality
 from prometheus_client import CollectorRegistry
 
 from kvobserve.export.catalog import BY_NAME
-from kvobserve.export.otlp import metrics_url, parse_headers, start_otlp
+from kvobserve.export.otlp import OtlpPush, metrics_url, parse_headers
 from kvobserve.export.prometheus import FleetCollector
 from kvobserve.export.server import HttpServer, serve
 from tests.unit.test_export_fleet import rich_view
@@ -95,7 +95,7 @@ def _prometheus_points() -> dict[Key, float]:
 async def test_otlp_push_matches_metrics(receiver: tuple[Receiver, HttpServer]) -> None:
     rec, srv = receiver
     view = rich_view()
-    push = start_otlp(lambda: view, srv.url, 0.2, headers={"x-tenant": "gpu-fleet"})
+    push = OtlpPush(lambda: view, srv.url, 0.2, headers={"x-tenant": "gpu-fleet"}).start()
     try:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 20
@@ -126,7 +126,7 @@ async def test_otlp_push_matches_metrics(receiver: tuple[Receiver, HttpServer]) 
 
 async def test_otlp_push_survives_a_dead_receiver() -> None:
     # Port 9 (discard) on 127.0.0.1 is closed: every push fails, the task keeps running.
-    push = start_otlp(rich_view, "http://127.0.0.1:9", 0.1, timeout_s=0.5)
+    push = OtlpPush(rich_view, "http://127.0.0.1:9", 0.1, timeout_s=0.5).start()
     try:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 20
