@@ -23,7 +23,7 @@ from typing import TextIO
 from kvobserve.config import AggregatorConfig, CollectorConfig, Config, WorkerConfig
 from kvobserve.embedded import Embedded, start_embedded
 from kvobserve.simulate import FaultConfig, SimulatedWorker, nodes_of
-from kvobserve.simulate.config import WorkerConfig as SimConfig
+from kvobserve.simulate.config import SimConfig
 from kvobserve.simulate.truth import write_truth
 
 DEMO_FAULTS_SGLANG = FaultConfig(

@@ -11,13 +11,13 @@ import time
 import tomllib
 from typing import Any
 
-from kvobserve.simulate.config import WorkerConfig, worker_from_dict
+from kvobserve.simulate.config import SimConfig, worker_from_dict
 from kvobserve.simulate.encoders import FORMATS
 from kvobserve.simulate.faults import parse_int_list, parse_pairs
 from kvobserve.simulate.group import SimulatorGroup, nodes_of
 from kvobserve.simulate.profiles import PROFILES, profile
 
-# flag dest -> WorkerConfig field (None default = not given, the file or the default applies)
+# flag dest -> SimConfig field (None default = not given, the file or the default applies)
 _WORKER_FLAGS: dict[str, tuple[str, type, str]] = {
     "worker_id": ("--worker-id", str, "worker id (default sim-0)"),
     "format": ("--format", str, f"wire format: {', '.join(FORMATS)}"),
@@ -119,7 +119,7 @@ def _number(flag: str, raw: str, typ: type) -> Any:
         raise ValueError(f"{flag}: {raw!r} is not a {typ.__name__}") from None
 
 
-def build_configs(args: argparse.Namespace) -> list[WorkerConfig]:
+def build_configs(args: argparse.Namespace) -> list[SimConfig]:
     """Worker configs from the file (if any) with flags on top; ValueError names the field."""
     tables: list[dict[str, Any]] = [{}]
     if args.config:
@@ -140,7 +140,7 @@ def build_configs(args: argparse.Namespace) -> list[WorkerConfig]:
         flags["http_port"] = None
     faults = _fault_overrides(args)
     base = profile(args.profile) if args.profile else None
-    out: list[WorkerConfig] = []
+    out: list[SimConfig] = []
     for i, table in enumerate(tables):
         cfg = worker_from_dict(table, {"worker_id": f"sim-{i}"})
         cfg = dataclasses.replace(cfg, **flags)

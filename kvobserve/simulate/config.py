@@ -11,7 +11,7 @@ from kvobserve.simulate.faults import FaultConfig, faults_from_dict
 
 
 @dataclass(frozen=True)
-class WorkerConfig:
+class SimConfig:
     """One simulated engine node: its wire format, DP layout, ports, workload and faults."""
 
     worker_id: str = "sim-0"
@@ -53,7 +53,7 @@ class WorkerConfig:
         """The wire format object."""
         return get_format(self.format)
 
-    def validate(self) -> WorkerConfig:
+    def validate(self) -> SimConfig:
         """Self, or ValueError naming the field and the bad value."""
         if self.format not in FORMATS:
             get_format(self.format)
@@ -114,11 +114,11 @@ class WorkerConfig:
         return rank
 
 
-_FIELDS = {f.name for f in dataclasses.fields(WorkerConfig)}
+_FIELDS = {f.name for f in dataclasses.fields(SimConfig)}
 
 
-def worker_from_dict(d: dict[str, Any], defaults: dict[str, Any] | None = None) -> WorkerConfig:
-    """A validated WorkerConfig from a TOML `[[worker]]` table; unknown keys name themselves."""
+def worker_from_dict(d: dict[str, Any], defaults: dict[str, Any] | None = None) -> SimConfig:
+    """A validated SimConfig from a TOML `[[worker]]` table; unknown keys name themselves."""
     kw: dict[str, Any] = dict(defaults or {})
     for k, v in d.items():
         key = "worker_id" if k == "id" else k
@@ -129,6 +129,6 @@ def worker_from_dict(d: dict[str, Any], defaults: dict[str, Any] | None = None) 
         else:
             kw[key] = v
     try:
-        return WorkerConfig(**kw).validate()
+        return SimConfig(**kw).validate()
     except TypeError as exc:
         raise ValueError(f"worker: {exc}") from None

@@ -8,7 +8,7 @@ import socket
 from collections.abc import Sequence
 from typing import Any
 
-from kvobserve.simulate.config import WorkerConfig
+from kvobserve.simulate.config import SimConfig
 from kvobserve.simulate.truth import TRUTH_VERSION, write_truth
 from kvobserve.simulate.worker import Endpoint, SimulatedWorker
 
@@ -34,7 +34,7 @@ def free_port_range(host: str, count: int, attempts: int = 50) -> int:
     raise OSError(f"no {count} consecutive free ports on {host}")
 
 
-def nodes_of(cfg: WorkerConfig) -> list[WorkerConfig]:
+def nodes_of(cfg: SimConfig) -> list[SimConfig]:
     """One config per node of a multi-node worker, sharing one resolved set of port bases.
 
     Port 0 is resolved here once, because every node must agree on base + rank. Only node 0
@@ -65,7 +65,7 @@ def nodes_of(cfg: WorkerConfig) -> list[WorkerConfig]:
 class SimulatorGroup:
     """Start and stop many workers together; one combined truth document."""
 
-    def __init__(self, configs: Sequence[WorkerConfig], truth_path: str | None = None) -> None:
+    def __init__(self, configs: Sequence[SimConfig], truth_path: str | None = None) -> None:
         self.workers = [SimulatedWorker(c) for c in configs]
         self.truth_path = truth_path
 

@@ -18,7 +18,7 @@ from typing import Any
 import zmq
 
 from kvobserve.simulate.cache import PromptLibrary
-from kvobserve.simulate.config import WorkerConfig
+from kvobserve.simulate.config import SimConfig
 from kvobserve.simulate.encoders import replay_end, replay_frames
 from kvobserve.simulate.ranks import Endpoint, RankState
 from kvobserve.simulate.sidechannels import emit_side_channels
@@ -32,7 +32,7 @@ _port_rng = random.Random()  # free-port probing only; never part of the simulat
 class SimulatedWorker:
     """One simulated engine node; `start()`, `endpoints()`, `truth()`, `stop()`."""
 
-    def __init__(self, cfg: WorkerConfig) -> None:
+    def __init__(self, cfg: SimConfig) -> None:
         self.cfg = cfg.validate()
         self.fmt = cfg.wire
         self._topic = cfg.topic.encode()

@@ -14,7 +14,7 @@ import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvobserve.simulate import SimulatedWorker, WorkerConfig
+from kvobserve.simulate import SimConfig, SimulatedWorker
 
 pytestmark = pytest.mark.integration
 
@@ -52,7 +52,7 @@ async def test_sglang_metrics_discovery_and_side_channels(ctx: zmq.Context[Any])
     pull.setsockopt(zmq.LINGER, 0)
     kv_metrics = f"tcp://127.0.0.1:{_free_port()}"
     pull.bind(kv_metrics)  # the consumer binds; the engine's PUSH connects
-    cfg = WorkerConfig(format="sglang-0.5.23", topic="kv-events", rate=200, capacity_tokens=4096,
+    cfg = SimConfig(format="sglang-0.5.23", topic="kv-events", rate=200, capacity_tokens=4096,
                        load_port=0, kv_metrics_endpoint=kv_metrics, side_interval_s=0.05)  # fmt: skip
     w = SimulatedWorker(cfg).start()
     try:
@@ -108,7 +108,7 @@ async def test_sglang_metrics_discovery_and_side_channels(ctx: zmq.Context[Any])
 
 
 async def test_vllm_metrics_and_kv_event_sources() -> None:
-    w = SimulatedWorker(WorkerConfig(format="vllm-0.33", topic="kv-events", rate=100)).start()
+    w = SimulatedWorker(SimConfig(format="vllm-0.33", topic="kv-events", rate=100)).start()
     try:
         base = f"http://127.0.0.1:{w.http_port}"
         s = _samples((await _get(f"{base}/metrics"))[1])

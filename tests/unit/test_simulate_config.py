@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvobserve.simulate import FaultConfig, WorkerConfig, nodes_of
+from kvobserve.simulate import FaultConfig, SimConfig, nodes_of
 from kvobserve.simulate.cli import add_arguments, build_configs
 
 
@@ -18,20 +18,20 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 def test_dp_attention_splits_ranks_across_nodes_unevenly() -> None:
-    cfgs = [WorkerConfig(dp_size=5, nnodes=2, node_rank=n) for n in (0, 1)]
+    cfgs = [SimConfig(dp_size=5, nnodes=2, node_rank=n) for n in (0, 1)]
     assert [c.hosted_ranks() for c in cfgs] == [[0, 1, 2], [3, 4]]
-    v = [WorkerConfig(format="vllm-0.33", dp_size=4, nnodes=2, node_rank=n) for n in (0, 1)]
+    v = [SimConfig(format="vllm-0.33", dp_size=4, nnodes=2, node_rank=n) for n in (0, 1)]
     assert [c.hosted_ranks() for c in v] == [[0, 1], [2, 3]]
 
 
 def test_sglang_pure_dp_publishes_from_the_leader_and_old_versions_collide() -> None:
     new = [
-        WorkerConfig(format="sglang-0.5.19", dp_size=3, nnodes=2, node_rank=n, dp_attention=False)
+        SimConfig(format="sglang-0.5.19", dp_size=3, nnodes=2, node_rank=n, dp_attention=False)
         for n in (0, 1)
     ]
     assert [c.hosted_ranks() for c in new] == [[0, 1, 2], []]
     assert [new[0].port_offset(r) for r in range(3)] == [0, 1, 2]
-    old = WorkerConfig(format="sglang-0.5.12", dp_size=3, dp_attention=False)
+    old = SimConfig(format="sglang-0.5.12", dp_size=3, dp_attention=False)
     assert [old.port_offset(r) for r in range(3)] == [0, 0, 0]
 
 
@@ -52,7 +52,7 @@ def test_sglang_pure_dp_publishes_from_the_leader_and_old_versions_collide() -> 
 )
 def test_validation_names_field_and_value(kw: dict[str, object], needle: str) -> None:
     with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
-        WorkerConfig(**kw).validate()  # type: ignore[arg-type]
+        SimConfig(**kw).validate()  # type: ignore[arg-type]
 
 
 def test_toml_workers_with_flags_on_top(tmp_path: Path) -> None:
@@ -85,7 +85,7 @@ def test_bad_fault_flag_is_named() -> None:
 
 
 def test_all_nodes_share_port_bases_and_only_the_leader_serves_http() -> None:
-    nodes = nodes_of(WorkerConfig(dp_size=4, nnodes=2))
+    nodes = nodes_of(SimConfig(dp_size=4, nnodes=2))
     assert [n.node_rank for n in nodes] == [0, 1]
     assert nodes[0].kv_port == nodes[1].kv_port != 0
     assert nodes[0].replay_port == nodes[1].replay_port != 0
