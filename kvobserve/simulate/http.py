@@ -21,7 +21,9 @@ if TYPE_CHECKING:
     from kvobserve.simulate.worker import SimulatedWorker
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-_SGLANG_VERSIONS = {(0, 4): "0.4.7", (5, 12): "0.5.12", (5, 19): "0.5.19", (5, 23): "0.5.23"}
+_SGLANG_VERSIONS = {
+    (0, 4): "0.4.7", (5, 12): "0.5.12", (5, 19): "0.5.19", (5, 22): "0.5.22", (5, 23): "0.5.23",
+}  # fmt: skip
 _VLLM_VERSIONS = {(10, 0): "0.10.0", (23, 0): "0.23.0", (33, 0): "0.33.0"}
 
 
