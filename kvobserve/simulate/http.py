@@ -59,7 +59,7 @@ class _EngineMetrics(Collector):
         for st in w.ranks:
             s = st.streams[0]
             labels = [c.model_name, "unified", "0", "0", "0", str(st.rank)]
-            used = s.cache.used_tokens
+            used = s.held_tokens  # SGLang: total - available - evictable
             out["num_running_reqs"].add_metric(labels, s.running)
             out["num_queue_reqs"].add_metric(labels, s.waiting)
             out["token_usage"].add_metric(labels, used / c.capacity_tokens)
@@ -95,7 +95,7 @@ class _EngineMetrics(Collector):
             labels = [c.model_name, str(st.rank)]
             running.add_metric(labels, s.running)
             waiting.add_metric(labels, s.waiting)
-            kv.add_metric(labels, s.cache.used_tokens / c.capacity_tokens)
+            kv.add_metric(labels, s.held_tokens / c.capacity_tokens)  # blocks with ref_cnt > 0
             queries.add_metric(labels, s.query_tokens)
             hits.add_metric(labels, s.hit_tokens)
             blocks = str(c.capacity_tokens // c.page_size)
