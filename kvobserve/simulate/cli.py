@@ -15,7 +15,7 @@ from kvobserve.simulate.config import SimConfig, worker_from_dict
 from kvobserve.simulate.encoders import FORMATS
 from kvobserve.simulate.faults import parse_int_list, parse_pairs
 from kvobserve.simulate.group import SimulatorGroup, nodes_of
-from kvobserve.simulate.profiles import PROFILES, profile
+from kvobserve.simulate.profiles import DEFAULT_PERIOD_S, PROFILES, period_batches, profile
 
 # flag dest -> SimConfig field (None default = not given, the file or the default applies)
 _WORKER_FLAGS: dict[str, tuple[str, type, str]] = {
@@ -85,6 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("faults")
     g.add_argument("--profile", help=f"a named fault profile ({', '.join(PROFILES)}); "
                    "the fault flags below override it")  # fmt: skip
+    g.add_argument("--fault-period", type=float, default=None,
+                   help="repeat the seq-based faults and the stall every S seconds at --rate "
+                   f"(default {DEFAULT_PERIOD_S:g} with --profile, else once; 0 = once)")  # fmt: skip
     for dest, (flag, help_text) in _FAULT_FLAGS.items():
         g.add_argument(flag, dest=f"fault_{dest}", default=None, help=help_text)
     g.add_argument("--stray-publisher", dest="fault_stray_publisher", action="store_true",
@@ -139,15 +142,21 @@ def build_configs(args: argparse.Namespace) -> list[SimConfig]:
     if args.no_http:
         flags["http_port"] = None
     faults = _fault_overrides(args)
-    base = profile(args.profile) if args.profile else None
+    if args.profile:
+        profile(args.profile)  # an unknown name fails before anything else
+    period_s = args.fault_period
     out: list[SimConfig] = []
     for i, table in enumerate(tables):
         cfg = worker_from_dict(table, {"worker_id": f"sim-{i}"})
         cfg = dataclasses.replace(cfg, **flags)
-        if base is not None:
-            cfg = dataclasses.replace(cfg, faults=base)
-        if faults:
-            cfg = dataclasses.replace(cfg, faults=dataclasses.replace(cfg.faults, **faults))
+        over = dict(faults)
+        if args.profile:  # the period is in batches: each worker's own rate converts it
+            p = DEFAULT_PERIOD_S if period_s is None else period_s
+            cfg = dataclasses.replace(cfg, faults=profile(args.profile, cfg.rate, p))
+        elif period_s is not None:
+            over["period"] = period_batches(period_s, cfg.rate)
+        if over:
+            cfg = dataclasses.replace(cfg, faults=dataclasses.replace(cfg.faults, **over))
         cfg.validate()
         out.extend(nodes_of(cfg) if args.all_nodes and cfg.nnodes > 1 else [cfg])
     return out

@@ -145,6 +145,7 @@ class SimulatedWorker:
             st.router = routers[i] if routers else None
             st.load = loads[i] if loads else None
             st.mirror_of = mirror_src.get(r)
+            st.stall_at = c.faults.stall_after or math.inf
             label = c.faults.label_for(r)
             st.streams.append(self._new_stream(st, "primary", label))
             if r in c.faults.second_publisher:
@@ -248,8 +249,8 @@ class SimulatedWorker:
         f = c.faults
         if primary.kind != "primary" or not f.applies(st.rank):
             return
-        if f.stall_after and not st.stalled and primary.seq >= f.stall_after:
-            st.stalled = True
+        if primary.seq >= st.stall_at:
+            st.stall_at = st.stall_at + f.period if f.period else math.inf
             st.paused_until = now + f.stall_s
         if f.restart_every and primary.seq >= f.restart_every:
             self._restart(st, now)
@@ -261,6 +262,9 @@ class SimulatedWorker:
         st.past.append(old)
         st.restarts += 1
         st.streams[0] = self._new_stream(st, "primary", old.label)
+        f = self.cfg.faults
+        if f.period and f.stall_after:
+            st.stall_at = f.stall_after  # seq starts again at 0: so does the stall schedule
         for attr, port in (("pub", st.port), ("router", st.replay_port)):
             sock = getattr(st, attr)
             if sock is None or port is None:

@@ -53,7 +53,7 @@ async def test_sglang_metrics_discovery_and_side_channels(ctx: zmq.Context[Any])
     kv_metrics = f"tcp://127.0.0.1:{_free_port()}"
     pull.bind(kv_metrics)  # the consumer binds; the engine's PUSH connects
     cfg = SimConfig(format="sglang-0.5.23", topic="kv-events", rate=200, capacity_tokens=4096,
-                       load_port=0, kv_metrics_endpoint=kv_metrics, side_interval_s=0.05)  # fmt: skip
+                    load_port=0, kv_metrics_endpoint=kv_metrics, side_interval_s=0.05)  # fmt: skip
     w = SimulatedWorker(cfg).start()
     try:
         base = f"http://127.0.0.1:{w.http_port}"

@@ -83,7 +83,7 @@ def wait_until(cond: Callable[[], bool], deadline_s: float = 8.0) -> None:
 
 def test_batches_decode_and_truth_matches_block_index(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
     cfg = SimConfig(format="sglang-0.5.23", topic="kv-events", rate=400, max_batches=150,
-                       capacity_tokens=1024, flush_every=60, http_port=None, start_delay_s=0.3)  # fmt: skip
+                    capacity_tokens=1024, flush_every=60, http_port=None, start_delay_s=0.3)  # fmt: skip
     with SimulatedWorker(cfg) as w:
         live = collect(ctx, url(w, "kv", 1), lambda m: len(m) >= 20)
         for _, frames in live:
@@ -110,7 +110,7 @@ def test_wire_faults_appear_as_specified(ctx: zmq.Context[zmq.Socket[bytes]]) ->
         wrong_rank=((3, 7),), stray_publisher=True,
     )  # fmt: skip
     cfg = SimConfig(format="vllm-0.23", dp_size=4, rate=200, max_batches=30, http_port=None,
-                       start_delay_s=0.4, faults=faults)  # fmt: skip
+                    start_delay_s=0.4, faults=faults)  # fmt: skip
     with SimulatedWorker(cfg) as w:
         stray = next(e for e in w.endpoints() if e.kind == "stray")
         assert stray.url.endswith(f":{w.kv_base + 4}")
@@ -169,7 +169,7 @@ def test_restart_and_stall(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
         ranks=(0,), restart_every=12, restart_pause_s=0.4, stall_after=6, stall_s=0.8
     )
     cfg = SimConfig(format="sglang-0.5.12", dp_size=1, rate=100, http_port=None,
-                       start_delay_s=0.3, faults=faults)  # fmt: skip
+                    start_delay_s=0.3, faults=faults)  # fmt: skip
     with SimulatedWorker(cfg) as w:
         msgs = collect(ctx, url(w, "kv", 0), lambda m: seqs_of(m)[-3:] == [0, 1, 2] and len(m) > 5)
         seqs = seqs_of(msgs)
@@ -181,6 +181,29 @@ def test_restart_and_stall(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
         truth = w.truth()["ranks"]["0"]
         assert truth["restarts"] >= 1
         assert truth["instances"][0]["ended_by_restart"] and truth["instances"][0]["batches"] == 12
+
+
+def test_periodic_stall_repeats_in_every_publisher_instance(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    faults = FaultConfig(ranks=(0,), stall_after=5, stall_s=0.4, period=15, restart_every=30,
+                         restart_pause_s=0.2)  # fmt: skip
+    cfg = SimConfig(format="sglang-0.5.23", dp_size=1, rate=100, http_port=None,
+                    start_delay_s=0.3, faults=faults)  # fmt: skip
+
+    def second_instance_past_21(m: list[Msg]) -> bool:
+        s = seqs_of(m)
+        return 0 in s[1:] and s[-1] >= 21 and s.index(0, 1) < len(s) - 1
+
+    with SimulatedWorker(cfg) as w:
+        msgs = collect(ctx, url(w, "kv", 0), second_instance_past_21, deadline_s=10.0)
+    seqs = seqs_of(msgs)
+    restart = next(i for i in range(1, len(seqs)) if seqs[i] == 0)
+    for part in (msgs[:restart], msgs[restart:]):  # the instance seen from its start, and the next
+        times = {int.from_bytes(f[1], "big"): t for t, f in part}
+        long_pauses = {s for s in times if s - 1 in times and times[s] - times[s - 1] >= 0.3}
+        assert {5, 20} & set(times) <= long_pauses  # a stall before seq 5 and 20: every period
+        assert long_pauses <= {5, 20}
 
 
 def test_multi_node_layout_and_pure_dp_collision(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
