@@ -28,6 +28,18 @@ _WORKER_FLAGS: dict[str, tuple[str, type, str]] = {
     "kv_port": ("--kv-port", int, "KV PUB base port, rank r on base+r (0 = free range)"),
     "replay_port": ("--replay-port", int, "replay ROUTER base port (0 = free range)"),
     "http_port": ("--http-port", int, "HTTP /metrics + discovery port (0 = free)"),
+    "dp_lb": (
+        "--dp-lb",
+        str,
+        "vLLM DP load balancing: internal (node 0 serves every rank) or "
+        "hybrid (an API server per node for its own ranks)",
+    ),
+    "grpc_port": (
+        "--grpc-port",
+        int,
+        "SGLang as launched with --grpc-port: /server_info lists "
+        "kv_event_sources (0.5.22+); nothing listens on it",
+    ),
     "load_port": ("--load-port", int, "SGLang load PUB base port (0 = free range; off if unset)"),
     "kv_metrics_endpoint": ("--kv-metrics-endpoint", str, "SGLang KvMetrics PUSH connects here"),
     "topic": ("--topic", str, "topic frame (default empty, the engines' default)"),
@@ -76,6 +88,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-http", action="store_true", help="no HTTP server")
     parser.add_argument(
         "--all-nodes", action="store_true", help="run every node of the worker here"
+    )
+    parser.add_argument("--node-hosts", help="H0,H1,...: node k binds on Hk (with --all-nodes)")
+    parser.add_argument(
+        "--follower-http",
+        dest="follower_http",
+        action="store_true",
+        default=None,
+        help="SGLang nodes >= 1 serve the engine's dummy HTTP server (--all-nodes)",
     )
     parser.add_argument(
         "--duration", type=float, default=0.0, help="exit after S seconds (0 = run)"
@@ -135,8 +155,10 @@ def build_configs(args: argparse.Namespace) -> list[SimConfig]:
         if unknown:
             raise ValueError(f"{sorted(unknown)[0]}: unknown top-level key in {args.config}")
         tables = list(doc.get("worker", [])) or [{}]
-    flags = {k: getattr(args, k) for k in (*_WORKER_FLAGS, "dp_attention")}
+    flags = {k: getattr(args, k) for k in (*_WORKER_FLAGS, "dp_attention", "follower_http")}
     flags = {k: v for k, v in flags.items() if v is not None}
+    if args.node_hosts:
+        flags["node_hosts"] = tuple(h.strip() for h in args.node_hosts.split(",") if h.strip())
     if args.no_replay:
         flags["replay_port"] = None
     if args.no_http:

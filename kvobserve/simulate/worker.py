@@ -46,6 +46,9 @@ class SimulatedWorker:
         self.replay_base = cfg.replay_port
         self.load_base = cfg.load_port
         self.http_port: int | None = None
+        # the other nodes of this worker in this process (SimulatorGroup links them): a vLLM
+        # head's API server reads their ranks, as the real one hears from every engine core
+        self.peers: list[SimulatedWorker] = []
         self._ctx: zmq.Context[Any] | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -163,7 +166,7 @@ class SimulatedWorker:
             self.stray = RankState(c.dp_size, self.kv_base + c.dp_size, None)
             self.stray.pub = pubs[-1]
             self.stray.streams.append(self._new_stream(self.stray, "stray", c.dp_size))
-        if c.http_port is not None:
+        if c.http_role is not None and c.http_port is not None:
             from kvobserve.simulate.http import SimHttpServer
 
             self._http = SimHttpServer(self, c.host, c.http_port)

@@ -77,11 +77,15 @@ async def test_sglang_metrics_discovery_and_side_channels(ctx: zmq.Context[Any])
             "kv-events",
             w.load_base,
         )
-        eps = {e.dp_rank: e.url for e in w.endpoints() if e.kind == "kv"}
-        assert [(x["dp_rank"], x["endpoint"]) for x in info["kv_event_sources"]] == sorted(
-            eps.items()
-        )
+        assert "kv_event_sources" not in info  # only in gRPC mode (grpc_port)
         assert (await _get(f"{base}/kv_event_sources"))[0] == 404
+        end = time.monotonic() + 5
+        while not all(s[("sglang:num_used_tokens", r)] for r in ("0", "1")):  # requests running
+            assert time.monotonic() < end, "no running request holds a page"
+            s = _samples((await _get(f"{base}/metrics"))[1])
+        for r in ("0", "1"):  # usage = tokens held by running requests / capacity
+            used = s[("sglang:num_used_tokens", r)]
+            assert 0 < used <= 4096 and s[("sglang:token_usage", r)] == used / 4096
 
         load = ctx.socket(zmq.SUB)
         load.setsockopt(zmq.LINGER, 0)
@@ -121,8 +125,10 @@ async def test_vllm_metrics_and_kv_event_sources() -> None:
         status, text = await _get(f"{base}/kv_event_sources")
         sources = json.loads(text)
         assert status == 200 and sorted(sources) == ["0", "1"]
-        assert sources["1"]["endpoint"] == f"tcp://127.0.0.1:{w.kv_base + 1}"
-        assert sources["1"]["replay_endpoint"] == f"tcp://127.0.0.1:{(w.replay_base or 0) + 1}"
+        # the configured endpoint offset by the rank: the wildcard stays a wildcard
+        assert sources["1"]["endpoint"] == f"tcp://*:{w.kv_base + 1}"
+        assert sources["1"]["replay_endpoint"] == f"tcp://*:{(w.replay_base or 0) + 1}"
+        assert "block_size" not in sources["1"]
         assert sources["0"]["topic"] == "kv-events"
         assert (await _get(f"{base}/server_info"))[0] == 404
     finally:

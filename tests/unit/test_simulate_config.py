@@ -48,6 +48,9 @@ def test_sglang_pure_dp_publishes_from_the_leader_and_old_versions_collide() -> 
         ({"faults": FaultConfig(drop_rate=2.0)}, "faults.drop_rate: 2.0"),
         ({"faults": FaultConfig(mirror=((0, 5),))}, "faults.mirror: rank 5"),
         ({"kv_port": 70000}, "kv_port: 70000"),
+        ({"format": "vllm-0.33", "grpc_port": 30001}, "grpc_port: format vllm-0.33"),
+        ({"dp_lb": "external"}, "dp_lb: 'external'"),
+        ({"nnodes": 2, "node_hosts": ("127.0.0.1",)}, "node_hosts: 1 hosts for nnodes 2"),
     ],
 )
 def test_validation_names_field_and_value(kw: dict[str, object], needle: str) -> None:
@@ -90,3 +93,28 @@ def test_all_nodes_share_port_bases_and_only_the_leader_serves_http() -> None:
     assert nodes[0].kv_port == nodes[1].kv_port != 0
     assert nodes[0].replay_port == nodes[1].replay_port != 0
     assert (nodes[0].http_port, nodes[1].http_port) == (0, None)
+
+
+def test_nodes_of_puts_each_node_on_its_host_and_ports_free_on_all() -> None:
+    nodes = nodes_of(SimConfig(dp_size=4, nnodes=2, load_port=0), hosts=["127.0.0.1", "127.0.0.2"])
+    assert [n.host for n in nodes] == ["127.0.0.1", "127.0.0.2"]
+    bases = [nodes[0].kv_port, nodes[0].replay_port, nodes[0].load_port]
+    assert all(b for b in bases) and len({b for b in bases}) == 3
+    assert all(abs(a - b) >= 5 for a in bases for b in bases if a != b)  # ranges do not overlap
+    assert all((n.kv_port, n.replay_port, n.load_port) == tuple(bases) for n in nodes)
+    with pytest.raises(ValueError, match="node_hosts: 3 hosts for nnodes 2"):
+        nodes_of(SimConfig(nnodes=2), hosts=["127.0.0.1", "127.0.0.2", "127.0.0.3"])
+
+
+def test_node_hosts_and_multi_node_flags() -> None:
+    cfgs = build_configs(
+        _args("--all-nodes", "--nnodes", "2", "--node-hosts", "127.0.0.1,127.0.0.2",
+              "--follower-http", "--grpc-port", "30001")
+    )  # fmt: skip
+    assert [(c.node_rank, c.host, c.http_role) for c in cfgs] == [
+        (0, "127.0.0.1", "api"),
+        (1, "127.0.0.2", "stub"),
+    ]
+    assert cfgs[0].grpc_port == 30001
+    (v,) = build_configs(_args("--format", "vllm-0.33", "--dp-lb", "hybrid"))
+    assert v.dp_lb == "hybrid"
