@@ -198,22 +198,26 @@ class PrefixCache:
 
     def lock(self, hashes: list[Hash]) -> None:
         """A request starts running on these resident pages: they stop being evictable."""
+        nodes, leaves, locked = self.nodes, self._leaves, 0
         for h in hashes:
-            node = self.nodes[h]
+            node = nodes[h]
             if node.refs == 0:
-                self.locked_tokens += node.tokens
-                self._leaves.pop(h, None)
+                locked += node.tokens
+                leaves.pop(h, None)
             node.refs += 1
+        self.locked_tokens += locked
 
     def unlock(self, hashes: list[Hash]) -> None:
         """The request finished: pages no request holds become evictable again (leaves at MRU)."""
+        nodes, leaves, freed = self.nodes, self._leaves, 0
         for h in hashes:
-            node = self.nodes[h]
+            node = nodes[h]
             node.refs -= 1
             if node.refs == 0:
-                self.locked_tokens -= node.tokens
+                freed += node.tokens
                 if node.children == 0:
-                    self._leaves[h] = None
+                    leaves[h] = None
+        self.locked_tokens -= freed
 
     def resident(self) -> set[Hash]:
         """Hashes resident now."""

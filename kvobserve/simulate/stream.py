@@ -94,15 +94,17 @@ class SimStream:
                 fmt.hash_kind, self._pool[o : o + n_out], self.page_size, prompt[-1].digest,
                 keep_partial=fmt.per_page_stores,
             )  # fmt: skip
-        self._make_room(pages)
-        res = self.cache.insert(pages)
-        self.requests += 1
         prompt_tokens = sum(len(p.tokens) for p in prompt)
+        cache = self.cache
+        if cache.locked_tokens + prompt_tokens + n_out > cache.capacity_tokens:
+            self._make_room(pages)  # only near capacity: the exact demand costs a walk
+        res = cache.insert(pages)
+        self.requests += 1
         self.query_tokens += prompt_tokens
         self.hit_tokens += min(res.hit_tokens, prompt_tokens)
         # the request holds what is resident of its sequence: the hit prefix and what was stored
         held = [p.hash for p in pages[: res.hit_pages + len(res.stored)]]
-        self.cache.lock(held)
+        cache.lock(held)
         self._live[self.requests] = held
         heapq.heappush(self._ends, (self._tick + rng.randint(4, 64), self.requests))
         for run in res.evicted:
