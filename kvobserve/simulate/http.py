@@ -121,7 +121,7 @@ class SimHttpServer:
 
     def _app(self) -> web.Application:
         w = self.w
-        old = w.fmt.version < (5, 0)  # SGLang 0.4.7
+        old = w.fmt.engine == "sglang" and w.fmt.version < (5, 0)  # SGLang 0.4.7
         app = web.Application()
         app.router.add_get("/health", self._health)
         if w.fmt.engine == "sglang":
