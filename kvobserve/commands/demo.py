@@ -30,7 +30,7 @@ from kvobserve.config import (
     add_config_flags,
 )
 from kvobserve.simulate import FaultConfig, SimulatedWorker, nodes_of
-from kvobserve.simulate.config import WorkerConfig as SimConfig
+from kvobserve.simulate.config import SimConfig
 from kvobserve.simulate.truth import write_truth
 
 DEMO_FAULTS_SGLANG = FaultConfig(

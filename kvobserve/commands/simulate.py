@@ -11,13 +11,13 @@ import time
 import tomllib
 from typing import Any
 
-from kvobserve.simulate.config import WorkerConfig, worker_from_dict
+from kvobserve.simulate.config import SimConfig, worker_from_dict
 from kvobserve.simulate.encoders import FORMATS
 from kvobserve.simulate.faults import parse_int_list, parse_pairs
 from kvobserve.simulate.group import SimulatorGroup, nodes_of
-from kvobserve.simulate.profiles import PROFILES, profile
+from kvobserve.simulate.profiles import DEFAULT_PERIOD_S, PROFILES, period_batches, profile
 
-# flag dest -> WorkerConfig field (None default = not given, the file or the default applies)
+# flag dest -> SimConfig field (None default = not given, the file or the default applies)
 _WORKER_FLAGS: dict[str, tuple[str, type, str]] = {
     "worker_id": ("--worker-id", str, "worker id (default sim-0)"),
     "format": ("--format", str, f"wire format: {', '.join(FORMATS)}"),
@@ -28,6 +28,18 @@ _WORKER_FLAGS: dict[str, tuple[str, type, str]] = {
     "kv_port": ("--kv-port", int, "KV PUB base port, rank r on base+r (0 = free range)"),
     "replay_port": ("--replay-port", int, "replay ROUTER base port (0 = free range)"),
     "http_port": ("--http-port", int, "HTTP /metrics + discovery port (0 = free)"),
+    "dp_lb": (
+        "--dp-lb",
+        str,
+        "vLLM DP load balancing: internal (node 0 serves every rank) or "
+        "hybrid (an API server per node for its own ranks)",
+    ),
+    "grpc_port": (
+        "--grpc-port",
+        int,
+        "SGLang as launched with --grpc-port: /server_info lists "
+        "kv_event_sources (0.5.22+); nothing listens on it",
+    ),
     "load_port": ("--load-port", int, "SGLang load PUB base port (0 = free range; off if unset)"),
     "kv_metrics_endpoint": ("--kv-metrics-endpoint", str, "SGLang KvMetrics PUSH connects here"),
     "topic": ("--topic", str, "topic frame (default empty, the engines' default)"),
@@ -77,6 +89,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--all-nodes", action="store_true", help="run every node of the worker here"
     )
+    parser.add_argument("--node-hosts", help="H0,H1,...: node k binds on Hk (with --all-nodes)")
+    parser.add_argument(
+        "--follower-http",
+        dest="follower_http",
+        action="store_true",
+        default=None,
+        help="SGLang nodes >= 1 serve the engine's dummy HTTP server (--all-nodes)",
+    )
     parser.add_argument(
         "--duration", type=float, default=0.0, help="exit after S seconds (0 = run)"
     )
@@ -85,6 +105,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("faults")
     g.add_argument("--profile", help=f"a named fault profile ({', '.join(PROFILES)}); "
                    "the fault flags below override it")  # fmt: skip
+    g.add_argument("--fault-period", type=float, default=None,
+                   help="repeat the seq-based faults and the stall every S seconds at --rate "
+                   f"(default {DEFAULT_PERIOD_S:g} with --profile, else once; 0 = once)")  # fmt: skip
     for dest, (flag, help_text) in _FAULT_FLAGS.items():
         g.add_argument(flag, dest=f"fault_{dest}", default=None, help=help_text)
     g.add_argument("--stray-publisher", dest="fault_stray_publisher", action="store_true",
@@ -119,7 +142,7 @@ def _number(flag: str, raw: str, typ: type) -> Any:
         raise ValueError(f"{flag}: {raw!r} is not a {typ.__name__}") from None
 
 
-def build_configs(args: argparse.Namespace) -> list[WorkerConfig]:
+def build_configs(args: argparse.Namespace) -> list[SimConfig]:
     """Worker configs from the file (if any) with flags on top; ValueError names the field."""
     tables: list[dict[str, Any]] = [{}]
     if args.config:
@@ -132,22 +155,30 @@ def build_configs(args: argparse.Namespace) -> list[WorkerConfig]:
         if unknown:
             raise ValueError(f"{sorted(unknown)[0]}: unknown top-level key in {args.config}")
         tables = list(doc.get("worker", [])) or [{}]
-    flags = {k: getattr(args, k) for k in (*_WORKER_FLAGS, "dp_attention")}
+    flags = {k: getattr(args, k) for k in (*_WORKER_FLAGS, "dp_attention", "follower_http")}
     flags = {k: v for k, v in flags.items() if v is not None}
+    if args.node_hosts:
+        flags["node_hosts"] = tuple(h.strip() for h in args.node_hosts.split(",") if h.strip())
     if args.no_replay:
         flags["replay_port"] = None
     if args.no_http:
         flags["http_port"] = None
     faults = _fault_overrides(args)
-    base = profile(args.profile) if args.profile else None
-    out: list[WorkerConfig] = []
+    if args.profile:
+        profile(args.profile)  # an unknown name fails before anything else
+    period_s = args.fault_period
+    out: list[SimConfig] = []
     for i, table in enumerate(tables):
         cfg = worker_from_dict(table, {"worker_id": f"sim-{i}"})
         cfg = dataclasses.replace(cfg, **flags)
-        if base is not None:
-            cfg = dataclasses.replace(cfg, faults=base)
-        if faults:
-            cfg = dataclasses.replace(cfg, faults=dataclasses.replace(cfg.faults, **faults))
+        over = dict(faults)
+        if args.profile:  # the period is in batches: each worker's own rate converts it
+            p = DEFAULT_PERIOD_S if period_s is None else period_s
+            cfg = dataclasses.replace(cfg, faults=profile(args.profile, cfg.rate, p))
+        elif period_s is not None:
+            over["period"] = period_batches(period_s, cfg.rate)
+        if over:
+            cfg = dataclasses.replace(cfg, faults=dataclasses.replace(cfg.faults, **over))
         cfg.validate()
         out.extend(nodes_of(cfg) if args.all_nodes and cfg.nnodes > 1 else [cfg])
     return out

@@ -1,6 +1,6 @@
 """Simulated SGLang / vLLM engine workers: real wire bytes, a prefix cache, faults, ground truth."""
 
-from kvobserve.simulate.config import WorkerConfig
+from kvobserve.simulate.config import SimConfig
 from kvobserve.simulate.faults import FaultConfig
 from kvobserve.simulate.group import SimulatorGroup, nodes_of
 from kvobserve.simulate.worker import Endpoint, SimulatedWorker
@@ -8,8 +8,8 @@ from kvobserve.simulate.worker import Endpoint, SimulatedWorker
 __all__ = [
     "Endpoint",
     "FaultConfig",
+    "SimConfig",
     "SimulatedWorker",
     "SimulatorGroup",
-    "WorkerConfig",
     "nodes_of",
 ]

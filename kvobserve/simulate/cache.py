@@ -86,12 +86,13 @@ class PromptLibrary:
 
 
 class _Node:
-    __slots__ = ("children", "parent", "tokens")
+    __slots__ = ("children", "parent", "refs", "tokens")
 
     def __init__(self, parent: Hash | None, tokens: int) -> None:
         self.parent = parent
         self.tokens = tokens
         self.children = 0
+        self.refs = 0  # running requests holding this page: not evictable while > 0
 
 
 class InsertResult(NamedTuple):
@@ -101,16 +102,23 @@ class InsertResult(NamedTuple):
     parent: Hash | None  # the hash the first stored page hangs off (None = root)
     stored: list[Page]
     evicted: list[list[Hash]]  # each run leaf-first: a leaf, then the parents it exposed
+    hit_pages: int = 0  # the sequence's first pages that were resident already
 
 
 class PrefixCache:
-    """Pages in a tree; capacity in tokens; only leaves are evicted, least recently used first."""
+    """Pages in a tree; capacity in tokens; only unlocked leaves are evicted, LRU first.
+
+    `used_tokens` counts every resident page (what the events describe); `locked_tokens` counts the
+    pages running requests hold, each once however many share it: the engines' scheduler usage
+    (SGLang total - available - evictable, vLLM blocks with ref_cnt > 0).
+    """
 
     def __init__(self, capacity_tokens: int) -> None:
         self.capacity_tokens = capacity_tokens
         self.nodes: dict[Hash, _Node] = {}
-        self._leaves: OrderedDict[Hash, None] = OrderedDict()
+        self._leaves: OrderedDict[Hash, None] = OrderedDict()  # evictable leaves, LRU first
         self.used_tokens = 0
+        self.locked_tokens = 0
 
     def __len__(self) -> int:
         return len(self.nodes)
@@ -120,6 +128,7 @@ class PrefixCache:
         self.nodes.clear()
         self._leaves.clear()
         self.used_tokens = 0
+        self.locked_tokens = 0
 
     def insert(self, pages: list[Page]) -> InsertResult:
         """Look up a sequence, touch what hits, evict to make room, store the rest that fits."""
@@ -138,7 +147,7 @@ class PrefixCache:
             leaves.move_to_end(parent)
         new = pages[i:]
         if not new:
-            return InsertResult(hit, parent, [], [])
+            return InsertResult(hit, parent, [], [], i)
         if parent is not None:
             leaves.pop(parent, None)  # pinned: it is about to get a child, never evict it now
         need = sum(len(p.tokens) for p in new)
@@ -157,7 +166,7 @@ class PrefixCache:
                 pnode = nodes.get(up)
                 if pnode is not None:
                     pnode.children -= 1
-                    if pnode.children == 0 and up != parent:
+                    if pnode.children == 0 and pnode.refs == 0 and up != parent:
                         # it became a leaf; it was touched no later than its child: evict it next
                         leaves[up] = None
                         leaves.move_to_end(up, last=False)
@@ -173,9 +182,42 @@ class PrefixCache:
             self.used_tokens += n
             top = page.hash
             stored.append(page)
-        if top is not None and nodes[top].children == 0:
+        if top is not None and nodes[top].children == 0 and nodes[top].refs == 0:
             leaves[top] = None
-        return InsertResult(hit, parent, stored, evicted)
+        return InsertResult(hit, parent, stored, evicted, i)
+
+    def demand(self, pages: list[Page]) -> int:
+        """Tokens a request on these pages would add to the locked total (held pages count 0)."""
+        nodes = self.nodes
+        need = 0
+        for page in pages:
+            node = nodes.get(page.hash)
+            if node is None or node.refs == 0:
+                need += len(page.tokens)
+        return need
+
+    def lock(self, hashes: list[Hash]) -> None:
+        """A request starts running on these resident pages: they stop being evictable."""
+        nodes, leaves, locked = self.nodes, self._leaves, 0
+        for h in hashes:
+            node = nodes[h]
+            if node.refs == 0:
+                locked += node.tokens
+                leaves.pop(h, None)
+            node.refs += 1
+        self.locked_tokens += locked
+
+    def unlock(self, hashes: list[Hash]) -> None:
+        """The request finished: pages no request holds become evictable again (leaves at MRU)."""
+        nodes, leaves, freed = self.nodes, self._leaves, 0
+        for h in hashes:
+            node = nodes[h]
+            node.refs -= 1
+            if node.refs == 0:
+                freed += node.tokens
+                if node.children == 0:
+                    leaves[h] = None
+        self.locked_tokens -= freed
 
     def resident(self) -> set[Hash]:
         """Hashes resident now."""

@@ -11,7 +11,7 @@ from kvobserve.simulate.faults import FaultConfig, faults_from_dict
 
 
 @dataclass(frozen=True)
-class WorkerConfig:
+class SimConfig:
     """One simulated engine node: its wire format, DP layout, ports, workload and faults."""
 
     worker_id: str = "sim-0"
@@ -20,10 +20,16 @@ class WorkerConfig:
     nnodes: int = 1
     node_rank: int = 0
     dp_attention: bool = True  # SGLang only: ranks split across nodes; else all on the leader
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # this node's address: its publishers and HTTP bind here only
+    node_hosts: tuple[str, ...] = ()  # nodes_of: node k on node_hosts[k]; () = all on `host`
     kv_port: int = 0  # base KV PUB port, rank r on kv_port + r; 0 = a free range
     replay_port: int | None = 0  # base replay ROUTER port; None = no replay; 0 = a free range
     http_port: int | None = 0  # /metrics and discovery; None = no HTTP; 0 = a free port
+    # vLLM DP load balancing: "internal" (node 0's API server manages every rank, other nodes
+    # are headless) or "hybrid" (every node runs an API server for its own ranks)
+    dp_lb: str = "internal"
+    follower_http: bool = False  # nodes_of: SGLang nodes >= 1 serve the engine's dummy server
+    grpc_port: int | None = None  # SGLang launched with --grpc-port: /server_info lists sources
     load_port: int | None = None  # SGLang >= 0.5.19 load PUB base; None = off; 0 = a free range
     kv_metrics_endpoint: str | None = None  # SGLang KvMetrics PUSH connects here (consumer binds)
     topic: str = ""
@@ -53,7 +59,7 @@ class WorkerConfig:
         """The wire format object."""
         return get_format(self.format)
 
-    def validate(self) -> WorkerConfig:
+    def validate(self) -> SimConfig:
         """Self, or ValueError naming the field and the bad value."""
         if self.format not in FORMATS:
             get_format(self.format)
@@ -70,7 +76,7 @@ class WorkerConfig:
                 raise ValueError(f"{name}: {v!r} must be an integer >= 1")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank: {self.node_rank!r} is outside 0..{self.nnodes - 1}")
-        for name in ("kv_port", "replay_port", "http_port", "load_port"):
+        for name in ("kv_port", "replay_port", "http_port", "load_port", "grpc_port"):
             v = getattr(self, name)
             if v is not None and not 0 <= v <= 65535:
                 raise ValueError(f"{name}: {v!r} is not a port")
@@ -86,6 +92,15 @@ class WorkerConfig:
         if self.kv_metrics_endpoint is not None and self.wire.engine != "sglang":
             raise ValueError(
                 f"kv_metrics_endpoint: format {self.format} has no KvMetrics (SGLang only)"
+            )
+        if self.grpc_port is not None and self.wire.engine != "sglang":
+            raise ValueError(f"grpc_port: format {self.format} has no gRPC mode (SGLang only)")
+        if self.dp_lb not in ("internal", "hybrid"):
+            raise ValueError(f"dp_lb: {self.dp_lb!r} is not internal or hybrid")
+        if self.node_hosts and len(self.node_hosts) != self.nnodes:
+            raise ValueError(
+                f"node_hosts: {len(self.node_hosts)} hosts for nnodes {self.nnodes}: "
+                "give one host per node"
             )
         self.faults.validate(self.dp_size)
         return self
@@ -106,6 +121,20 @@ class WorkerConfig:
         start = self.node_rank * per + min(self.node_rank, extra)
         return list(range(start, start + per + (1 if self.node_rank < extra else 0)))
 
+    @property
+    def http_role(self) -> str | None:
+        """This node's HTTP server: "api", "stub" (SGLang's dummy server) or None (no HTTP)."""
+        if self.http_port is None:
+            return None
+        if self.wire.engine == "sglang":
+            return "api" if self.node_rank == 0 else "stub"
+        # vLLM with internal LB: nodes >= 1 run --headless, without an API server
+        return "api" if self.node_rank == 0 or self.dp_lb == "hybrid" else None
+
+    def managed_ranks(self) -> list[int]:
+        """The DP ranks this node's vLLM API server manages (and lists in /kv_event_sources)."""
+        return list(range(self.dp_size)) if self.dp_lb == "internal" else self.hosted_ranks()
+
     def port_offset(self, rank: int) -> int:
         """The engine's port offset for a rank (SGLang < 0.5.16 pure DP offsets every rank by 0)."""
         w = self.wire
@@ -114,11 +143,11 @@ class WorkerConfig:
         return rank
 
 
-_FIELDS = {f.name for f in dataclasses.fields(WorkerConfig)}
+_FIELDS = {f.name for f in dataclasses.fields(SimConfig)}
 
 
-def worker_from_dict(d: dict[str, Any], defaults: dict[str, Any] | None = None) -> WorkerConfig:
-    """A validated WorkerConfig from a TOML `[[worker]]` table; unknown keys name themselves."""
+def worker_from_dict(d: dict[str, Any], defaults: dict[str, Any] | None = None) -> SimConfig:
+    """A validated SimConfig from a TOML `[[worker]]` table; unknown keys name themselves."""
     kw: dict[str, Any] = dict(defaults or {})
     for k, v in d.items():
         key = "worker_id" if k == "id" else k
@@ -126,9 +155,11 @@ def worker_from_dict(d: dict[str, Any], defaults: dict[str, Any] | None = None) 
             kw["faults"] = faults_from_dict(v)
         elif key not in _FIELDS:
             raise ValueError(f"worker.{k}: unknown key")
+        elif key == "node_hosts":
+            kw[key] = tuple(v)
         else:
             kw[key] = v
     try:
-        return WorkerConfig(**kw).validate()
+        return SimConfig(**kw).validate()
     except TypeError as exc:
         raise ValueError(f"worker: {exc}") from None

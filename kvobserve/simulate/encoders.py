@@ -302,6 +302,12 @@ FORMATS: dict[str, WireFormat] = {
             "sglang-0.5.19", "sglang", (5, 19), _s_s19, _Removed3, _ClearedArr(),
             medium=True, hash_kind="int64", per_node=True,
         ),
+        # 0.5.22 and 0.5.23 share the wire (maps, lora_name, topic in replay); they differ only in
+        # what /server_info says, so 0.5.22 exists to simulate that version's discovery
+        _fmt(
+            "sglang-0.5.22", "sglang", (5, 22), _s_s23, _RemovedS23, _ClearedMap(),
+            medium=True, hash_kind="int64", per_node=True, topic_replay=True,
+        ),
         _fmt(
             "sglang-0.5.23", "sglang", (5, 23), _s_s23, _RemovedS23, _ClearedMap(),
             medium=True, hash_kind="int64", per_node=True, topic_replay=True,

@@ -26,7 +26,11 @@ class Action(Enum):
 
 @dataclass(frozen=True)
 class FaultConfig:
-    """Faults of one simulated worker. Seq-based and rate-based faults hit `ranks` (None = all)."""
+    """Faults of one simulated worker. Seq-based and rate-based faults hit `ranks` (None = all).
+
+    With `period` > 0 the seq-based faults and the stall repeat: they hit every seq whose
+    `seq % period` is listed, in every publisher instance. 0 = each happens once.
+    """
 
     ranks: tuple[int, ...] | None = None
     drop_seqs: frozenset[int] = frozenset()
@@ -37,12 +41,13 @@ class FaultConfig:
     malformed_rate: float = 0.0
     restart_every: int = 0  # restart the publisher each time an instance reached this many batches
     restart_pause_s: float = 0.5  # the engine "boots" this long (subscribers reconnect meanwhile)
-    stall_after: int = 0  # after this many batches, publish nothing for stall_s (once)
+    stall_after: int = 0  # after this many batches, publish nothing for stall_s (once per period)
     stall_s: float = 0.0
     second_publisher: tuple[int, ...] = ()  # ranks with a second, interleaved publisher
     mirror: tuple[tuple[int, int], ...] = ()  # (source rank, mirror rank)
     wrong_rank: tuple[tuple[int, int], ...] = ()  # (rank, label written at batch position 2)
     stray_publisher: bool = False  # an extra publisher on kv base + dp_size
+    period: int = 0  # batches; seq-based faults and the stall repeat with it; 0 = once
 
     def applies(self, rank: int) -> bool:
         """Whether the seq/rate/restart/stall faults hit this rank."""
@@ -61,9 +66,20 @@ class FaultConfig:
             v = getattr(self, name)
             if not 0.0 <= v <= 1.0:
                 raise ValueError(f"faults.{name}: {v!r} is not a probability in [0, 1]")
-        for name in ("restart_every", "stall_after"):
+        for name in ("restart_every", "stall_after", "period"):
             if getattr(self, name) < 0:
                 raise ValueError(f"faults.{name}: {getattr(self, name)!r} must be >= 0")
+        if self.period:
+            for name in ("drop_seqs", "ring_drop_seqs", "malformed_seqs"):
+                late = [s for s in getattr(self, name) if s >= self.period]
+                if late:
+                    raise ValueError(
+                        f"faults.{name}: seq {min(late)} is not below period {self.period}"
+                    )
+            if self.stall_after >= self.period:
+                raise ValueError(
+                    f"faults.stall_after: {self.stall_after} is not below period {self.period}"
+                )
         if self.stall_s < 0 or self.restart_pause_s < 0:
             raise ValueError("faults.stall_s / restart_pause_s: must be >= 0")
         ranks_used = [("faults.ranks", r) for r in (self.ranks or ())] + [
@@ -82,7 +98,7 @@ class FaultConfig:
 class FaultPlan:
     """Per-instance fault decisions; deterministic for a given seed."""
 
-    __slots__ = ("_active", "_cfg", "_rates", "_rng")
+    __slots__ = ("_active", "_cfg", "_period", "_rates", "_rng")
 
     def __init__(self, cfg: FaultConfig, rank: int, seed: int) -> None:
         self._cfg = cfg
@@ -95,6 +111,7 @@ class FaultPlan:
             or cfg.malformed_rate
         )
         self._rates = cfg.drop_rate or cfg.ring_drop_rate or cfg.malformed_rate
+        self._period = cfg.period
         self._rng = random.Random(seed)
 
     def decide(self, seq: int) -> Action:
@@ -102,11 +119,12 @@ class FaultPlan:
         if not self._active:
             return Action.SEND
         c = self._cfg
-        if seq in c.ring_drop_seqs:
+        at = seq % self._period if self._period else seq
+        if at in c.ring_drop_seqs:
             return Action.RING_DROP
-        if seq in c.drop_seqs:
+        if at in c.drop_seqs:
             return Action.LIVE_DROP
-        if seq in c.malformed_seqs:
+        if at in c.malformed_seqs:
             return Action.MALFORMED
         if self._rates:
             x = self._rng.random()

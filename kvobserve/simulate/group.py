@@ -8,54 +8,74 @@ import socket
 from collections.abc import Sequence
 from typing import Any
 
-from kvobserve.simulate.config import WorkerConfig
+from kvobserve.simulate.config import SimConfig
 from kvobserve.simulate.truth import TRUTH_VERSION, write_truth
 from kvobserve.simulate.worker import Endpoint, SimulatedWorker
 
 _rng = random.Random()
 
 
-def free_port_range(host: str, count: int, attempts: int = 50) -> int:
-    """A base port whose next `count` TCP ports were all free a moment ago."""
+def free_port_range(
+    host: str | Sequence[str], count: int, attempts: int = 50, avoid: Sequence[int] = ()
+) -> int:
+    """A base port whose next `count` TCP ports were all free on every host a moment ago.
+
+    Ranges starting at a base in `avoid` (each `count` long) are not overlapped.
+    """
+    hosts = [host] if isinstance(host, str) else list(host)
     for _ in range(attempts):
         base = _rng.randrange(20000, 60000 - count)
+        if any(abs(base - other) < count for other in avoid):
+            continue
         socks: list[socket.socket] = []
         try:
-            for off in range(count):
-                s = socket.socket()
-                socks.append(s)
-                s.bind((host, base + off))
+            for h in hosts:
+                for off in range(count):
+                    s = socket.socket()
+                    socks.append(s)
+                    s.bind((h, base + off))
             return base
         except OSError:
             continue
         finally:
             for s in socks:
                 s.close()
-    raise OSError(f"no {count} consecutive free ports on {host}")
+    raise OSError(f"no {count} consecutive free ports on {', '.join(hosts)}")
 
 
-def nodes_of(cfg: WorkerConfig) -> list[WorkerConfig]:
+def nodes_of(cfg: SimConfig, hosts: Sequence[str] | None = None) -> list[SimConfig]:
     """One config per node of a multi-node worker, sharing one resolved set of port bases.
 
-    Port 0 is resolved here once, because every node must agree on base + rank. Only node 0
-    (the leader) serves HTTP.
+    Node k binds on `hosts[k]` (default `cfg.node_hosts`, else every node on `cfg.host`). Port 0
+    is resolved here once, free on every host, because every node must agree on base + rank.
+    HTTP: node 0 serves the engine's API; SGLang nodes >= 1 serve its dummy server only with
+    `follower_http`; vLLM nodes >= 1 serve their own API server only with `dp_lb="hybrid"`.
     """
+    node_hosts = tuple(hosts) if hosts is not None else cfg.node_hosts
+    node_hosts = node_hosts or (cfg.host,) * cfg.nnodes
+    cfg = dataclasses.replace(cfg, node_hosts=node_hosts).validate()  # one host per node
+    unique = sorted(set(node_hosts))
     n = cfg.dp_size + 1  # + the port past the last rank (stray publisher)
-    kv = cfg.kv_port or free_port_range(cfg.host, n)
-    replay = cfg.replay_port
-    if replay == 0:
-        replay = free_port_range(cfg.host, n)
-    load = cfg.load_port
-    if load == 0:
-        load = free_port_range(cfg.host, n)
+    taken: list[int] = []
+
+    def resolve(port: int | None) -> int | None:
+        if port == 0:
+            port = free_port_range(unique, n, avoid=taken)
+        if port:
+            taken.append(port)
+        return port
+
+    kv, replay, load = resolve(cfg.kv_port), resolve(cfg.replay_port), resolve(cfg.load_port)
+    follower_http = cfg.follower_http if cfg.wire.engine == "sglang" else cfg.dp_lb == "hybrid"
     return [
         dataclasses.replace(
             cfg,
             node_rank=r,
-            kv_port=kv,
+            host=node_hosts[r],
+            kv_port=kv or 0,
             replay_port=replay,
             load_port=load,
-            http_port=cfg.http_port if r == 0 else None,
+            http_port=cfg.http_port if r == 0 or follower_http else None,
             truth_path=None,
         )
         for r in range(cfg.nnodes)
@@ -65,9 +85,15 @@ def nodes_of(cfg: WorkerConfig) -> list[WorkerConfig]:
 class SimulatorGroup:
     """Start and stop many workers together; one combined truth document."""
 
-    def __init__(self, configs: Sequence[WorkerConfig], truth_path: str | None = None) -> None:
+    def __init__(self, configs: Sequence[SimConfig], truth_path: str | None = None) -> None:
         self.workers = [SimulatedWorker(c) for c in configs]
         self.truth_path = truth_path
+        nodes: dict[tuple[str, int], list[SimulatedWorker]] = {}
+        for w in self.workers:
+            nodes.setdefault((w.cfg.worker_id, w.cfg.nnodes), []).append(w)
+        for group in nodes.values():  # the nodes of one worker see each other's ranks
+            for w in group:
+                w.peers = [p for p in group if p.cfg.node_rank != w.cfg.node_rank]
 
     def start(self) -> SimulatorGroup:
         """Start every worker; on a failure, stop the ones already started and re-raise."""

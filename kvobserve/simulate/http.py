@@ -1,34 +1,30 @@
 """The simulated engine's HTTP side: `/metrics` with the engines' names and discovery endpoints.
 
 Runs aiohttp on its own event loop in its own thread so a worker embeds in any program (sync or
-asyncio). Values are read from the worker at scrape time; nothing is updated per batch.
+asyncio). Values are read from the worker at scrape time; nothing is updated per batch. Routes
+follow the node's role: SGLang node 0 serves the API, nodes >= 1 the engine's dummy server;
+a vLLM API server serves the ranks it manages (every rank on node 0 with internal LB).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvobserve.simulate.discovery import kv_event_sources, server_info
+
 if TYPE_CHECKING:
+    from kvobserve.simulate.ranks import RankState
     from kvobserve.simulate.worker import SimulatedWorker
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-_SGLANG_VERSIONS = {(0, 4): "0.4.7", (5, 12): "0.5.12", (5, 19): "0.5.19", (5, 23): "0.5.23"}
-_VLLM_VERSIONS = {(10, 0): "0.10.0", (23, 0): "0.23.0", (33, 0): "0.33.0"}
-
-
-def engine_version(w: SimulatedWorker) -> str:
-    """The engine version string the format stands for."""
-    table = _SGLANG_VERSIONS if w.fmt.engine == "sglang" else _VLLM_VERSIONS
-    return table[w.fmt.version]
 
 
 class _EngineMetrics(Collector):
@@ -57,7 +53,7 @@ class _EngineMetrics(Collector):
         for st in w.ranks:
             s = st.streams[0]
             labels = [c.model_name, "unified", "0", "0", "0", str(st.rank)]
-            used = s.cache.used_tokens
+            used = s.held_tokens  # SGLang: total - available - evictable
             out["num_running_reqs"].add_metric(labels, s.running)
             out["num_queue_reqs"].add_metric(labels, s.waiting)
             out["token_usage"].add_metric(labels, used / c.capacity_tokens)
@@ -88,87 +84,24 @@ class _EngineMetrics(Collector):
         info = GaugeMetricFamily(
             "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=info_labels
         )
-        for st in w.ranks:
+        for st in self._vllm_ranks():
             s = st.streams[0]
             labels = [c.model_name, str(st.rank)]
             running.add_metric(labels, s.running)
             waiting.add_metric(labels, s.waiting)
-            kv.add_metric(labels, s.cache.used_tokens / c.capacity_tokens)
+            kv.add_metric(labels, s.held_tokens / c.capacity_tokens)  # blocks with ref_cnt > 0
             queries.add_metric(labels, s.query_tokens)
             hits.add_metric(labels, s.hit_tokens)
             blocks = str(c.capacity_tokens // c.page_size)
             info.add_metric([str(c.page_size), blocks, "True", str(st.rank)], 1.0)
         yield from (running, waiting, kv, queries, hits, info)
 
-
-def server_info(w: SimulatedWorker) -> dict[str, Any]:
-    """SGLang `GET /server_info`, with the `kv_events` block from 0.5.14 and sources from 0.5.22."""
-    c, v = w.cfg, w.fmt.version
-    info: dict[str, Any] = {
-        "model_path": c.model_name,
-        "served_model_name": c.model_name,
-        "version": engine_version(w),
-        "dp_size": c.dp_size,
-        "enable_dp_attention": c.dp_attention,
-        "nnodes": c.nnodes,
-        "node_rank": c.node_rank,
-        "page_size": c.page_size,
-        "max_total_num_tokens": c.capacity_tokens,
-        "max_running_requests": c.max_running_requests,
-        "kv_events_config": json.dumps(
-            {"publisher": "zmq", "endpoint": f"tcp://*:{w.kv_base}", "topic": c.topic}
-        ),
-    }
-    if v < (5, 14):
-        return info
-    block: dict[str, Any] = {
-        "publisher": "zmq",
-        "endpoint_host": "*",  # what the engine's default `tcp://*:port` reports; use the URL's host
-        "endpoint_port_base": w.kv_base,
-        "topic": c.topic,
-        "block_size": c.page_size,
-        "dp_size": c.dp_size,
-    }
-    if w.load_base is not None and v >= (5, 19):
-        block["load_endpoint_port_base"] = w.load_base
-        block["load_topic"] = "load"
-    if v >= (5, 22):
-        if w.replay_base is not None:
-            block["replay_endpoint_port_base"] = w.replay_base
-        sources = []
-        for st in w.ranks:
-            src: dict[str, Any] = {
-                "dp_rank": st.rank,
-                "endpoint": f"tcp://{c.host}:{st.port}",
-                "topic": c.topic,
-                "block_size": c.page_size,
-            }
-            if st.replay_port is not None:
-                src["replay_endpoint"] = f"tcp://{c.host}:{st.replay_port}"
-            sources.append(src)
-        info["kv_event_sources"] = sources
-    info["kv_events"] = block
-    return info
-
-
-def kv_event_sources(w: SimulatedWorker) -> dict[str, Any]:
-    """vLLM 0.33 `GET /kv_event_sources`: `{dp_rank: KVEventsConfig}` with resolved endpoints."""
-    c = w.cfg
-    return {
-        str(st.rank): {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": f"tcp://{c.host}:{st.port}",
-            "replay_endpoint": None
-            if st.replay_port is None
-            else f"tcp://{c.host}:{st.replay_port}",
-            "buffer_steps": c.buffer_steps,
-            "hwm": c.hwm,
-            "max_queue_size": 100_000,
-            "topic": c.topic,
-        }
-        for st in w.ranks
-    }
+    def _vllm_ranks(self) -> list[RankState]:
+        """The ranks this API server manages: with internal LB, the other nodes' too (in-process)."""
+        w = self.w
+        if w.cfg.dp_lb == "hybrid":
+            return list(w.ranks)
+        return sorted((st for n in (w, *w.peers) for st in n.ranks), key=lambda st: st.rank)
 
 
 class SimHttpServer:
@@ -187,12 +120,23 @@ class SimHttpServer:
         self._thread: threading.Thread | None = None
 
     def _app(self) -> web.Application:
+        w = self.w
+        old = w.fmt.engine == "sglang" and w.fmt.version < (5, 0)  # SGLang 0.4.7
         app = web.Application()
-        app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/health", self._health)
-        if self.w.fmt.engine == "sglang":
-            app.router.add_get("/server_info", self._server_info)
-        elif self.w.fmt.version >= (33, 0):
+        if w.fmt.engine == "sglang":
+            app.router.add_get("/health_generate", self._health)
+        if w.cfg.http_role == "stub":  # SGLang nodes >= 1: /metrics of this node's schedulers
+            if not old:  # (sglang #7720, mid 2025) and /ping
+                app.router.add_get("/metrics", self._metrics)
+                app.router.add_get("/ping", self._health)
+            return app
+        app.router.add_get("/metrics", self._metrics)
+        if w.fmt.engine == "sglang":
+            if not old:  # 0.4.7 had only the name that 0.5 deprecated
+                app.router.add_get("/server_info", self._server_info)
+            app.router.add_get("/get_server_info", self._server_info)
+        elif w.fmt.version >= (31, 0):
             app.router.add_get("/kv_event_sources", self._sources)
         return app
 

@@ -1,12 +1,19 @@
-"""Named fault profiles: one fault each (and a mix), for tests, the demo and the compose stack.
+"""Named fault profiles: one fault each (and a mix), for people, tests, the demo and the stack.
 
-Seq-based faults are placed early (a few dozen batches in) so that a short run shows them. Every
+`PROFILES` holds each profile's first period: its seq-based faults sit a few dozen batches in, so a
+short run shows them once. `profile(name, rate, period_s)` repeats them every `period_s` seconds at
+`rate` batches/s, so a collector started at any time sees every fault within one period. Every
 profile fits a worker with dp_size >= 2.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from kvobserve.simulate.faults import FaultConfig
+
+DEFAULT_PERIOD_S = 30.0
+MIN_PERIOD = 100  # batches: every profile's seq-based faults (up to seq 60) fit in one period
 
 PROFILES: dict[str, FaultConfig] = {
     "clean": FaultConfig(),
@@ -26,11 +33,24 @@ PROFILES: dict[str, FaultConfig] = {
 }
 
 
-def profile(name: str) -> FaultConfig:
-    """The named profile; ValueError naming the value and the choices."""
+def period_batches(period_s: float, rate: float) -> int:
+    """`period_s` seconds in batches at `rate` batches/s (at least MIN_PERIOD); 0 = once."""
+    if period_s <= 0 or rate <= 0:
+        return 0  # no period asked for, or no rate to measure it by (--rate 0: as fast as possible)
+    return max(MIN_PERIOD, round(period_s * rate))
+
+
+def profile(name: str, rate: float = 0.0, period_s: float = DEFAULT_PERIOD_S) -> FaultConfig:
+    """The named profile, repeating every `period_s` s at `rate`; ValueError naming the value."""
     try:
-        return PROFILES[name]
+        base = PROFILES[name]
     except KeyError:
         raise ValueError(
             f"--profile: {name!r} is not a fault profile ({', '.join(PROFILES)})"
         ) from None
+    period = period_batches(period_s, rate)
+    if not period:
+        return base
+    # a restart is the one fault that already repeats: once per period, like the others
+    restart = period if base.restart_every else 0
+    return dataclasses.replace(base, period=period, restart_every=restart)

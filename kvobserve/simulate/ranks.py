@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +42,7 @@ class RankState:
         self.mirror_of: int | None = None
         self.mirror_ring: deque[tuple[int, bytes, bytes]] = deque()
         self.paused_until = 0.0
-        self.stalled = False
+        self.stall_at = math.inf  # the seq of the primary instance at which it stalls next
         self.restarts = 0
         self.load: zmq.Socket[Any] | None = None
         self.load_seq = 0

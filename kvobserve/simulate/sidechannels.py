@@ -102,7 +102,7 @@ def emit_side_channels(w: SimulatedWorker) -> None:
     c = w.cfg
     for st in w.ranks:
         s = st.streams[0]
-        used = s.cache.used_tokens
+        used = s.held_tokens  # locked by running requests; evictable cached pages count as free
         if st.load is not None:
             stat = load_stat_for(
                 w.fmt.version, running=s.running, waiting=s.waiting, used_tokens=used,

@@ -12,7 +12,7 @@ from array import array
 from collections import deque
 from typing import Any
 
-from kvobserve.simulate.cache import Hash, PrefixCache, PromptLibrary, paginate
+from kvobserve.simulate.cache import Hash, Page, PrefixCache, PromptLibrary, paginate
 from kvobserve.simulate.encoders import WireFormat, encode_batch
 from kvobserve.simulate.faults import MALFORMED_PAYLOADS, Action, FaultConfig, FaultPlan
 
@@ -60,7 +60,12 @@ class SimStream:
         self._rng = random.Random(seed)
         # generated tokens are windows of one random pool: cheap per request, unique via the chain
         self._pool = list(array("H", self._rng.randbytes(2 * _POOL_SIZE)))
-        self._active: list[int] = []  # heap of the step at which each running request ends
+        # running requests: a heap of (tick at which each ends, id); the pages each one holds
+        # (oldest first; a flush empties the lists, a preemption removes the request)
+        self._ends: list[tuple[int, int]] = []
+        self._live: dict[int, list[Hash]] = {}
+        self._tick = 0  # next_batch calls: request lifetimes count these, not seqs
+        self.preempted = 0
         self._medium = fmt.wire_medium("GPU")
         self.seq = 0
         self.batches_sent = 0
@@ -89,12 +94,19 @@ class SimStream:
                 fmt.hash_kind, self._pool[o : o + n_out], self.page_size, prompt[-1].digest,
                 keep_partial=fmt.per_page_stores,
             )  # fmt: skip
-        res = self.cache.insert(pages)
-        self.requests += 1
         prompt_tokens = sum(len(p.tokens) for p in prompt)
+        cache = self.cache
+        if cache.locked_tokens + prompt_tokens + n_out > cache.capacity_tokens:
+            self._make_room(pages)  # only near capacity: the exact demand costs a walk
+        res = cache.insert(pages)
+        self.requests += 1
         self.query_tokens += prompt_tokens
         self.hit_tokens += min(res.hit_tokens, prompt_tokens)
-        heapq.heappush(self._active, self.seq + rng.randint(4, 64))
+        # the request holds what is resident of its sequence: the hit prefix and what was stored
+        held = [p.hash for p in pages[: res.hit_pages + len(res.stored)]]
+        cache.lock(held)
+        self._live[self.requests] = held
+        heapq.heappush(self._ends, (self._tick + rng.randint(4, 64), self.requests))
         for run in res.evicted:
             if fmt.removed_per_node:
                 out.append(fmt.removed(run[::-1], self._medium))
@@ -114,9 +126,33 @@ class SimStream:
             hashes = [p.hash for p in res.stored]
             out.append(fmt.stored(hashes, parent, tokens, self.page_size, self._medium))
 
+    def _make_room(self, pages: list[Page]) -> None:
+        """Preempt the newest running requests until this one's pages fit beside the held ones.
+
+        The engines do the same under memory pressure (vLLM preempts, SGLang retracts); with the
+        default workload it never happens. A request larger than the cache stores what fits.
+        """
+        cache, live = self.cache, self._live
+        while cache.locked_tokens + cache.demand(pages) > cache.capacity_tokens:
+            victim = next((rid for rid in reversed(live) if live[rid]), None)
+            if victim is None:
+                return
+            cache.unlock(live.pop(victim))
+            self.preempted += 1
+
+    def _finish_requests(self) -> None:
+        """Requests whose time is up end and let go of their pages."""
+        ends, live = self._ends, self._live
+        while ends and ends[0][0] <= self._tick:
+            held = live.pop(heapq.heappop(ends)[1], None)  # None: preempted before
+            if held:
+                self.cache.unlock(held)
+
     def _events(self) -> list[Any]:
         if self.flush_every and self.seq and self.seq % self.flush_every == 0:
             self.cache.clear()
+            for rid in self._live:  # a flush frees every page; the running requests go on
+                self._live[rid] = []
             return [self.fmt.cleared]
         out: list[Any] = []
         # an all-hit request produces no event and engines publish no empty batch: try a few more
@@ -131,6 +167,8 @@ class SimStream:
     def next_batch(self, ts: float) -> tuple[bytes, bytes] | None:
         """Advance one batch: (seq frame, payload) to send live, or None (dropped or no events)."""
         seq = self.seq
+        self._tick += 1
+        self._finish_requests()
         action = self.plan.decide(seq)
         if action is Action.MALFORMED:
             payload = MALFORMED_PAYLOADS[len(self.malformed) % len(MALFORMED_PAYLOADS)]
@@ -143,9 +181,6 @@ class SimStream:
             payload = encode_batch(ts, events, self.label)
         seq_b = seq.to_bytes(8, "big")
         self.seq = seq + 1
-        active = self._active
-        while active and active[0] <= seq:
-            heapq.heappop(active)
         if action is Action.RING_DROP:
             self.ring_dropped.append(seq)
             return None
@@ -161,12 +196,17 @@ class SimStream:
     @property
     def running(self) -> int:
         """Requests running now (capped at max_running_requests)."""
-        return min(len(self._active), self.max_running)
+        return min(len(self._live), self.max_running)
 
     @property
     def waiting(self) -> int:
         """Requests queued behind the running ones."""
-        return max(0, len(self._active) - self.max_running)
+        return max(0, len(self._live) - self.max_running)
+
+    @property
+    def held_tokens(self) -> int:
+        """KV tokens the running requests hold: what the engines' scheduler reports as used."""
+        return self.cache.locked_tokens
 
     @property
     def hit_rate(self) -> float:

@@ -38,6 +38,8 @@ def stream_truth(s: SimStream) -> dict[str, Any]:
         "ended_by_restart": s.ended,
         "resident": {medium: [hash_json(h) for h in resident]},
         "resident_tokens": {medium: s.cache.used_tokens},
+        "held_tokens": s.held_tokens,  # held by running requests: the scheduler's usage * capacity
+        "preempted_requests": s.preempted,
         "requests": s.requests,
         "prefix_cache_hit_rate": round(s.hit_rate, 6),
     }

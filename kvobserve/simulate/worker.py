@@ -18,7 +18,7 @@ from typing import Any
 import zmq
 
 from kvobserve.simulate.cache import PromptLibrary
-from kvobserve.simulate.config import WorkerConfig
+from kvobserve.simulate.config import SimConfig
 from kvobserve.simulate.encoders import replay_end, replay_frames
 from kvobserve.simulate.ranks import Endpoint, RankState
 from kvobserve.simulate.sidechannels import emit_side_channels
@@ -32,7 +32,7 @@ _port_rng = random.Random()  # free-port probing only; never part of the simulat
 class SimulatedWorker:
     """One simulated engine node; `start()`, `endpoints()`, `truth()`, `stop()`."""
 
-    def __init__(self, cfg: WorkerConfig) -> None:
+    def __init__(self, cfg: SimConfig) -> None:
         self.cfg = cfg.validate()
         self.fmt = cfg.wire
         self._topic = cfg.topic.encode()
@@ -46,6 +46,9 @@ class SimulatedWorker:
         self.replay_base = cfg.replay_port
         self.load_base = cfg.load_port
         self.http_port: int | None = None
+        # the other nodes of this worker in this process (SimulatorGroup links them): a vLLM
+        # head's API server reads their ranks, as the real one hears from every engine core
+        self.peers: list[SimulatedWorker] = []
         self._ctx: zmq.Context[Any] | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -145,6 +148,7 @@ class SimulatedWorker:
             st.router = routers[i] if routers else None
             st.load = loads[i] if loads else None
             st.mirror_of = mirror_src.get(r)
+            st.stall_at = c.faults.stall_after or math.inf
             label = c.faults.label_for(r)
             st.streams.append(self._new_stream(st, "primary", label))
             if r in c.faults.second_publisher:
@@ -162,7 +166,7 @@ class SimulatedWorker:
             self.stray = RankState(c.dp_size, self.kv_base + c.dp_size, None)
             self.stray.pub = pubs[-1]
             self.stray.streams.append(self._new_stream(self.stray, "stray", c.dp_size))
-        if c.http_port is not None:
+        if c.http_role is not None and c.http_port is not None:
             from kvobserve.simulate.http import SimHttpServer
 
             self._http = SimHttpServer(self, c.host, c.http_port)
@@ -248,8 +252,8 @@ class SimulatedWorker:
         f = c.faults
         if primary.kind != "primary" or not f.applies(st.rank):
             return
-        if f.stall_after and not st.stalled and primary.seq >= f.stall_after:
-            st.stalled = True
+        if primary.seq >= st.stall_at:
+            st.stall_at = st.stall_at + f.period if f.period else math.inf
             st.paused_until = now + f.stall_s
         if f.restart_every and primary.seq >= f.restart_every:
             self._restart(st, now)
@@ -261,6 +265,9 @@ class SimulatedWorker:
         st.past.append(old)
         st.restarts += 1
         st.streams[0] = self._new_stream(st, "primary", old.label)
+        f = self.cfg.faults
+        if f.period and f.stall_after:
+            st.stall_at = f.stall_after  # seq starts again at 0: so does the stall schedule
         for attr, port in (("pub", st.port), ("router", st.replay_port)):
             sock = getattr(st, attr)
             if sock is None or port is None:

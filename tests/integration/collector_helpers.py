@@ -17,7 +17,7 @@ import zmq
 
 from kvobserve.collector import Collector
 from kvobserve.config import Config, load_config
-from kvobserve.simulate import SimulatedWorker, WorkerConfig
+from kvobserve.simulate import SimConfig, SimulatedWorker
 from kvobserve.sources.kv_stream import IngestOptions
 from kvobserve.transport.local import LocalBus
 from kvobserve.wire.snapshot import Snapshot, StreamStats
@@ -93,7 +93,7 @@ def sim_collector_config(sim: SimulatedWorker, *, replay: bool = True, **kw: Any
 # --- simulated workers -------------------------------------------------------------------------
 
 
-def sim_config(fmt: str = "sglang-0.5.23", **kw: Any) -> WorkerConfig:
+def sim_config(fmt: str = "sglang-0.5.23", **kw: Any) -> SimConfig:
     """A fast, small simulated worker: 2 ranks, 1000 batches/s, no HTTP unless asked."""
     kw.setdefault("dp_size", 2)
     kw.setdefault("rate", 1000.0)
@@ -101,7 +101,7 @@ def sim_config(fmt: str = "sglang-0.5.23", **kw: Any) -> WorkerConfig:
     kw.setdefault("start_delay_s", 0.5)  # SUBs connect first (ZMQ slow joiner)
     kw.setdefault("http_port", None)
     kw.setdefault("prompts", 40)
-    return WorkerConfig(format=fmt, **kw)
+    return SimConfig(format=fmt, **kw)
 
 
 @dataclass
@@ -110,7 +110,7 @@ class Sims:
 
     started: list[SimulatedWorker] = field(default_factory=list)
 
-    def start(self, cfg: WorkerConfig) -> SimulatedWorker:
+    def start(self, cfg: SimConfig) -> SimulatedWorker:
         """Start (and remember) one worker."""
         w = SimulatedWorker(cfg).start()
         self.started.append(w)

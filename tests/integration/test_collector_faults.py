@@ -9,7 +9,7 @@ import time
 import pytest
 import zmq
 
-from kvobserve.simulate import FaultConfig, SimulatedWorker, WorkerConfig
+from kvobserve.simulate import FaultConfig, SimConfig, SimulatedWorker
 from tests.integration.collector_helpers import (
     Sims,
     all_streams,
@@ -27,7 +27,7 @@ from tests.integration.collector_helpers import (
 pytestmark = pytest.mark.integration
 
 
-def _restart_on_same_ports(sims: Sims, old: SimulatedWorker, cfg: WorkerConfig) -> SimulatedWorker:
+def _restart_on_same_ports(sims: Sims, old: SimulatedWorker, cfg: SimConfig) -> SimulatedWorker:
     """A new engine process on the old one's ports (retried while the OS releases them)."""
     end = time.monotonic() + 5.0
     while True:

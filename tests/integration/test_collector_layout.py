@@ -9,7 +9,7 @@ from contextlib import AsyncExitStack
 import pytest
 
 from kvobserve.analysis.fleet import FleetState
-from kvobserve.simulate import SimulatorGroup, WorkerConfig, nodes_of
+from kvobserve.simulate import SimConfig, SimulatorGroup, nodes_of
 from tests.integration.collector_helpers import (
     all_streams,
     collector_config,
@@ -28,7 +28,7 @@ DP_SIZE = 8
 @pytest.fixture
 def group(request: pytest.FixtureRequest) -> Iterator[SimulatorGroup]:
     fmt, nnodes = request.param
-    cfg = WorkerConfig(
+    cfg = SimConfig(
         format=fmt, dp_size=DP_SIZE, nnodes=nnodes, rate=1000.0, max_batches=30,
         start_delay_s=0.8, http_port=None, prompts=40,
     )  # fmt: skip

@@ -1,4 +1,4 @@
-"""Acceptance: the leader's scheduler stats match what the engine serves; usage = GPU tokens / capacity."""
+"""Acceptance: the leader's scheduler stats match what the engine serves (usage as it counts it)."""
 
 from __future__ import annotations
 
@@ -119,5 +119,7 @@ async def test_scheduler_stats_match_the_engine(fmt: str, source: str, sims: Sim
             assert gpu_tokens > 0
             assert sv.gpu_tokens == gpu_tokens
             assert sv.usage_ratio == gpu_tokens / st.max_total_tokens
-            # the engine's own usage is the same number: resident tokens / capacity
-            assert sv.usage_ratio == st.token_usage_ratio
+            # the engine's own usage leaves evictable cached pages out, as SGLang and vLLM do:
+            # tokens held by running requests / capacity, below the resident share
+            held = truth_instance(truth, r)["held_tokens"]
+            assert st.token_usage_ratio == held / st.max_total_tokens < sv.usage_ratio

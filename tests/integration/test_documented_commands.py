@@ -23,8 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from kvobserve.simulate import SimulatedWorker
-from kvobserve.simulate import WorkerConfig as SimConfig
+from kvobserve.simulate import SimConfig, SimulatedWorker
 from tests.certs import self_signed
 from tests.integration.conftest import NatsServer, free_port
 from tests.integration.fleet_helpers import ROOT, clean_env, write_toml

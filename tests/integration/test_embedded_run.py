@@ -19,7 +19,7 @@ import pytest
 from kvobserve.analysis.fleet import FleetView
 from kvobserve.commands.run import start_embedded
 from kvobserve.config import Config, load_config
-from kvobserve.simulate import FaultConfig, SimulatedWorker, WorkerConfig, nodes_of
+from kvobserve.simulate import FaultConfig, SimConfig, SimulatedWorker, nodes_of
 from kvobserve.simulate.profiles import PROFILES
 from kvobserve.simulate.truth import build_truth
 from tests.integration.conftest import eventually, free_port
@@ -29,11 +29,11 @@ pytestmark = pytest.mark.integration
 
 MAX_BATCHES = 100
 ENGINES = {
-    "sglang-dp2": WorkerConfig(
+    "sglang-dp2": SimConfig(
         worker_id="sglang-dp2", format="sglang-0.5.23", dp_size=2, topic="kv-events",
         rate=200.0, max_batches=MAX_BATCHES, start_delay_s=0.5, http_port=None, prompts=40,
     ),
-    "vllm-dp2": WorkerConfig(
+    "vllm-dp2": SimConfig(
         worker_id="vllm-dp2", format="vllm-0.33", dp_size=2, rate=200.0,
         max_batches=MAX_BATCHES, start_delay_s=0.5, http_port=None, prompts=40, seed=3,
     ),
@@ -346,7 +346,7 @@ async def _final_truth(
 async def test_fault_profile_matches_the_truth(profile: str, fmt: str) -> None:
     faults = PROFILES[profile]
     sim = SimulatedWorker(
-        WorkerConfig(
+        SimConfig(
             worker_id="w", format=fmt, dp_size=2, topic="kv-events" if fmt.startswith("sglang") else "",
             rate=PROFILE_RATE, max_batches=PROFILE_BATCHES, start_delay_s=0.5, http_port=None,
             prompts=40, seed=len(profile), faults=faults,

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvobserve.simulate import SimulatedWorker, WorkerConfig, nodes_of
+from kvobserve.simulate import SimConfig, SimulatedWorker, nodes_of
 from tests.integration.conftest import NatsServer, free_port
 from tests.integration.fleet_helpers import Procs, Scrape, poll, scrape, write_toml
 
@@ -25,7 +25,7 @@ INTERVAL = 0.5
 RATE = 40.0  # batches/s per rank: the engines still publish when NATS restarts
 MAX_BATCHES = 300
 CLUSTER = "fleet"
-SGLANG = WorkerConfig(
+SGLANG = SimConfig(
     worker_id="sglang-dp8", format="sglang-0.5.23", dp_size=8, nnodes=3, dp_attention=True,
     topic="kv-events", rate=RATE, max_batches=MAX_BATCHES, start_delay_s=1.0, http_port=None,
     prompts=40, seed=1,
@@ -47,7 +47,7 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
 class Engines:
     """Per worker, the node configs (ports resolved once); the engines started from them."""
 
-    plan: list[list[WorkerConfig]]
+    plan: list[list[SimConfig]]
     started: list[SimulatedWorker] = dataclasses.field(default_factory=list)
 
     def start(self) -> None:
@@ -74,7 +74,7 @@ def engines() -> Iterator[Engines]:
 
 
 def _collector_toml(
-    path: Path, cid: str, node_rank: int, listen: str, nats: str, plan: list[list[WorkerConfig]]
+    path: Path, cid: str, node_rank: int, listen: str, nats: str, plan: list[list[SimConfig]]
 ) -> Path:
     workers: list[dict[str, Any]] = []
     for nodes in plan:

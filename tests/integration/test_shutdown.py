@@ -173,12 +173,12 @@ def child_main() -> None:
     """Start and stop each object; print {object: leftovers} as JSON."""
     from kvobserve.commands.run import start_embedded
     from kvobserve.config import load_config
-    from kvobserve.simulate import SimulatedWorker, WorkerConfig
+    from kvobserve.simulate import SimConfig, SimulatedWorker
     from kvobserve.sources.kv_stream import IngestLoop, StreamSpec
 
     report: dict[str, Any] = {}
     b = _baseline()
-    sim = SimulatedWorker(WorkerConfig(format="sglang-0.5.23", dp_size=2, load_port=0, rate=200))
+    sim = SimulatedWorker(SimConfig(format="sglang-0.5.23", dp_size=2, load_port=0, rate=200))
     sim.start()
     assert len(listening_ports() - b[2]) == 7  # 2 PUB, 2 ROUTER, 2 load PUB, HTTP
     sim.stop()

@@ -82,3 +82,19 @@ def test_cli_bad_flag_names_the_field() -> None:
     )  # fmt: skip
     assert proc.returncode == 2
     assert "format" in proc.stderr and "sglang-9.9" in proc.stderr
+
+
+def test_cli_all_nodes_on_their_own_hosts() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvobserve", "simulate", "--format", "sglang-0.5.22", "--dp-size",
+         "4", "--nnodes", "2", "--all-nodes", "--node-hosts", "127.0.0.1,127.0.0.2",
+         "--duration", "0.2"],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    eps = [_parse(line) for line in proc.stdout.splitlines() if line.startswith("endpoint ")]
+    kv = {e["dp_rank"]: e["url"].rsplit(":", 1)[0] for e in eps if e["kind"] == "kv"}
+    assert kv == {"0": "tcp://127.0.0.1", "1": "tcp://127.0.0.1",
+                  "2": "tcp://127.0.0.2", "3": "tcp://127.0.0.2"}  # fmt: skip
+    assert [e["url"].rsplit(":", 1)[0] for e in eps if e["kind"] == "http"] == ["http://127.0.0.1"]
+    assert "ready workers=2" in proc.stdout

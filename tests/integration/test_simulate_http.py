@@ -14,7 +14,7 @@ import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvobserve.simulate import SimulatedWorker, WorkerConfig
+from kvobserve.simulate import SimConfig, SimulatedWorker
 
 pytestmark = pytest.mark.integration
 
@@ -52,8 +52,8 @@ async def test_sglang_metrics_discovery_and_side_channels(ctx: zmq.Context[Any])
     pull.setsockopt(zmq.LINGER, 0)
     kv_metrics = f"tcp://127.0.0.1:{_free_port()}"
     pull.bind(kv_metrics)  # the consumer binds; the engine's PUSH connects
-    cfg = WorkerConfig(format="sglang-0.5.23", topic="kv-events", rate=200, capacity_tokens=4096,
-                       load_port=0, kv_metrics_endpoint=kv_metrics, side_interval_s=0.05)  # fmt: skip
+    cfg = SimConfig(format="sglang-0.5.23", topic="kv-events", rate=200, capacity_tokens=4096,
+                    load_port=0, kv_metrics_endpoint=kv_metrics, side_interval_s=0.05)  # fmt: skip
     w = SimulatedWorker(cfg).start()
     try:
         base = f"http://127.0.0.1:{w.http_port}"
@@ -77,11 +77,15 @@ async def test_sglang_metrics_discovery_and_side_channels(ctx: zmq.Context[Any])
             "kv-events",
             w.load_base,
         )
-        eps = {e.dp_rank: e.url for e in w.endpoints() if e.kind == "kv"}
-        assert [(x["dp_rank"], x["endpoint"]) for x in info["kv_event_sources"]] == sorted(
-            eps.items()
-        )
+        assert "kv_event_sources" not in info  # only in gRPC mode (grpc_port)
         assert (await _get(f"{base}/kv_event_sources"))[0] == 404
+        end = time.monotonic() + 5
+        while not all(s[("sglang:num_used_tokens", r)] for r in ("0", "1")):  # requests running
+            assert time.monotonic() < end, "no running request holds a page"
+            s = _samples((await _get(f"{base}/metrics"))[1])
+        for r in ("0", "1"):  # usage = tokens held by running requests / capacity
+            used = s[("sglang:num_used_tokens", r)]
+            assert 0 < used <= 4096 and s[("sglang:token_usage", r)] == used / 4096
 
         load = ctx.socket(zmq.SUB)
         load.setsockopt(zmq.LINGER, 0)
@@ -108,7 +112,7 @@ async def test_sglang_metrics_discovery_and_side_channels(ctx: zmq.Context[Any])
 
 
 async def test_vllm_metrics_and_kv_event_sources() -> None:
-    w = SimulatedWorker(WorkerConfig(format="vllm-0.33", topic="kv-events", rate=100)).start()
+    w = SimulatedWorker(SimConfig(format="vllm-0.33", topic="kv-events", rate=100)).start()
     try:
         base = f"http://127.0.0.1:{w.http_port}"
         s = _samples((await _get(f"{base}/metrics"))[1])
@@ -121,8 +125,10 @@ async def test_vllm_metrics_and_kv_event_sources() -> None:
         status, text = await _get(f"{base}/kv_event_sources")
         sources = json.loads(text)
         assert status == 200 and sorted(sources) == ["0", "1"]
-        assert sources["1"]["endpoint"] == f"tcp://127.0.0.1:{w.kv_base + 1}"
-        assert sources["1"]["replay_endpoint"] == f"tcp://127.0.0.1:{(w.replay_base or 0) + 1}"
+        # the configured endpoint offset by the rank: the wildcard stays a wildcard
+        assert sources["1"]["endpoint"] == f"tcp://*:{w.kv_base + 1}"
+        assert sources["1"]["replay_endpoint"] == f"tcp://*:{(w.replay_base or 0) + 1}"
+        assert "block_size" not in sources["1"]
         assert sources["0"]["topic"] == "kv-events"
         assert (await _get(f"{base}/server_info"))[0] == 404
     finally:

@@ -9,7 +9,7 @@ import pytest
 import zmq
 
 from kvobserve.analysis.blocks import BlockIndex
-from kvobserve.simulate import FaultConfig, SimulatedWorker, SimulatorGroup, WorkerConfig, nodes_of
+from kvobserve.simulate import FaultConfig, SimConfig, SimulatedWorker, SimulatorGroup, nodes_of
 from kvobserve.wire.errors import WireError
 from kvobserve.wire.kv_events import END_SEQ, KvBatch, decode_message, decode_payload
 
@@ -82,8 +82,8 @@ def wait_until(cond: Callable[[], bool], deadline_s: float = 8.0) -> None:
 
 
 def test_batches_decode_and_truth_matches_block_index(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
-    cfg = WorkerConfig(format="sglang-0.5.23", topic="kv-events", rate=400, max_batches=150,
-                       capacity_tokens=1024, flush_every=60, http_port=None, start_delay_s=0.3)  # fmt: skip
+    cfg = SimConfig(format="sglang-0.5.23", topic="kv-events", rate=400, max_batches=150,
+                    capacity_tokens=1024, flush_every=60, http_port=None, start_delay_s=0.3)  # fmt: skip
     with SimulatedWorker(cfg) as w:
         live = collect(ctx, url(w, "kv", 1), lambda m: len(m) >= 20)
         for _, frames in live:
@@ -109,8 +109,8 @@ def test_wire_faults_appear_as_specified(ctx: zmq.Context[zmq.Socket[bytes]]) ->
         malformed_seqs=frozenset({10}), second_publisher=(1,), mirror=((1, 2),),
         wrong_rank=((3, 7),), stray_publisher=True,
     )  # fmt: skip
-    cfg = WorkerConfig(format="vllm-0.23", dp_size=4, rate=200, max_batches=30, http_port=None,
-                       start_delay_s=0.4, faults=faults)  # fmt: skip
+    cfg = SimConfig(format="vllm-0.23", dp_size=4, rate=200, max_batches=30, http_port=None,
+                    start_delay_s=0.4, faults=faults)  # fmt: skip
     with SimulatedWorker(cfg) as w:
         stray = next(e for e in w.endpoints() if e.kind == "stray")
         assert stray.url.endswith(f":{w.kv_base + 4}")
@@ -168,8 +168,8 @@ def test_restart_and_stall(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
     faults = FaultConfig(
         ranks=(0,), restart_every=12, restart_pause_s=0.4, stall_after=6, stall_s=0.8
     )
-    cfg = WorkerConfig(format="sglang-0.5.12", dp_size=1, rate=100, http_port=None,
-                       start_delay_s=0.3, faults=faults)  # fmt: skip
+    cfg = SimConfig(format="sglang-0.5.12", dp_size=1, rate=100, http_port=None,
+                    start_delay_s=0.3, faults=faults)  # fmt: skip
     with SimulatedWorker(cfg) as w:
         msgs = collect(ctx, url(w, "kv", 0), lambda m: seqs_of(m)[-3:] == [0, 1, 2] and len(m) > 5)
         seqs = seqs_of(msgs)
@@ -183,8 +183,31 @@ def test_restart_and_stall(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
         assert truth["instances"][0]["ended_by_restart"] and truth["instances"][0]["batches"] == 12
 
 
+def test_periodic_stall_repeats_in_every_publisher_instance(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    faults = FaultConfig(ranks=(0,), stall_after=5, stall_s=0.4, period=15, restart_every=30,
+                         restart_pause_s=0.2)  # fmt: skip
+    cfg = SimConfig(format="sglang-0.5.23", dp_size=1, rate=100, http_port=None,
+                    start_delay_s=0.3, faults=faults)  # fmt: skip
+
+    def second_instance_past_21(m: list[Msg]) -> bool:
+        s = seqs_of(m)
+        return 0 in s[1:] and s[-1] >= 21 and s.index(0, 1) < len(s) - 1
+
+    with SimulatedWorker(cfg) as w:
+        msgs = collect(ctx, url(w, "kv", 0), second_instance_past_21, deadline_s=10.0)
+    seqs = seqs_of(msgs)
+    restart = next(i for i in range(1, len(seqs)) if seqs[i] == 0)
+    for part in (msgs[:restart], msgs[restart:]):  # the instance seen from its start, and the next
+        times = {int.from_bytes(f[1], "big"): t for t, f in part}
+        long_pauses = {s for s in times if s - 1 in times and times[s] - times[s - 1] >= 0.3}
+        assert {5, 20} & set(times) <= long_pauses  # a stall before seq 5 and 20: every period
+        assert long_pauses <= {5, 20}
+
+
 def test_multi_node_layout_and_pure_dp_collision(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
-    nodes = nodes_of(WorkerConfig(format="sglang-0.5.19", dp_size=3, nnodes=2, http_port=None))
+    nodes = nodes_of(SimConfig(format="sglang-0.5.19", dp_size=3, nnodes=2, http_port=None))
     with SimulatorGroup(nodes) as g:
         kv = sorted((e.dp_rank, e.url) for e in g.endpoints() if e.kind == "kv")
         base = g.workers[0].kv_base
@@ -192,7 +215,7 @@ def test_multi_node_layout_and_pure_dp_collision(ctx: zmq.Context[zmq.Socket[byt
         assert [[st.rank for st in w.ranks] for w in g.workers] == [[0, 1], [2]]
         msgs = collect(ctx, kv[2][1], lambda m: len(m) >= 2)
         assert {decode_message(f).dp_rank for _, f in msgs} == {2}
-    old = WorkerConfig(format="sglang-0.5.12", dp_size=2, dp_attention=False, http_port=None)
+    old = SimConfig(format="sglang-0.5.12", dp_size=2, dp_attention=False, http_port=None)
     with SimulatedWorker(old) as w:
         kinds = [(e.kind, e.dp_rank) for e in w.endpoints()]
         assert ("kv", 0) in kinds and ("kv", 1) not in kinds and ("bind_failed", None) in kinds
