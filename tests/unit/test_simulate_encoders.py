@@ -19,7 +19,8 @@ from kvobserve.simulate.encoders import (
     replay_frames,
 )
 from kvobserve.simulate.sidechannels import KvMetrics, LoadStat, encode_kv_metrics, encode_load
-from kvobserve.wire.kv_events import batch_to_dict, decode_message, decode_payload
+from kvobserve.wire.kv_events import decode_message, decode_payload
+from kvobserve.wire.kv_view import batch_to_dict
 
 CAPTURES = Path(__file__).resolve().parents[1] / "fixtures" / "engine-captures"
 FOLDER_FORMAT = {
