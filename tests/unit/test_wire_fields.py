@@ -242,7 +242,7 @@ def test_unknown_event_tags_are_counted_skipped_and_shown(unknown: Any) -> None:
     assert got[2] == {"type": "AllBlocksCleared", "unknown_fields": {"future": 1}}
 
 
-def _side(kind: str, group: int, spec: str | None) -> dict[str, Any]:
+def _side(kind: str, group: int, spec: Any) -> dict[str, Any]:
     ev: dict[str, Any] = {"type": kind, "block_hashes": [H1], "medium": "GPU", "group_idx": group}
     if kind == "BlockStored":
         ev |= {"parent_block_hash": None, "token_ids": TOKENS[:16], "block_size": 16}
