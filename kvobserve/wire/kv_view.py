@@ -124,11 +124,13 @@ def _named_fields(tag: str, values: list[Any]) -> tuple[dict[Any, Any], list[Any
     return fields, values[_SGLANG_META_AT + 1 :]
 
 
-def _in_main_group(fields: dict[Any, Any]) -> bool:
-    """kv_events.in_main_group on a field dict."""
+def _in_main_group(tag: str, fields: dict[Any, Any]) -> bool:
+    """kv_events.in_main_group on a field dict, with the fields the hot path reads for `tag`."""
+    if tag == "AllBlocksCleared":
+        return True
     if fields.get("group_idx"):
         return False
-    kind = fields.get("kv_cache_spec_kind")
+    kind = fields.get("kv_cache_spec_kind") if tag == "BlockStored" else None
     return kind is None or kind in MAIN_KV_CACHE_SPEC_KINDS
 
 
@@ -165,7 +167,7 @@ def event_view(ev: list[Any] | dict[Any, Any], token_ids: bool = False) -> dict[
     for name in _OPTIONAL[tag]:
         if fields.get(name) is not None:
             out[name] = to_json(fields[name])
-    if not _in_main_group(fields):
+    if not _in_main_group(tag, fields):
         out["other_group"] = True
     if token_ids and tag == "BlockStored":
         out["token_ids"] = to_json(tokens if tokens is not None else [])

@@ -293,3 +293,23 @@ def test_a_bad_group_is_still_a_schema_error() -> None:
         with pytest.raises(WireError) as info:
             decode(payload(bad))
         assert info.value.reason == "schema"
+
+
+def test_group_keys_on_events_that_have_none_change_nothing() -> None:
+    # the hot path reads group_idx on stores and removes, kv_cache_spec_kind on stores only
+    cleared = {"type": "AllBlocksCleared", "group_idx": 3, "kv_cache_spec_kind": [1]}
+    removed = {"type": "BlockRemoved", "block_hashes": [H1], "kv_cache_spec_kind": [1]}
+    p = payload(cleared, removed)
+    batch = decode(p)
+    assert len(batch.events) == 2 and batch.other_group_events == 0
+    got = view_events(p)
+    assert got[0] == {
+        "type": "AllBlocksCleared",
+        "unknown_fields": {"group_idx": 3, "kv_cache_spec_kind": [1]},
+    }
+    assert got[1] == {
+        "type": "BlockRemoved",
+        "block_hashes": [H1],
+        "medium": None,
+        "unknown_fields": {"kv_cache_spec_kind": [1]},
+    }
