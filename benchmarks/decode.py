@@ -1,9 +1,12 @@
 """Decode throughput of kvobserve's KV-event decoder beside a bare msgspec decode of the same bytes.
 
 Run: `python -m benchmarks.decode`. Batches of 1 and of 32 events, each event a BlockStored with
-16 block hashes and 256 token ids, in the array form (SGLang <= 0.5.19, vLLM <= 0.23) and the map
-form (SGLang >= 0.5.20, vLLM >= 0.24). Both decoders run in the same process, interleaved, and
-the figure is the median of several repetitions. Ratio = ours / bare (> 1: ours is faster).
+16 block hashes and 256 token ids, in the array form (SGLang <= 0.5.19, vLLM <= 0.23), the map
+form (SGLang >= 0.5.20, vLLM >= 0.24), `v33` (maps with every field vLLM 0.33 sends set: group,
+KV-cache spec kind, locality, session id, lookahead token ids) and `hybrid` (v33 maps of a hybrid
+model: every other event belongs to a sliding-window KV-cache group, which the decoder sets
+aside). Both decoders run in the same process, interleaved, and the figure is the median of
+several repetitions. Ratio = ours / bare (> 1: ours is faster).
 """
 
 from __future__ import annotations
@@ -32,18 +35,27 @@ def build_payload(n_events: int, form: str, rng: random.Random) -> bytes:
         parent = rng.getrandbits(64) - (1 << 63)
         if form == "array":
             events.append(["BlockStored", hashes, parent, tokens, 16, None, "GPU"])
-        else:
-            events.append(
-                {
-                    "type": "BlockStored",
-                    "block_hashes": hashes,
-                    "parent_block_hash": parent,
-                    "token_ids": tokens,
-                    "block_size": 16,
-                    "lora_id": None,
-                    "medium": "GPU",
-                }
-            )
+            continue
+        ev: dict[str, Any] = {
+            "type": "BlockStored",
+            "block_hashes": hashes,
+            "parent_block_hash": parent,
+            "token_ids": tokens,
+            "block_size": 16,
+            "lora_id": None,
+            "medium": "GPU",
+        }
+        if form in ("v33", "hybrid"):
+            side = form == "hybrid" and len(events) % 2 == 1
+            ev["lora_name"] = None
+            ev["group_idx"] = 1 if side else 0
+            ev["kv_cache_spec_kind"] = "sliding_window" if side else "full_attention"
+            if side:
+                ev["kv_cache_spec_sliding_window"] = 1024
+            ev["locality"] = "LOCAL"
+            ev["session_id"] = f"session-{rng.randrange(1000)}"
+            ev["lookahead_token_ids"] = [[t] for t in tokens[16::16]] + [[]]
+        events.append(ev)
     return msgspec.msgpack.encode([1_795_291_773.46, events, 0])
 
 
@@ -87,11 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     header += f" | {'bare batch/s':>12} {'bare hash/s':>12} | ratio"
     print(header)
     print("-" * len(header))
-    for form in ("array", "map"):
-        for n_events in (1, 32):
+    for form in ("array", "map", "v33", "hybrid"):
+        for n_events in (1, 32) if form != "hybrid" else (32,):
             payload = build_payload(n_events, form, rng)
             batch = decode_payload("kv-events", 0, payload)
-            assert len(batch.events) == n_events and batch.unknown_events == 0
+            kept = n_events // 2 if form == "hybrid" else n_events
+            assert batch.unknown_events == 0
+            assert len(batch.events) in (kept, n_events)  # n_events: a decoder without groups
             ours, bare = measure(payload, args.budget, args.repeats)
             per = n_events * HASHES_PER_EVENT
             print(

@@ -4,8 +4,8 @@ Run: `make fuzz` (FUZZ_RUNS inputs, default 1,000,000), or
 `.venv/bin/python fuzz/fuzz_wire.py -atheris_runs=N [CORPUS_DIR ...]` (libFuzzer flags pass through).
 
 One input = a selector byte (which decoder) + the message; multi-frame decoders split the rest on
-SEP into ZMQ frames. Batches that decode also go through `batch_to_dict` (what `tap` prints) and
-a BlockIndex (what the collector does), which must not raise at all. Without a corpus directory
+SEP into ZMQ frames. Batches that decode also go through `batch_to_dict`, `batch_view` (what `tap`
+prints) and a BlockIndex (what the collector does), which must not raise at all. Without a corpus directory
 on the command line, a temporary one is seeded from tests/fixtures/engine-captures (every live,
 replay, load, kv_metrics and forward-pass frame), KvMetrics pickles and an encoded snapshot.
 """
@@ -27,7 +27,8 @@ import atheris
 with atheris.instrument_imports(include=["kvobserve"]):
     from kvobserve.analysis.blocks import BlockIndex
     from kvobserve.wire.errors import REASONS, WireError
-    from kvobserve.wire.kv_events import KvBatch, batch_to_dict, decode_message, decode_payload
+    from kvobserve.wire.kv_events import KvBatch, decode_message, decode_payload
+    from kvobserve.wire.kv_view import batch_to_dict, batch_view
     from kvobserve.wire.replay import decode_replay_message
     from kvobserve.wire.scheduler import (
         decode_forward_pass_message,
@@ -50,24 +51,25 @@ CAPTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "engine-
 SEP = b"\xfe\xed\xfa\xce"  # frame separator inside one fuzz input
 
 
-def _check_batch(batch: KvBatch | None) -> None:
+def _check_batch(batch: KvBatch | None, payload: bytes) -> None:
     """What tap and the collector do with a decoded batch: only WireError may come out."""
     if batch is None:
         return
     json.dumps(batch_to_dict(batch, token_ids=True))  # lazily decoded fields: WireError only
+    json.dumps(batch_view(batch, payload, token_ids=True))
     BlockIndex().apply_batch(batch)
 
 
 def _kv_message(frames: list[bytes], body: bytes) -> None:
-    _check_batch(decode_message(frames))
+    _check_batch(decode_message(frames), frames[-1] if frames else b"")
 
 
 def _kv_payload(frames: list[bytes], body: bytes) -> None:
-    _check_batch(decode_payload("kv-events", 0, body))
+    _check_batch(decode_payload("kv-events", 0, body), body)
 
 
 def _replay(frames: list[bytes], body: bytes) -> None:
-    _check_batch(decode_replay_message(frames, "kv-events"))
+    _check_batch(decode_replay_message(frames, "kv-events"), frames[-1] if frames else b"")
 
 
 # selector byte % len(TARGETS) picks the decoder; order is part of the corpus format

@@ -108,6 +108,7 @@ class BlockIndex:
         self.tier_clears_total = 0  # one-medium clears (Dynamo TierCleared)
         self.stored_events_total = 0
         self.removed_events_total = 0
+        self.other_group_events_total = 0  # vLLM side KV-cache groups: set aside by the decoder
 
     def _tier(self, medium: str | None) -> _Tier | None:
         name = medium or DEFAULT_MEDIUM
@@ -123,6 +124,8 @@ class BlockIndex:
         """Apply all events of `batch` in order; the batch ts is the time of every event."""
         ts = batch.ts  # one float object, shared by every block this batch stores
         tiers = self._tiers
+        if batch.other_group_events:
+            self.other_group_events_total += batch.other_group_events
         for ev in batch.events:
             # the class's `kind` tells the three apart with one lookup instead of isinstance()s
             kind = ev.kind
@@ -279,9 +282,13 @@ class BlockIndex:
 
     @property
     def events_total(self) -> dict[str, int]:
-        """Events applied by type (`stored`, `removed`, `cleared`), for kvobserve_kv_events_total."""
-        return {
+        """Events by type for kvobserve_kv_events_total: `stored`, `removed`, `cleared` applied,
+        and `other_group` set aside (only once there was one: vLLM hybrid models)."""
+        out = {
             "stored": self.stored_events_total,
             "removed": self.removed_events_total,
             "cleared": self.clears_total + self.tier_clears_total,
         }
+        if self.other_group_events_total:
+            out["other_group"] = self.other_group_events_total
+        return out

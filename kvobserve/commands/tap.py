@@ -17,7 +17,8 @@ from typing import IO, Any
 import zmq
 
 from kvobserve.wire.errors import WireError
-from kvobserve.wire.kv_events import DEFAULT_MAX_PAYLOAD, KvBatch, batch_to_dict, decode_message
+from kvobserve.wire.kv_events import DEFAULT_MAX_PAYLOAD, KvBatch, decode_message
+from kvobserve.wire.kv_view import batch_view
 from kvobserve.wire.replay import decode_replay_message, encode_replay_request, is_end_marker
 
 EXIT_USAGE = 2
@@ -121,8 +122,9 @@ class _Tap:
                 batch = decode_replay_message(frames, topic, self.max_payload)
             else:
                 batch = decode_message(frames, self.max_payload)
-            # lazily decoded fields (lora_name, token ids) can fail here too
-            text = None if batch is None else json.dumps(batch_to_dict(batch, self.token_ids))
+            # the view decodes every field the hot path skipped: it can fail here too
+            view = None if batch is None else batch_view(batch, frames[-1], self.token_ids)
+            text = None if view is None else json.dumps(view)
         except WireError as exc:
             err = {"error": exc.reason, "detail": str(exc), "source": source, "at": where}
             sys.stderr.write(json.dumps(err) + "\n")

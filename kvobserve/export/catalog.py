@@ -50,7 +50,7 @@ CATALOG: tuple[MetricDef, ...] = (
        "1 while the stream is connected, healthy and its collector reports; 0 otherwise.", stale=True),
     _d("kvobserve_kv_event_batches_total", "counter", STREAM, "KV-event batches applied."),
     _d("kvobserve_kv_events_total", "counter", (*STREAM, "type"),
-       "KV events applied, by type (stored, removed, cleared)."),
+       "KV events by type: stored, removed, cleared (applied); other_group (vLLM side KV-cache groups, set aside)."),
     # per stream and medium: the block index
     _d("kvobserve_kv_blocks", "gauge", BLOCK, "Resident blocks in the stream's block index."),
     _d("kvobserve_kv_tokens", "gauge", BLOCK, "Resident tokens (blocks x block size)."),

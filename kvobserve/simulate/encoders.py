@@ -1,22 +1,33 @@
-"""Byte-exact KV-event encoders, one set of msgspec structs per engine wire format.
-
-Each struct set mirrors the field list and struct flags of that engine version as documented in
-research/wire-formats.md and the capture README, so msgspec writes the same bytes the engine does:
-tagged arrays with trailing nils (array_like ignores omit_defaults), fixmap with omitted None fields
-(SGLang 0.5.23), and map16 headers for vLLM 0.33 (msgspec sizes the header for the 16 declared keys).
-"""
+"""Byte-exact KV-event encoders: one WireFormat per engine wire format, over the structs of
+`wire_structs.py`, plus the request metadata each version sends (`WireFormat.request_meta`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from msgspec import Struct
 
-Hash = int | bytes
-TokenIds = list[Any]  # ints, or [a, b] bigram pairs
+from kvobserve.simulate.wire_structs import (
+    Batch,
+    CacheSaltMeta,
+    ClearedArr,
+    ClearedMap,
+    Hash,
+    Removed2,
+    Removed3,
+    RemovedS23,
+    RemovedV23,
+    RemovedV33,
+    Stored6,
+    Stored7,
+    Stored8Salt,
+    StoredS23,
+    StoredV23,
+    StoredV33,
+    TokenIds,
+)
 
 END_SEQ = b"\xff" * 8
 SGLANG_047_ROOT_PARENT = (
@@ -24,156 +35,36 @@ SGLANG_047_ROOT_PARENT = (
 )
 
 
-class Batch(Struct, array_like=True, gc=False):
-    """`[ts, events, dp_rank]` as every version sends it (omit_defaults would be ignored anyway)."""
+@dataclass(frozen=True)
+class StoreMeta:
+    """Optional metadata on a store; each format keeps only the fields it has (`meta_fields`)."""
 
-    ts: float
-    events: list[Any]
-    dp_rank: int | None = None
-
-
-# --- SGLang 0.4.7 and vLLM 0.10: 6-element tagged arrays --------------------------------------
-
-
-class _Stored6(Struct, array_like=True, tag="BlockStored", gc=False):
-    block_hashes: list[Hash]
-    parent_block_hash: Hash | None
-    token_ids: TokenIds
-    block_size: int
     lora_id: int | None = None
-
-
-class _Removed2(Struct, array_like=True, tag="BlockRemoved", gc=False):
-    block_hashes: list[Hash]
-
-
-class _ClearedArr(Struct, array_like=True, tag="AllBlocksCleared", gc=False):
-    pass
-
-
-# --- SGLang 0.5.12 (0.5.10-0.5.16) and 0.5.19 (0.5.18-0.5.19): + medium -----------------------
-
-
-class _Stored7(Struct, array_like=True, tag="BlockStored", gc=False):
-    block_hashes: list[Hash]
-    parent_block_hash: Hash | None
-    token_ids: TokenIds
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = None
-
-
-class _CacheSaltMeta(Struct, omit_defaults=True, gc=False):
-    cache_salt: str | None = None
-
-
-class _Stored8Salt(Struct, array_like=True, tag="BlockStored", gc=False):
-    """SGLang 0.5.18/19 `BlockStoredWithMetadata`: element 7 is a `{"cache_salt": ...}` map."""
-
-    block_hashes: list[Hash]
-    parent_block_hash: Hash | None
-    token_ids: TokenIds
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    metadata: _CacheSaltMeta
-
-
-class _Removed3(Struct, array_like=True, tag="BlockRemoved", gc=False):
-    block_hashes: list[Hash]
-    medium: str | None = None
-
-
-# --- SGLang 0.5.23 (0.5.20+): tagged map, None optionals omitted --------------------------------
-
-
-class _StoredS23(Struct, omit_defaults=True, tag_field="type", tag="BlockStored", gc=False):
-    block_hashes: list[Hash]
-    parent_block_hash: Hash | None
-    token_ids: TokenIds
-    block_size: int
-    lora_id: int | None
-    medium: str | None = None
-    cache_salt: str | None = None
-    session_id: str | None = None
     lora_name: str | None = None
-
-
-class _RemovedS23(Struct, omit_defaults=True, tag_field="type", tag="BlockRemoved", gc=False):
-    block_hashes: list[Hash]
-    medium: str | None = None
-
-
-class _ClearedMap(Struct, omit_defaults=True, tag_field="type", tag="AllBlocksCleared", gc=False):
-    pass
-
-
-# --- vLLM 0.23 (0.22-0.23): 12-element tagged arrays ------------------------------------------
-
-
-class _StoredV23(Struct, array_like=True, tag="BlockStored", gc=False):
-    block_hashes: list[Hash]
-    parent_block_hash: Hash | None
-    token_ids: TokenIds
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-
-
-class _RemovedV23(Struct, array_like=True, tag="BlockRemoved", gc=False):
-    block_hashes: list[Hash]
-    medium: str | None
-    group_idx: int | None = None
-
-
-# --- vLLM 0.33: tagged map, 16 declared keys -> map16 header -----------------------------------
-
-
-class _StoredV33(Struct, omit_defaults=True, tag_field="type", tag="BlockStored", gc=False):
-    block_hashes: list[Hash]
-    parent_block_hash: Hash | None
-    token_ids: TokenIds
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
+    cache_salt: str | None = None
     session_id: str | None = None
-    lookahead_token_ids: list[int] | None = None
-
-
-class _RemovedV33(Struct, omit_defaults=True, tag_field="type", tag="BlockRemoved", gc=False):
-    block_hashes: list[Hash]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
+    extra_keys: list[Any] | None = None  # vLLM: one entry per block hash
+    lookahead_token_ids: list[list[int]] | None = None  # vLLM 0.33: one list per block hash
+    locality: str | None = None  # vLLM >= 0.27: "LOCAL" | "REMOTE"
+    ownership: str | None = None  # vLLM >= 0.29: the offloading tier that made the event
+    group_idx: int | None = None  # vLLM >= 0.21: None means the format's default group
+    kv_cache_spec_kind: str | None = None  # vLLM >= 0.22
+    kv_cache_spec_sliding_window: int | None = None
 
 
 @dataclass(frozen=True)
-class StoreMeta:
-    """Optional request metadata on a store; each format keeps only the fields it has."""
+class RemoveMeta:
+    """Optional metadata on a removal (vLLM only)."""
 
-    lora_id: int | None = None
-    lora_name: str | None = None
-    cache_salt: str | None = None
-    session_id: str | None = None
-    extra_keys: list[Any] | None = None
+    group_idx: int | None = None  # None means the format's default group
+    locality: str | None = None
+    ownership: str | None = None
 
 
 _NO_META = StoreMeta()
+_NO_REMOVE_META = RemoveMeta()
 StoreFn = Callable[[list[Hash], Hash | None, TokenIds, int, str | None, StoreMeta], Any]
-RemoveFn = Callable[[list[Hash], str | None], Any]
+RemoveFn = Callable[[list[Hash], str | None, RemoveMeta], Any]
 
 
 @dataclass(frozen=True)
@@ -193,6 +84,7 @@ class WireFormat:
     make_removed: RemoveFn
     cleared: Any
     version: tuple[int, int]
+    meta_fields: frozenset[str]  # the request metadata this version sends (see request_meta)
 
     def stored(
         self,
@@ -206,9 +98,49 @@ class WireFormat:
         """A BlockStored struct of this version (medium dropped where the version has none)."""
         return self.make_stored(hashes, parent, token_ids, block_size, medium, meta)
 
-    def removed(self, hashes: list[Hash], medium: str | None = "GPU") -> Any:
+    def removed(
+        self, hashes: list[Hash], medium: str | None = "GPU", meta: RemoveMeta = _NO_REMOVE_META
+    ) -> Any:
         """A BlockRemoved struct of this version."""
-        return self.make_removed(hashes, medium)
+        return self.make_removed(hashes, medium, meta)
+
+    def request_meta(self, n: int, tokens: Sequence[Any], block_size: int) -> StoreMeta:
+        """The metadata request number `n` carries: fixed shares, no random draws (so the
+        workload stays the same), only the fields this version sends. vLLM's per-block fields
+        are built for the full blocks of `tokens`."""
+        fields = self.meta_fields
+        session = f"session-{n // 3 % 64}" if n % 3 == 0 and "session_id" in fields else None
+        salt = f"tenant-salt-{n // 5 % 4}" if n % 5 == 0 else None
+        lora = n % 7 == 0
+        lookahead = n % 11 == 0 and "lookahead_token_ids" in fields
+        if not (session or salt or lora or lookahead):
+            return _NO_META
+        if self.engine == "sglang":
+            return StoreMeta(
+                cache_salt=salt if "cache_salt" in fields else None,
+                session_id=session,
+                lora_name="sql-lora" if lora and "lora_name" in fields else None,
+            )
+        n_blocks = len(tokens) // block_size if block_size else 0
+        extra_keys = None
+        if "extra_keys" in fields and (lora or salt):
+            # vLLM: the LoRA name on every block, the cache salt on the first one only
+            extra_keys = [["sql-lora"] if lora else None for _ in range(n_blocks)]
+            if salt and n_blocks:
+                extra_keys[0] = [*(extra_keys[0] or []), salt]
+        return StoreMeta(
+            lora_id=1 if lora else None,
+            lora_name="sql-lora" if lora and "lora_name" in fields else None,
+            session_id=session,
+            extra_keys=extra_keys,
+            # the token after each block (none after the last one)
+            lookahead_token_ids=[
+                list(tokens[(i + 1) * block_size : (i + 1) * block_size + 1])
+                for i in range(n_blocks)
+            ]
+            if lookahead
+            else None,
+        )
 
     def wire_medium(self, medium: str | None) -> str | None:
         """The medium as this version puts it on the wire (None where it has no field)."""
@@ -226,33 +158,62 @@ def encode_batch(ts: float, events: list[Any], dp_rank: int | None) -> bytes:
 def _s_arr6(
     h: list[Hash], p: Hash | None, t: TokenIds, bs: int, m: str | None, x: StoreMeta
 ) -> Any:
-    return _Stored6(h, p, t, bs, x.lora_id)
+    return Stored6(h, p, t, bs, x.lora_id)
 
 
 def _s_arr7(
     h: list[Hash], p: Hash | None, t: TokenIds, bs: int, m: str | None, x: StoreMeta
 ) -> Any:
-    return _Stored7(h, p, t, bs, x.lora_id, m)
+    return Stored7(h, p, t, bs, x.lora_id, m)
 
 
 def _s_s19(h: list[Hash], p: Hash | None, t: TokenIds, bs: int, m: str | None, x: StoreMeta) -> Any:
     if x.cache_salt is not None:
-        return _Stored8Salt(h, p, t, bs, x.lora_id, m, _CacheSaltMeta(x.cache_salt))
-    return _Stored7(h, p, t, bs, x.lora_id, m)
+        return Stored8Salt(h, p, t, bs, x.lora_id, m, CacheSaltMeta(x.cache_salt))
+    return Stored7(h, p, t, bs, x.lora_id, m)
 
 
 def _s_s23(h: list[Hash], p: Hash | None, t: TokenIds, bs: int, m: str | None, x: StoreMeta) -> Any:
-    return _StoredS23(h, p, t, bs, x.lora_id, m, x.cache_salt, x.session_id, x.lora_name)
+    return StoredS23(h, p, t, bs, x.lora_id, m, x.cache_salt, x.session_id, x.lora_name)
+
+
+def _group(x: StoreMeta | RemoveMeta) -> int:
+    return 0 if x.group_idx is None else x.group_idx  # vLLM >= 0.21 sends group 0 by default
 
 
 def _s_v23(h: list[Hash], p: Hash | None, t: TokenIds, bs: int, m: str | None, x: StoreMeta) -> Any:
-    return _StoredV23(h, p, t, bs, x.lora_id, m, x.lora_name, x.extra_keys, 0)
+    return StoredV23(
+        h, p, t, bs, x.lora_id, m, x.lora_name, x.extra_keys, _group(x), x.kv_cache_spec_kind,
+        x.kv_cache_spec_sliding_window,
+    )  # fmt: skip
 
 
 def _s_v33(h: list[Hash], p: Hash | None, t: TokenIds, bs: int, m: str | None, x: StoreMeta) -> Any:
-    return _StoredV33(
-        h, p, t, bs, x.lora_id, m, x.lora_name, x.extra_keys, 0, session_id=x.session_id
-    )
+    return StoredV33(
+        h, p, t, bs, x.lora_id, m, x.lora_name, x.extra_keys, _group(x), x.kv_cache_spec_kind,
+        x.kv_cache_spec_sliding_window, x.locality, x.ownership, x.session_id,
+        x.lookahead_token_ids,
+    )  # fmt: skip
+
+
+def _r_arr2(h: list[Hash], m: str | None, x: RemoveMeta) -> Any:
+    return Removed2(h)
+
+
+def _r_arr3(h: list[Hash], m: str | None, x: RemoveMeta) -> Any:
+    return Removed3(h, m)
+
+
+def _r_s23(h: list[Hash], m: str | None, x: RemoveMeta) -> Any:
+    return RemovedS23(h, m)
+
+
+def _r_v23(h: list[Hash], m: str | None, x: RemoveMeta) -> Any:
+    return RemovedV23(h, m, _group(x))
+
+
+def _r_v33(h: list[Hash], m: str | None, x: RemoveMeta) -> Any:
+    return RemovedV33(h, m, _group(x), x.locality, x.ownership)
 
 
 def _fmt(
@@ -265,6 +226,7 @@ def _fmt(
     *,
     medium: bool,
     hash_kind: str,
+    meta: str = "",
     per_node: bool = False,
     topic_replay: bool = False,
     group_idx: int | None = None,
@@ -284,49 +246,55 @@ def _fmt(
         make_removed=removed,
         cleared=cleared,
         version=version,
+        meta_fields=frozenset(meta.split()),
     )
+
+
+_V33_META = "lora_id lora_name extra_keys session_id lookahead_token_ids"
 
 
 FORMATS: dict[str, WireFormat] = {
     f.name: f
     for f in (
         _fmt(
-            "sglang-0.4", "sglang", (0, 4), _s_arr6, lambda h, m: _Removed2(h), _ClearedArr(),
+            "sglang-0.4", "sglang", (0, 4), _s_arr6, _r_arr2, ClearedArr(),
             medium=False, hash_kind="int64", root_parent=SGLANG_047_ROOT_PARENT,
         ),
         _fmt(
-            "sglang-0.5.12", "sglang", (5, 12), _s_arr7, _Removed3, _ClearedArr(),
+            "sglang-0.5.12", "sglang", (5, 12), _s_arr7, _r_arr3, ClearedArr(),
             medium=True, hash_kind="int64",
         ),
         _fmt(
-            "sglang-0.5.19", "sglang", (5, 19), _s_s19, _Removed3, _ClearedArr(),
-            medium=True, hash_kind="int64", per_node=True,
+            "sglang-0.5.19", "sglang", (5, 19), _s_s19, _r_arr3, ClearedArr(),
+            medium=True, hash_kind="int64", meta="cache_salt", per_node=True,
         ),
         # 0.5.22 and 0.5.23 share the wire (maps, lora_name, topic in replay); they differ only in
         # what /server_info says, so 0.5.22 exists to simulate that version's discovery
         _fmt(
-            "sglang-0.5.22", "sglang", (5, 22), _s_s23, _RemovedS23, _ClearedMap(),
-            medium=True, hash_kind="int64", per_node=True, topic_replay=True,
+            "sglang-0.5.22", "sglang", (5, 22), _s_s23, _r_s23, ClearedMap(),
+            medium=True, hash_kind="int64", meta="cache_salt session_id lora_name", per_node=True,
+            topic_replay=True,
         ),
         _fmt(
-            "sglang-0.5.23", "sglang", (5, 23), _s_s23, _RemovedS23, _ClearedMap(),
-            medium=True, hash_kind="int64", per_node=True, topic_replay=True,
+            "sglang-0.5.23", "sglang", (5, 23), _s_s23, _r_s23, ClearedMap(),
+            medium=True, hash_kind="int64", meta="cache_salt session_id lora_name", per_node=True,
+            topic_replay=True,
         ),
         _fmt(
-            "vllm-0.10", "vllm", (10, 0), _s_arr6, lambda h, m: _Removed2(h), _ClearedArr(),
-            medium=False, hash_kind="uint64",
+            "vllm-0.10", "vllm", (10, 0), _s_arr6, _r_arr2, ClearedArr(),
+            medium=False, hash_kind="uint64", meta="lora_id",
         ),
         _fmt(
-            "vllm-0.23", "vllm", (23, 0), _s_v23, lambda h, m: _RemovedV23(h, m, 0), _ClearedArr(),
-            medium=True, hash_kind="uint64", group_idx=0,
+            "vllm-0.23", "vllm", (23, 0), _s_v23, _r_v23, ClearedArr(),
+            medium=True, hash_kind="uint64", meta="lora_id lora_name extra_keys", group_idx=0,
         ),
         _fmt(
-            "vllm-0.33", "vllm", (33, 0), _s_v33, lambda h, m: _RemovedV33(h, m, 0), _ClearedMap(),
-            medium=True, hash_kind="uint64", topic_replay=True, group_idx=0,
+            "vllm-0.33", "vllm", (33, 0), _s_v33, _r_v33, ClearedMap(),
+            medium=True, hash_kind="uint64", meta=_V33_META, topic_replay=True, group_idx=0,
         ),
         _fmt(
-            "vllm-0.33-bytes", "vllm", (33, 0), _s_v33, lambda h, m: _RemovedV33(h, m, 0),
-            _ClearedMap(), medium=True, hash_kind="bytes32", topic_replay=True, group_idx=0,
+            "vllm-0.33-bytes", "vllm", (33, 0), _s_v33, _r_v33, ClearedMap(),
+            medium=True, hash_kind="bytes32", meta=_V33_META, topic_replay=True, group_idx=0,
         ),
     )
 }  # fmt: skip
@@ -361,6 +329,10 @@ def replay_end(fmt: WireFormat) -> list[bytes]:
     return [b"", END_SEQ, b""]
 
 
+_STORE_META_KEYS = tuple(StoreMeta.__dataclass_fields__)
+_REMOVE_META_KEYS = tuple(RemoveMeta.__dataclass_fields__)
+
+
 def _hash_from_json(v: Any) -> Hash | None:
     if isinstance(v, str):
         return bytes.fromhex(v)
@@ -371,13 +343,7 @@ def event_from_dict(fmt: WireFormat, ev: dict[str, Any]) -> Any:
     """The version struct for one event in expected.json form (used by the capture tests)."""
     kind = ev["type"]
     if kind == "BlockStored":
-        meta = StoreMeta(
-            lora_id=ev.get("lora_id"),
-            lora_name=ev.get("lora_name"),
-            cache_salt=ev.get("cache_salt"),
-            session_id=ev.get("session_id"),
-            extra_keys=ev.get("extra_keys"),
-        )
+        meta = StoreMeta(**{k: ev.get(k) for k in _STORE_META_KEYS})
         return fmt.stored(
             [_hash_from_json(h) for h in ev["block_hashes"]],  # type: ignore[misc]
             _hash_from_json(ev.get("parent_block_hash")),
@@ -390,6 +356,7 @@ def event_from_dict(fmt: WireFormat, ev: dict[str, Any]) -> Any:
         return fmt.removed(
             [_hash_from_json(h) for h in ev["block_hashes"]],  # type: ignore[misc]
             ev.get("medium"),
+            RemoveMeta(**{k: ev.get(k) for k in _REMOVE_META_KEYS}),
         )
     if kind == "AllBlocksCleared":
         return fmt.cleared

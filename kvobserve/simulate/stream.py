@@ -117,14 +117,19 @@ class SimStream:
         stored_tokens = sum(len(p.tokens) for p in res.stored)
         self.prefill_uncached_tokens += stored_tokens
         parent: Hash | None = res.parent if res.parent is not None else fmt.root_parent
+        n = self.requests
         if fmt.per_page_stores:
+            meta = fmt.request_meta(n, (), self.page_size)  # SGLang: per request, not per page
             for p in res.stored:
-                out.append(fmt.stored([p.hash], parent, p.tokens, len(p.tokens), self._medium))
+                out.append(
+                    fmt.stored([p.hash], parent, p.tokens, len(p.tokens), self._medium, meta)
+                )
                 parent = p.hash
         else:
             tokens = [t for p in res.stored for t in p.tokens]
             hashes = [p.hash for p in res.stored]
-            out.append(fmt.stored(hashes, parent, tokens, self.page_size, self._medium))
+            meta = fmt.request_meta(n, tokens, self.page_size)
+            out.append(fmt.stored(hashes, parent, tokens, self.page_size, self._medium, meta))
 
     def _make_room(self, pages: list[Page]) -> None:
         """Preempt the newest running requests until this one's pages fit beside the held ones.

@@ -3,13 +3,20 @@
 The batch is always the positional msgpack array `[ts, events, dp_rank]`. Events are either
 tagged arrays (element 0 is the tag; SGLang <= 0.5.19, vLLM <= 0.23) or tagged maps (key
 "type"; SGLang >= 0.5.20, vLLM >= 0.24, fixmap or map16, any key order). Only the fields
-kvobserve uses are decoded: `token_ids` stays raw msgpack and only its length is read.
+kvobserve uses are decoded: `token_ids` stays raw msgpack and only its length is read. Unknown map
+keys and trailing array elements are skipped; events with an unknown tag are counted and skipped.
+
+vLLM events of a KV-cache group other than the main one (`group_idx` > 0, or a store whose
+`kv_cache_spec_kind` is not a main-attention kind: sliding window, mamba, ... of hybrid models)
+are counted in `KvBatch.other_group_events` and left out of `events` (docs/stream-semantics.md).
+The common case costs nothing: the first decoder accepts only main-group values, so only a batch
+that carries another group takes the second, permissive decoder.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import msgspec
 from msgspec import Raw, Struct
@@ -30,6 +37,12 @@ def _lazy(dec: msgspec.msgpack.Decoder[Any], raw: Raw, field: str) -> Any:
 END_SEQ = b"\xff" * 8
 
 BlockHash = int | bytes
+
+# vLLM KVCacheSpecKind values of the main attention; every other kind (sliding_window, mamba,
+# chunked_local_attention, cross/encoder-only attention, unknown, ...) is a side group
+MAIN_KV_CACHE_SPEC_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+_MainKind = Literal["full_attention", "mla_attention", "sink_full_attention"]
+_MainGroup = Literal[0]
 
 
 def _array_len(buf: Raw | bytes) -> int:
@@ -97,13 +110,14 @@ class AllBlocksCleared(KvEvent, gc=False):
 
 
 # --- array form: positional; trailing elements beyond the declared ones are ignored ---------
+# Each event has two classes: the main-group one (group_idx 0 or absent, a main-attention kind)
+# that the first decoder uses, and one for any group that the second decoder uses.
 
 
-class _StoredArr(BlockStored, array_like=True, tag="BlockStored", gc=False):
+class _StoredArrBase(BlockStored, array_like=True, gc=False):
     # position 7: vLLM >= 0.15 lora_name (str); SGLang 0.5.18/19 a {"cache_salt": ...} map
     slot7: Raw = Raw(b"")
     extra_keys: Raw = Raw(b"")
-    group_idx: int | None = None
 
     def lora(self) -> str | None:
         first = memoryview(self.slot7)[:1].tobytes()
@@ -112,7 +126,21 @@ class _StoredArr(BlockStored, array_like=True, tag="BlockStored", gc=False):
         return None
 
 
+class _StoredArr(_StoredArrBase, tag="BlockStored", gc=False):
+    group_idx: _MainGroup | None = None  # vLLM 0.21-0.23
+    kv_cache_spec_kind: _MainKind | None = None  # vLLM 0.22-0.23
+
+
+class _StoredArrAny(_StoredArrBase, tag="BlockStored", gc=False):
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+
+
 class _RemovedArr(BlockRemoved, array_like=True, tag="BlockRemoved", gc=False):
+    group_idx: _MainGroup | None = None
+
+
+class _RemovedArrAny(BlockRemoved, array_like=True, tag="BlockRemoved", gc=False):
     group_idx: int | None = None
 
 
@@ -123,15 +151,28 @@ class _ClearedArr(AllBlocksCleared, array_like=True, tag="AllBlocksCleared", gc=
 # --- map form: by key name, unknown keys ignored ---------------------------------------------
 
 
-class _StoredMap(BlockStored, tag_field="type", tag="BlockStored", gc=False):
+class _StoredMapBase(BlockStored, tag_field="type", gc=False):
     lora_name: str | None = None
-    group_idx: int | None = None
 
     def lora(self) -> str | None:
         return self.lora_name
 
 
+class _StoredMap(_StoredMapBase, tag="BlockStored", gc=False):
+    group_idx: _MainGroup | None = None
+    kv_cache_spec_kind: _MainKind | None = None
+
+
+class _StoredMapAny(_StoredMapBase, tag="BlockStored", gc=False):
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+
+
 class _RemovedMap(BlockRemoved, tag_field="type", tag="BlockRemoved", gc=False):
+    group_idx: _MainGroup | None = None
+
+
+class _RemovedMapAny(BlockRemoved, tag_field="type", tag="BlockRemoved", gc=False):
     group_idx: int | None = None
 
 
@@ -141,6 +182,8 @@ class _ClearedMap(AllBlocksCleared, tag_field="type", tag="AllBlocksCleared", gc
 
 _ArrEvent = _StoredArr | _RemovedArr | _ClearedArr
 _MapEvent = _StoredMap | _RemovedMap | _ClearedMap
+_ArrEventAny = _StoredArrAny | _RemovedArrAny | _ClearedArr
+_MapEventAny = _StoredMapAny | _RemovedMapAny | _ClearedMap
 KNOWN_TAGS = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
 
 
@@ -153,6 +196,18 @@ class _BatchArr(Struct, array_like=True, gc=False):
 class _BatchMap(Struct, array_like=True, gc=False):
     ts: float
     events: list[_MapEvent]
+    dp_rank: int | None = None
+
+
+class _BatchArrAny(Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_ArrEventAny]
+    dp_rank: int | None = None
+
+
+class _BatchMapAny(Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_MapEventAny]
     dp_rank: int | None = None
 
 
@@ -174,9 +229,13 @@ _dec_token_ids = msgspec.msgpack.Decoder(list[int | list[int]])
 _dec_str = msgspec.msgpack.Decoder(str)
 _dec_batch_arr = msgspec.msgpack.Decoder(_BatchArr)
 _dec_batch_map = msgspec.msgpack.Decoder(_BatchMap)
+_dec_batch_arr_any = msgspec.msgpack.Decoder(_BatchArrAny)
+_dec_batch_map_any = msgspec.msgpack.Decoder(_BatchMapAny)
 _dec_batch_raw = msgspec.msgpack.Decoder(_BatchRaw)
 _dec_event_arr = msgspec.msgpack.Decoder(_ArrEvent)
 _dec_event_map = msgspec.msgpack.Decoder(_MapEvent)
+_dec_event_arr_any = msgspec.msgpack.Decoder(_ArrEventAny)
+_dec_event_map_any = msgspec.msgpack.Decoder(_MapEventAny)
 _dec_tag_arr = msgspec.msgpack.Decoder(_TagArr)
 _dec_tag_map = msgspec.msgpack.Decoder(_TagMap)
 
@@ -190,6 +249,7 @@ class KvBatch(Struct, gc=False):
     dp_rank: int | None
     events: list[KvEvent]
     unknown_events: int = 0  # events with a tag we do not know; skipped
+    other_group_events: int = 0  # vLLM events of a side KV-cache group; set aside
 
 
 def _is_map(first: int) -> bool:
@@ -214,28 +274,55 @@ def _first_event_byte(payload: bytes) -> int:
     return -1
 
 
-def _decode_one_event(raw: Raw) -> KvEvent | None:
-    """Decode one event by its shape; None for an unknown tag."""
+def in_main_group(ev: KvEvent) -> bool:
+    """False for a vLLM event of a side KV-cache group (group_idx > 0, or a non-main kind)."""
+    if getattr(ev, "group_idx", None):
+        return False
+    kind = getattr(ev, "kv_cache_spec_kind", None)
+    return kind is None or kind in MAIN_KV_CACHE_SPEC_KINDS
+
+
+_OTHER_GROUP = "other_group"  # _decode_one_event: an event set aside
+
+
+def _decode_one_event(raw: Raw) -> KvEvent | str | None:
+    """Decode one event by its shape; None for an unknown tag, _OTHER_GROUP for a side group."""
     head = memoryview(raw)[:1].tobytes()
     if not head:
         raise WireError("schema", "empty event")
     first = head[0]
+    is_array = _is_array(first)
+    if not is_array and not _is_map(first):
+        raise WireError("schema", f"event is neither an array nor a map (0x{first:02x})")
     try:
-        if _is_array(first):
-            return _dec_event_arr.decode(raw)
-        if _is_map(first):
-            return _dec_event_map.decode(raw)
+        return _dec_event_arr.decode(raw) if is_array else _dec_event_map.decode(raw)
     except msgspec.ValidationError as exc:
-        try:
-            tag = (
-                _dec_tag_arr.decode(raw).tag if _is_array(first) else _dec_tag_map.decode(raw).type
-            )
-        except msgspec.DecodeError:
-            raise WireError("schema", f"event: {exc}") from None
-        if tag not in KNOWN_TAGS:
-            return None
-        raise WireError("schema", f"{tag}: {exc}") from None
-    raise WireError("schema", f"event is neither an array nor a map (0x{first:02x})")
+        error = exc
+    try:
+        ev: KvEvent = _dec_event_arr_any.decode(raw) if is_array else _dec_event_map_any.decode(raw)
+        return ev if in_main_group(ev) else _OTHER_GROUP
+    except msgspec.ValidationError:
+        pass
+    try:
+        tag = _dec_tag_arr.decode(raw).tag if is_array else _dec_tag_map.decode(raw).type
+    except msgspec.DecodeError:
+        raise WireError("schema", f"event: {error}") from None
+    if tag not in KNOWN_TAGS:
+        return None
+    raise WireError("schema", f"{tag}: {error}") from None
+
+
+def _try_decode(dec: msgspec.msgpack.Decoder[Any], payload: bytes) -> Any:
+    """The decoded batch, or None when it does not fit `dec`'s schema; WireError if not msgpack."""
+    try:
+        return dec.decode(payload)
+    except msgspec.ValidationError:
+        return None
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        # msgspec raises UnicodeDecodeError (not DecodeError) for a str with invalid UTF-8
+        raise WireError("msgpack", str(exc)) from None
+    except RecursionError:
+        raise WireError("msgpack", "nesting too deep") from None
 
 
 def decode_payload(
@@ -244,18 +331,15 @@ def decode_payload(
     """Decode one msgpack batch payload; raises WireError only."""
     if len(payload) > max_payload:
         raise WireError("oversize", f"payload of {len(payload)} bytes > limit {max_payload}")
-    first = _first_event_byte(payload)
-    dec = _dec_batch_map if _is_map(first) else _dec_batch_arr
-    try:
-        b = dec.decode(payload)
-        return KvBatch(topic, seq, b.ts, b.dp_rank, b.events)  # type: ignore[arg-type]
-    except msgspec.ValidationError:
-        pass  # mixed shapes, unknown tag or bad schema: decide event by event below
-    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-        # msgspec raises UnicodeDecodeError (not DecodeError) for a str with invalid UTF-8
-        raise WireError("msgpack", str(exc)) from None
-    except RecursionError:
-        raise WireError("msgpack", "nesting too deep") from None
+    is_map = _is_map(_first_event_byte(payload))
+    b = _try_decode(_dec_batch_map if is_map else _dec_batch_arr, payload)
+    if b is not None:
+        return KvBatch(topic, seq, b.ts, b.dp_rank, b.events)
+    # a side KV-cache group, mixed shapes, an unknown tag or a bad schema
+    b = _try_decode(_dec_batch_map_any if is_map else _dec_batch_arr_any, payload)
+    if b is not None:
+        events = [ev for ev in b.events if in_main_group(ev)]
+        return KvBatch(topic, seq, b.ts, b.dp_rank, events, 0, len(b.events) - len(events))
     try:
         rb = _dec_batch_raw.decode(payload)
     except msgspec.ValidationError as exc:
@@ -264,8 +348,8 @@ def decode_payload(
         raise WireError("msgpack", str(exc)) from None
     except RecursionError:
         raise WireError("msgpack", "nesting too deep") from None
-    events: list[KvEvent] = []
-    unknown = 0
+    kept: list[KvEvent] = []
+    unknown = other = 0
     for raw in rb.events:
         try:
             ev = _decode_one_event(raw)
@@ -275,9 +359,11 @@ def decode_payload(
             raise WireError("msgpack", str(exc)) from None
         if ev is None:
             unknown += 1
+        elif isinstance(ev, str):
+            other += 1
         else:
-            events.append(ev)
-    return KvBatch(topic, seq, rb.ts, rb.dp_rank, events, unknown)
+            kept.append(ev)
+    return KvBatch(topic, seq, rb.ts, rb.dp_rank, kept, unknown, other)
 
 
 def decode_seq(frame: bytes) -> int:
@@ -304,40 +390,3 @@ def hash_json(h: BlockHash | None) -> int | str | None:
     if isinstance(h, bytes):
         return h.hex()
     return h
-
-
-def event_to_dict(ev: KvEvent, token_ids: bool = False) -> dict[str, Any]:
-    """The normalized JSON form of one event (the `tap` format)."""
-    if isinstance(ev, BlockStored):
-        d: dict[str, Any] = {
-            "type": ev.kind,
-            "block_hashes": [hash_json(h) for h in ev.block_hashes],
-            "parent_block_hash": hash_json(ev.parent_block_hash),
-            "block_size": ev.block_size,
-            "num_tokens": ev.num_tokens,
-            "medium": ev.medium,
-        }
-        lora_name = ev.lora()
-        if lora_name is not None:
-            d["lora_name"] = lora_name
-        if token_ids:
-            d["token_ids"] = ev.decoded_token_ids()
-        return d
-    if isinstance(ev, BlockRemoved):
-        return {
-            "type": ev.kind,
-            "block_hashes": [hash_json(h) for h in ev.block_hashes],
-            "medium": ev.medium,
-        }
-    return {"type": ev.kind}
-
-
-def batch_to_dict(batch: KvBatch, token_ids: bool = False) -> dict[str, Any]:
-    """The normalized JSON form of one batch (the `tap` format)."""
-    return {
-        "topic": batch.topic,
-        "seq": batch.seq,
-        "dp_rank": batch.dp_rank,
-        "ts": batch.ts,
-        "events": [event_to_dict(e, token_ids) for e in batch.events],
-    }

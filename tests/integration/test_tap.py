@@ -30,7 +30,8 @@ def run_tap(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]
 
 
 def expected_lines(name: str, token_ids: bool = False) -> list[dict[str, Any]]:
-    """What tap must print for a capture: one batch per live and per replayed batch, in order."""
+    """What tap must print for a capture: one batch per live and per replayed batch, in order,
+    with every field the engine set."""
     folder = CAPTURES / name
     by_key = {
         (e["dp_rank"], e["seq"]): e for e in json.loads((folder / "expected.json").read_text())
@@ -40,7 +41,7 @@ def expected_lines(name: str, token_ids: bool = False) -> list[dict[str, Any]]:
         seq_frame = ln["frames"][1] if ln["source"] == "live" else ln["frames"][-2]
         if seq_frame != b"\xff" * 8:
             key = (ln["dp_rank"], int.from_bytes(seq_frame, "big"))
-            out.append(expected_batch(by_key[key], token_ids))
+            out.append(expected_batch(by_key[key], token_ids, view=True))
     return out
 
 

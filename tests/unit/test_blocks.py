@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from kvobserve.analysis.blocks import BlockIndex, LifetimeHistogram
@@ -208,3 +209,34 @@ def test_media_past_the_cap_are_refused_and_counted() -> None:
     assert idx.blocks == {"GPU": 1, "CPU": 1}
     assert idx.media_refused_events == 2
     assert idx.events_total["stored"] == 2 and idx.events_total["removed"] == 0
+
+
+def test_hybrid_model_side_groups_stay_out_of_the_main_residency() -> None:
+    # vLLM hashes the same tokens alike in every KV-cache group; without the decoder setting the
+    # sliding-window group aside, its early removal would take block 2 out of the main residency
+    def ev(kind: str, hashes: list[int], group: int, spec: str | None = None) -> dict[str, Any]:
+        d: dict[str, Any] = {"type": kind, "block_hashes": hashes, "medium": "GPU"}
+        d["group_idx"] = group
+        if kind == "BlockStored":
+            d |= {"parent_block_hash": None, "token_ids": [7] * 32, "block_size": 16}
+            d |= {"lora_id": None, "kv_cache_spec_kind": spec}
+        return d
+
+    events = [
+        ev("BlockStored", [1, 2], 0, "full_attention"),
+        ev("BlockStored", [1, 2], 1, "sliding_window"),
+        ev("BlockRemoved", [2], 1),
+    ]
+    payload = msgspec.msgpack.encode([1.0, events, 0])
+    idx = BlockIndex()
+    idx.apply_batch(decode_message([b"", (0).to_bytes(8, "big"), payload]))
+    assert idx.resident_hashes() == {"GPU": {1, 2}}
+    assert idx.tokens == {"GPU": 32}
+    assert idx.events_total == {"stored": 1, "removed": 0, "cleared": 0, "other_group": 2}
+    assert idx.store_of_resident_total == 0 and idx.remove_of_unknown_total == 0
+
+
+def test_other_group_appears_only_once_there_was_one() -> None:
+    idx = BlockIndex()
+    idx.apply_batch(batch(0, 1.0, stored([1])))
+    assert "other_group" not in idx.events_total  # no new series for engines without groups

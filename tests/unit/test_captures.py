@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from kvobserve.wire.kv_events import batch_to_dict, decode_message
+from kvobserve.wire.kv_events import decode_message
+from kvobserve.wire.kv_view import batch_to_dict, batch_view
 from kvobserve.wire.replay import decode_replay_message, is_end_marker
 
 CAPTURES = Path(__file__).resolve().parents[1] / "fixtures" / "engine-captures"
@@ -27,8 +28,16 @@ def load_lines(folder: Path) -> list[dict[str, Any]]:
     return out
 
 
-def expected_event(ev: dict[str, Any], token_ids: bool) -> dict[str, Any]:
-    """An expected.json event reduced to the fields `tap` prints."""
+def expected_event(ev: dict[str, Any], token_ids: bool, view: bool = False) -> dict[str, Any]:
+    """An expected.json event reduced to the hot-path fields, or (view) to what `tap` prints."""
+    if view:
+        # every field the capture set; lora_id is in expected.json even when null
+        out = {k: v for k, v in ev.items() if k not in ("token_ids", "wire_variant")}
+        if out.get("lora_id", 0) is None:
+            del out["lora_id"]
+        if token_ids and "token_ids" in ev:
+            out["token_ids"] = ev["token_ids"]
+        return out
     if ev["type"] == "BlockStored":
         keys = ["type", "block_hashes", "parent_block_hash", "block_size", "num_tokens", "medium"]
         keys += [k for k in ("lora_name",) if k in ev]
@@ -40,10 +49,12 @@ def expected_event(ev: dict[str, Any], token_ids: bool) -> dict[str, Any]:
     return {k: ev[k] for k in keys}
 
 
-def expected_batch(exp: dict[str, Any], token_ids: bool = False) -> dict[str, Any]:
-    """An expected.json batch reduced to the `tap` output fields."""
+def expected_batch(
+    exp: dict[str, Any], token_ids: bool = False, view: bool = False
+) -> dict[str, Any]:
+    """An expected.json batch reduced to the hot-path fields, or (view) to what `tap` prints."""
     out = {k: exp[k] for k in TAP_BATCH_KEYS}
-    out["events"] = [expected_event(e, token_ids) for e in exp["events"]]
+    out["events"] = [expected_event(e, token_ids, view) for e in exp["events"]]
     return out
 
 
@@ -76,6 +87,10 @@ def test_capture_decodes_to_expected(name: str) -> None:
         assert batch.topic == meta["topic"] == exp["topic"]
         assert batch_to_dict(batch) == expected_batch(exp)
         assert batch_to_dict(batch, token_ids=True) == expected_batch(exp, token_ids=True)
+        # the tap view: every field the engine set, nothing else
+        payload = ln["frames"][2]
+        assert batch_view(batch, payload) == expected_batch(exp, view=True)
+        assert batch_view(batch, payload, True) == expected_batch(exp, True, view=True)
         seen.append((batch.dp_rank, batch.seq))
         hashes += [h for ev in batch.events for h in getattr(ev, "block_hashes", ())]
     assert sorted(seen) == sorted(by_key)
@@ -105,6 +120,8 @@ def test_capture_decodes_to_expected(name: str) -> None:
             assert replayed.dp_rank == rank
             exp = by_key[(rank, replayed.seq)]
             assert batch_to_dict(replayed, token_ids=True) == expected_batch(exp, token_ids=True)
+            view = batch_view(replayed, ln["frames"][-1], True)
+            assert view == expected_batch(exp, True, view=True)
             if with_topic:
                 other = decode_replay_message(ln["frames"], "not-the-topic")
                 assert other is not None and other.topic == meta["topic"]

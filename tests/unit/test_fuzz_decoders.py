@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 import random
 import sys
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 
 from kvobserve.wire.errors import REASONS, WireError
 from kvobserve.wire.kv_events import decode_message, decode_payload
+from kvobserve.wire.kv_view import batch_view
 from kvobserve.wire.replay import decode_replay_message
 from kvobserve.wire.scheduler import (
     decode_forward_pass_message,
@@ -166,10 +168,15 @@ def fuzz_frames(rng: random.Random, seeds: list[list[bytes]]) -> list[bytes]:
     return frames
 
 
+def tap_view(payload: bytes) -> str:
+    """What `kvobserve tap` prints for a payload: the hot-path decode, then the full view."""
+    return json.dumps(batch_view(decode_payload("t", 1, payload), payload, token_ids=True))
+
+
 def _kv_message(rng: random.Random) -> list[Any]:
     payload = fuzz_payload(rng, KV_PAYLOADS)
     return [
-        (decode_payload, ("t", 1, payload), {}),
+        (tap_view, (payload,), {}),
         (decode_message, (fuzz_frames(rng, LIVE),), {}),
     ]
 

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import base64
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvobserve.simulate.cache import PromptLibrary
 from kvobserve.simulate.encoders import (
     FORMATS,
+    RemoveMeta,
+    StoreMeta,
     encode_batch,
     event_from_dict,
     get_format,
@@ -18,8 +22,11 @@ from kvobserve.simulate.encoders import (
     replay_end,
     replay_frames,
 )
+from kvobserve.simulate.faults import FaultConfig
 from kvobserve.simulate.sidechannels import KvMetrics, LoadStat, encode_kv_metrics, encode_load
-from kvobserve.wire.kv_events import batch_to_dict, decode_message, decode_payload
+from kvobserve.simulate.stream import SimStream
+from kvobserve.wire.kv_events import decode_message, decode_payload
+from kvobserve.wire.kv_view import batch_to_dict, batch_view
 
 CAPTURES = Path(__file__).resolve().parents[1] / "fixtures" / "engine-captures"
 FOLDER_FORMAT = {
@@ -117,3 +124,101 @@ def test_vllm_033_store_uses_map16_and_sglang_023_fixmap() -> None:
 def test_unknown_format_names_the_value() -> None:
     with pytest.raises(ValueError, match="sglang-9"):
         get_format("sglang-9")
+
+
+# what each version's stores carry besides the core fields, per request share (n = 1155 hits
+# every share: session 3, salt 5, LoRA 7, lookahead 11)
+META_SHOWN = {
+    "sglang-0.4": set(),
+    "sglang-0.5.12": set(),
+    "sglang-0.5.19": {"cache_salt"},
+    "sglang-0.5.23": {"cache_salt", "session_id", "lora_name"},
+    "vllm-0.10": {"lora_id"},
+    "vllm-0.23": {"lora_id", "lora_name", "extra_keys", "group_idx"},
+    "vllm-0.33": {"lora_id", "lora_name", "extra_keys", "group_idx", "session_id"}
+    | {"lookahead_token_ids"},
+    "vllm-0.33-bytes": {"lora_id", "lora_name", "extra_keys", "group_idx", "session_id"}
+    | {"lookahead_token_ids"},
+}
+CORE = {"type", "block_hashes", "parent_block_hash", "block_size", "num_tokens", "medium"}
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_request_meta_reaches_the_wire_with_the_fields_of_the_version(name: str) -> None:
+    fmt = get_format(name)
+    assert sorted(META_SHOWN) == sorted(FORMATS)
+    tokens = list(range(48))
+    hashes: list[int | bytes] = [
+        bytes([i]) * 32 if fmt.hash_kind == "bytes32" else i for i in (1, 2, 3)
+    ]
+    default_group = {"group_idx"} if fmt.group_idx is not None else set()
+    for n, want in [(1, default_group), (1155, META_SHOWN[name])]:
+        meta = fmt.request_meta(n, tokens, 16)
+        payload = encode_batch(1.0, [fmt.stored(hashes, None, tokens, 16, "GPU", meta)], 0)
+        batch = decode_payload("t", 0, payload)
+        assert len(batch.events) == 1 and batch.other_group_events == 0
+        shown = batch_view(batch, payload)["events"][0]
+        assert set(shown) - CORE == want, (name, n)
+    if "lookahead_token_ids" in want:
+        assert shown["lookahead_token_ids"] == [[16], [32], []]  # the token after each block
+    if "extra_keys" in want:  # LoRA on every block, the salt on the first only
+        assert shown["extra_keys"] == [["sql-lora", "tenant-salt-3"], ["sql-lora"], ["sql-lora"]]
+
+
+def test_vllm_033_offload_and_group_fields_round_trip() -> None:
+    fmt = get_format("vllm-0.33")
+    meta = StoreMeta(locality="REMOTE", ownership="tier-2", group_idx=1)
+    meta = replace(meta, kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=1024)
+    events = [
+        fmt.stored([5], None, list(range(16)), 16, "CPU", meta),
+        fmt.removed([5], "CPU", RemoveMeta(group_idx=1, locality="REMOTE", ownership="tier-2")),
+        fmt.removed([6], "CPU", RemoveMeta(locality="LOCAL")),
+    ]
+    payload = encode_batch(1.0, events, 0)
+    batch = decode_payload("t", 0, payload)
+    assert batch.other_group_events == 2 and len(batch.events) == 1  # group 0's remove stays
+    stored, removed, main = batch_view(batch, payload)["events"]
+    assert {k: stored[k] for k in ("locality", "ownership", "group_idx", "other_group")} == {
+        "locality": "REMOTE", "ownership": "tier-2", "group_idx": 1, "other_group": True,
+    }  # fmt: skip
+    assert stored["kv_cache_spec_kind"] == "sliding_window"
+    assert stored["kv_cache_spec_sliding_window"] == 1024
+    assert removed == {
+        "type": "BlockRemoved", "block_hashes": [5], "medium": "CPU", "group_idx": 1,
+        "locality": "REMOTE", "ownership": "tier-2", "other_group": True,
+    }  # fmt: skip
+    assert main == {"type": "BlockRemoved", "block_hashes": [6], "medium": "CPU"} | {
+        "group_idx": 0,
+        "locality": "LOCAL",
+    }
+
+
+@pytest.mark.parametrize(
+    ("name", "fields"),
+    [
+        ("vllm-0.33", {"session_id", "lookahead_token_ids", "lora_name", "extra_keys"}),
+        ("sglang-0.5.23", {"session_id", "cache_salt", "lora_name"}),
+        ("sglang-0.5.19", {"cache_salt"}),
+    ],
+)
+def test_simulated_streams_carry_the_new_fields_for_some_requests(
+    name: str, fields: set[str]
+) -> None:
+    fmt = get_format(name)
+    lib = PromptLibrary(7, fmt.hash_kind, 16, n_prompts=400, n_prefixes=4)
+    stream = SimStream(fmt, "0.0", "primary", 0, 0, b"", lib, 11, 4096, 16, 100, FaultConfig())
+    seen: dict[str, int] = dict.fromkeys(fields, 0)
+    stores = 0
+    for i in range(300):
+        out = stream.next_batch(float(i))
+        if out is None:
+            continue
+        batch = decode_payload("t", i, out[1])
+        assert batch.other_group_events == batch.unknown_events == 0
+        for ev in batch_view(batch, out[1])["events"]:
+            stores += ev["type"] == "BlockStored"
+            for f in fields & set(ev):
+                seen[f] += 1
+    assert stores > 100
+    # every field shows up, on some stores only
+    assert all(0 < n < stores for n in seen.values()), seen
