@@ -133,6 +133,7 @@ META_SHOWN = {
     "sglang-0.5.12": set(),
     "sglang-0.5.19": {"cache_salt"},
     "sglang-0.5.23": {"cache_salt", "session_id", "lora_name"},
+    "sglang-0.5.22": {"cache_salt", "session_id", "lora_name"},
     "vllm-0.10": {"lora_id"},
     "vllm-0.23": {"lora_id", "lora_name", "extra_keys", "group_idx"},
     "vllm-0.33": {"lora_id", "lora_name", "extra_keys", "group_idx", "session_id"}
