@@ -6,6 +6,12 @@ from dataclasses import dataclass
 
 STREAM = ("worker_id", "node_rank", "dp_rank")
 BLOCK = (*STREAM, "medium")
+WORKER_MEDIUM = ("worker_id", "medium")
+
+# The reference stream of the series budget (docs/metrics.md): two storage tiers, one replay
+# result and one decode-error reason seen, a worker of 16 ranks, 8 streams per collector.
+REFERENCE = {"medium": 2, "value": 1, "fault": 0, "worker": 16, "collector": 8, "buckets": 15}
+BUDGET = 32  # series per stream by default (DESIGN.md)
 
 
 @dataclass(frozen=True)
@@ -18,6 +24,30 @@ class MetricDef:
     help: str
     stale: bool | None = None  # served for streams of a down collector; None: not per stream
     timely: bool = False  # value depends on the wall clock (masked in the golden scrape)
+    per: str = "fleet"  # what one series stands for: see PER (the series budget)
+    n: int = 1  # series per `per`
+    detail: str = ""  # the FleetCollector flag that serves it per stream instead (labels STREAM+)
+
+    @property
+    def detail_labels(self) -> tuple[str, ...]:
+        """Labels with the per-stream opt-in: the stream's, plus the one a worker's series keep."""
+        return (*STREAM, self.labels[-1]) if self.detail else self.labels
+
+    def per_stream(self, detail: bool = False) -> float:
+        """Series per stream in the reference fleet (REFERENCE), by default or with its opt-in."""
+        r = REFERENCE
+        if self.per == "histogram":
+            n = (r["buckets"] + 3) * r["medium"]
+            return float(n) if detail else n / r["worker"]
+        if self.per in ("worker_medium", "worker_type"):
+            n = self.n * (r["medium"] if self.per == "worker_medium" else 1)
+            return float(n) if detail else n / r["worker"]
+        scale = {"stream": 1, "medium": r["medium"], "value": r["value"], "fault": 0}
+        if self.per in scale:
+            return float(self.n * scale[self.per])
+        if self.per in ("worker", "collector"):
+            return self.n / r[self.per]
+        return 0.0
 
     @property
     def family(self) -> str:
@@ -25,6 +55,20 @@ class MetricDef:
         if self.type == "counter" and self.name.endswith("_total"):
             return self.name[: -len("_total")]
         return self.name
+
+
+PER = {
+    "stream": "per stream",
+    "medium": "per stream and storage tier",
+    "value": "per stream and label value seen",
+    "fault": "per stream while the fault lasts",
+    "worker": "per worker, shared by its ranks",
+    "worker_medium": "per worker and storage tier, shared by its ranks",
+    "worker_type": "per worker and event type, shared by its ranks",
+    "histogram": "(buckets + 3) per worker and storage tier, shared by its ranks",
+    "collector": "per collector, shared by its streams",
+    "fleet": "not per stream",
+}
 
 
 def _d(
@@ -35,11 +79,16 @@ def _d(
     *,
     stale: bool | None = None,
     timely: bool = False,
+    per: str | None = None,
+    n: int = 1,
+    detail: str = "",
 ) -> MetricDef:
-    if stale is None and labels[:3] == STREAM:
+    if stale is None and (labels[:3] == STREAM or detail):
         # Counters and histograms are cumulative, so a stale value is still true: serve them.
         stale = typ != "gauge"
-    return MetricDef(name, typ, labels, text, stale, timely)
+    if per is None:
+        per = "stream" if labels[:3] == STREAM else "fleet"
+    return MetricDef(name, typ, labels, text, stale, timely, per, n, detail)
 
 
 CATALOG: tuple[MetricDef, ...] = (
@@ -49,26 +98,35 @@ CATALOG: tuple[MetricDef, ...] = (
     _d("kvobserve_stream_up", "gauge", STREAM,
        "1 while the stream is connected, healthy and its collector reports; 0 otherwise.", stale=True),
     _d("kvobserve_kv_event_batches_total", "counter", STREAM, "KV-event batches applied."),
-    _d("kvobserve_kv_events_total", "counter", (*STREAM, "type"),
-       "KV events by type: stored, removed, cleared (applied); other_group (vLLM side KV-cache groups, set aside)."),
+    _d("kvobserve_kv_events_total", "counter", ("worker_id", "type"),
+       "KV events by type, summed over the worker's ranks: stored, removed, cleared (applied); "
+       "other_group (vLLM side KV-cache groups, set aside).",
+       per="worker_type", n=3, detail="per_stream_counters"),
     # per stream and medium: the block index
-    _d("kvobserve_kv_blocks", "gauge", BLOCK, "Resident blocks in the stream's block index."),
-    _d("kvobserve_kv_tokens", "gauge", BLOCK, "Resident tokens (blocks x block size)."),
-    _d("kvobserve_kv_blocks_stored_total", "counter", BLOCK, "Blocks stored (BlockStored hashes)."),
-    _d("kvobserve_kv_blocks_removed_total", "counter", BLOCK, "Blocks removed (BlockRemoved hashes)."),
+    _d("kvobserve_kv_blocks", "gauge", BLOCK, "Resident blocks in the stream's block index.",
+       per="medium"),
+    _d("kvobserve_kv_tokens", "gauge", BLOCK, "Resident tokens (blocks x block size).",
+       per="medium"),
+    _d("kvobserve_kv_blocks_stored_total", "counter", WORKER_MEDIUM,
+       "Blocks stored (BlockStored hashes); summed over the worker's ranks.",
+       per="worker_medium", detail="per_stream_counters"),
+    _d("kvobserve_kv_blocks_removed_total", "counter", WORKER_MEDIUM,
+       "Blocks removed (BlockRemoved hashes); summed over the worker's ranks.",
+       per="worker_medium", detail="per_stream_counters"),
     _d("kvobserve_kv_capacity_tokens", "gauge", STREAM,
        "KV capacity in tokens, from the worker config or the leader's scheduler metrics."),
     _d("kvobserve_kv_cache_usage_ratio", "gauge", STREAM,
        "GPU-tier resident tokens / capacity; absent while the capacity is unknown."),
-    _d("kvobserve_kv_block_lifetime_seconds", "histogram", BLOCK,
-       "Block lifetime: removal time - store time (engine timestamps)."),
+    _d("kvobserve_kv_block_lifetime_seconds", "histogram", WORKER_MEDIUM,
+       "Block lifetime: removal time - store time (engine timestamps), over the worker's ranks.",
+       per="histogram", detail="per_stream_histograms"),
     # per stream: sequence accounting
     _d("kvobserve_kv_sequence_gaps_total", "counter", STREAM, "Sequence gaps seen (occurrences)."),
     _d("kvobserve_kv_batches_missed_total", "counter", STREAM, "Batches missing in sequence gaps."),
     _d("kvobserve_kv_batches_recovered_total", "counter", STREAM, "Missed batches recovered by replay."),
     _d("kvobserve_kv_batches_lost_total", "counter", STREAM, "Missed batches not recovered."),
     _d("kvobserve_kv_replay_requests_total", "counter", (*STREAM, "result"),
-       "Replay requests sent, by result."),
+       "Replay requests sent, by result.", per="value"),
     _d("kvobserve_kv_publisher_restarts_total", "counter", STREAM,
        "Publisher restarts (sequence fell back); the block index was reset."),
     _d("kvobserve_kv_duplicate_batches_total", "counter", STREAM,
@@ -78,9 +136,10 @@ CATALOG: tuple[MetricDef, ...] = (
     _d("kvobserve_kv_rank_mismatch_batches_total", "counter", STREAM,
        "Batches whose dp rank differs from the rank the port belongs to."),
     _d("kvobserve_kv_unexpected_stream", "gauge", (*STREAM, "endpoint"),
-       "1 while a probed port past the worker's last rank carries events (dp_rank of that port)."),
+       "1 while a probed port past the worker's last rank carries events (dp_rank of that port).",
+       per="fault"),
     _d("kvobserve_kv_decode_errors_total", "counter", (*STREAM, "reason"),
-       "Messages that failed to decode, by reason; skipped."),
+       "Messages that failed to decode, by reason; skipped.", per="value"),
     _d("kvobserve_kv_state_complete", "gauge", STREAM,
        "1 when the block index is known complete; 0 = usage is a lower bound."),
     _d("kvobserve_kv_last_batch_timestamp_seconds", "gauge", STREAM,
@@ -89,20 +148,21 @@ CATALOG: tuple[MetricDef, ...] = (
        "Receive time - engine timestamp of the last batch.", timely=True),
     # fleet: ownership and workers
     _d("kvobserve_dp_rank_owners", "gauge", ("worker_id", "dp_rank"),
-       "Live collectors owning the rank (0 = uncovered, >1 = duplicated)."),
-    _d("kvobserve_worker_dp_size", "gauge", ("worker_id",), "Declared data-parallel size."),
+       "Live collectors owning the rank (0 = uncovered, >1 = duplicated).", per="stream"),
+    _d("kvobserve_worker_dp_size", "gauge", ("worker_id",), "Declared data-parallel size.",
+       per="worker"),
     _d("kvobserve_worker_leaders", "gauge", ("worker_id",),
-       "Live collectors reading the worker's scheduler metrics (should be 1)."),
+       "Live collectors reading the worker's scheduler metrics (should be 1).", per="worker"),
     # collectors
     _d("kvobserve_collector_up", "gauge", ("collector", "node_rank", "hostname"),
-       "1 while the collector's snapshots arrive; 0 after 3 silent intervals."),
+       "1 while the collector's snapshots arrive; 0 after 3 silent intervals.", per="collector"),
     _d("kvobserve_collector_snapshot_age_seconds", "gauge", ("collector",),
-       "Seconds since the collector's last snapshot arrived.", timely=True),
+       "Seconds since the collector's last snapshot arrived.", timely=True, per="collector"),
     _d("kvobserve_collector_start_time_seconds", "gauge", ("collector",),
-       "Start time of the collector process (Unix seconds).", timely=True),
+       "Start time of the collector process (Unix seconds).", timely=True, per="collector"),
     _d("kvobserve_collector_refused_total", "counter", ("collector", "what"),
        "What a cardinality cap refused: streams (max_streams), medium_events (events of a "
-       "storage tier past the per-stream cap), passthrough_samples."),
+       "storage tier past the per-stream cap), passthrough_samples.", per="fault"),
     # leader scheduler metrics
     _d("kvobserve_scheduler_running_requests", "gauge", STREAM, "Running requests of the rank."),
     _d("kvobserve_scheduler_queued_requests", "gauge", STREAM, "Queued requests of the rank."),
@@ -113,7 +173,7 @@ CATALOG: tuple[MetricDef, ...] = (
        "KV capacity in tokens as the scheduler reports it."),
     _d("kvobserve_scheduler_source_errors_total", "counter", ("worker_id", "source", "reason"),
        "Scheduler-source messages the leader could not use (e.g. reason pickle_refused), by "
-       "source (metrics, load, kv_metrics, fpm) and reason."),
+       "source (metrics, load, kv_metrics, fpm) and reason.", per="fault"),
     # the aggregator itself
     _d("kvobserve_aggregator_snapshots_applied_total", "counter", (),
        "Collector snapshots applied to the fleet state."),
@@ -173,11 +233,54 @@ regenerate it with `KVOBSERVE_UPDATE_GOLDEN=1 .venv/bin/pytest tests/unit/test_e
 """
 
 
+_BUDGET = """
+## Series budget
+
+At most {budget} series per stream by default (DESIGN.md). Block counters, event counters and
+block-lifetime histograms are the bulk of a stream's series and are rarely read per rank, so they
+are summed over the worker's ranks by default (labels `worker_id` plus `medium` or `type`;
+stale streams' values included, a clash counted once). The aggregator's options
+`per_stream_histograms` and `per_stream_counters` (`create_app`/`FleetCollector` keyword
+arguments) serve them per stream instead, with the stream's labels. A per-worker sum drops when
+one of its streams' collectors restarts; `rate()` reads that as a counter reset, as for any
+restarted exporter.
+
+Series per stream of each family in the reference fleet: every stream with {medium} storage tiers
+(e.g. `GPU`, `CPU_PINNED`), one replay result and one decode-error reason seen, the worker's
+{worker} ranks spread over collectors of {collector} streams, {buckets} lifetime buckets.
+`tests/unit/test_series_budget.py` renders such a fleet and checks this table against it.
+
+| name | one series | per stream | per stream with the opt-in |
+|---|---|---|---|
+"""
+
+
+def _num(x: float) -> str:
+    return f"{x:.3f}".rstrip("0").rstrip(".")
+
+
+def reference_total(detail: bool = False) -> float:
+    """Series per stream of the reference fleet, summed over the catalog."""
+    return sum(m.per_stream(detail) for m in CATALOG)
+
+
 def render_docs() -> str:
     """docs/metrics.md, generated from CATALOG."""
     rows = []
     for m in CATALOG:
         labels = ", ".join(f"`{lb}`" for lb in m.labels) or "-"
+        if m.detail:
+            labels += (
+                f" (with `{m.detail}`: " + ", ".join(f"`{lb}`" for lb in m.detail_labels) + ")"
+            )
         stale = "-" if m.stale is None else "yes" if m.stale else "no"
         rows.append(f"| `{m.name}` | {m.type} | {labels} | {stale} | {m.help} |\n")
-    return _HEADER + "".join(rows)
+    budget = [_BUDGET.format(budget=BUDGET, **REFERENCE)]
+    for m in CATALOG:
+        if m.per == "fleet":
+            continue
+        opt = _num(m.per_stream(True)) if m.detail else ""
+        budget.append(f"| `{m.name}` | {PER[m.per]} | {_num(m.per_stream())} | {opt} |\n")
+    total, detailed = reference_total(), reference_total(True)
+    budget.append(f"| **total** | | **{_num(total)}** | {_num(detailed)} (both options) |\n")
+    return _HEADER + "".join(rows) + "".join(budget)

@@ -15,7 +15,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
-from kvobserve.export.catalog import CATALOG
+from kvobserve.export.catalog import BY_NAME, CATALOG
 from kvobserve.wire.snapshot import Histogram
 
 
@@ -24,7 +24,14 @@ class MetricFamilies:
 
     def __init__(self) -> None:
         self.metrics = {m.name: Metric(m.family, m.help, m.type) for m in CATALOG}
-        self._seen: set[tuple[str, tuple[str, ...]]] = set()
+        self._seen: set[tuple[object, ...]] = set()
+
+    def fresh(self, key: tuple[object, ...]) -> bool:
+        """True the first time `key` (a series folded into a per-worker sum) is seen."""
+        if key in self._seen:
+            return False
+        self._seen.add(key)
+        return True
 
     def add(self, name: str, labels: dict[str, str], value: float) -> None:
         """One sample of a catalog family; counters get their _total suffix here."""
@@ -59,6 +66,8 @@ class Sink(Protocol):
 
     def histogram(self, name: str, labels: dict[str, str], h: Histogram) -> None: ...
 
+    def fresh(self, key: tuple[object, ...]) -> bool: ...
+
 
 _SPECIAL = re.compile(r'[\\\n"]')
 
@@ -90,8 +99,11 @@ def _labelstr(labels: Mapping[str, str]) -> str:
 def format_value(v: float) -> str:
     """A sample value exactly as floatToGoString writes it."""
     # floatToGoString(int) is repr(float(v)) below a million: skip the float round trip
-    if type(v) is int and -1_000_000 < v < 1_000_000:
+    t = type(v)
+    if t is int and -1_000_000 < v < 1_000_000:
         return f"{v}.0"
+    if t is float and -1_000_000.0 < v < 1_000_000.0:
+        return repr(v)  # Go's exponent form only starts at a million (NaN fails the test)
     return floatToGoString(v)
 
 
@@ -107,11 +119,19 @@ class TextFamilies:
     the scrape) and a histogram's labels once for all its buckets.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, seen: set[tuple[object, ...]] | None = None) -> None:
         self.lines: dict[str, list[str]] = {m.name: [] for m in CATALOG}
-        self._seen: set[tuple[str, str]] = set()
+        # shared by the collectors of a label clash, so the first copy wins across them
+        self._seen: set[tuple[object, ...]] = set() if seen is None else seen
         self._cache: dict[int, tuple[Mapping[str, str], str]] = {}  # keeps the dicts alive
         self._le: dict[float, str] = {}
+
+    def fresh(self, key: tuple[object, ...]) -> bool:
+        """True the first time `key` (a series folded into a per-worker sum) is seen."""
+        if key in self._seen:
+            return False
+        self._seen.add(key)
+        return True
 
     def _labels(self, labels: Mapping[str, str]) -> str:
         hit = self._cache.get(id(labels))
@@ -164,6 +184,10 @@ class TextFamilies:
         out.append(f"{name}_count{ls} {top}\n")
         out.append(f"{name}_sum{ls} {format_value(h.sum)}\n")
 
+    def chunks(self) -> dict[str, bytes]:
+        """The sample lines of each family that has any, as bytes."""
+        return {name: "".join(lines).encode() for name, lines in self.lines.items() if lines}
+
     def text(self, openmetrics: bool) -> tuple[str, set[str]]:
         """(the families with samples as text, their prometheus_client family names)."""
         out: list[str] = []
@@ -173,14 +197,19 @@ class TextFamilies:
             if not lines:
                 continue
             names.add(m.family)
-            if openmetrics:
-                doc = m.help.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
-                out.append(f"# HELP {m.family} {doc}\n# TYPE {m.family} {m.type}\n")
-            else:
-                doc = m.help.replace("\\", r"\\").replace("\n", r"\n")
-                out.append(f"# HELP {m.name} {doc}\n# TYPE {m.name} {m.type}\n")
+            out.append(header(m.name, openmetrics))
             out.extend(lines)
         return "".join(out), names
+
+
+def header(name: str, openmetrics: bool) -> str:
+    """A family's `# HELP` and `# TYPE` lines as prometheus_client writes them."""
+    m = BY_NAME[name]
+    if openmetrics:
+        doc = m.help.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+        return f"# HELP {m.family} {doc}\n# TYPE {m.family} {m.type}\n"
+    doc = m.help.replace("\\", r"\\").replace("\n", r"\n")
+    return f"# HELP {m.name} {doc}\n# TYPE {m.name} {m.type}\n"
 
 
 def _sample_line(s: Sample) -> str:

@@ -9,8 +9,10 @@ import hmac
 import json
 import ssl
 import time
+import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from aiohttp import web
@@ -21,10 +23,12 @@ from prometheus_client.metrics_core import Metric
 from kvobserve.config import split_host_port
 from kvobserve.export import api, status_page
 from kvobserve.export.prometheus import ExtraProvider, FleetCollector, ViewProvider
+from kvobserve.export.scrape import GZIP_LEVEL, ScrapeCache
 
 MAX_REQUEST_BYTES = 4096
 REGISTRY = web.AppKey("registry", CollectorRegistry)
 FLEET = web.AppKey("fleet", FleetCollector)
+CACHE = web.AppKey("scrape_cache", object)  # ScrapeCache, or None: render every scrape afresh
 VIEW = web.AppKey("view", object)  # ViewProvider; AppKey wants a runtime type
 READY = web.AppKey("ready", object)
 AUTH = web.AppKey("auth", object)
@@ -68,20 +72,53 @@ def _fast_format(content_type: str) -> bool | None:
     return None
 
 
+def accepts_gzip(header: str) -> bool:
+    """Whether an Accept-Encoding header allows gzip (q=0 refuses it; `*` allows it)."""
+    allowed: dict[str, bool] = {}
+    for item in header.split(","):
+        name, _, params = item.strip().partition(";")
+        q = 1.0
+        for p in params.split(";"):
+            key, _, val = p.strip().partition("=")
+            if key.strip().lower() == "q":
+                try:
+                    q = float(val)
+                except ValueError:
+                    q = 0.0
+        allowed[name.strip().lower()] = q > 0
+    return allowed.get("gzip", allowed.get("x-gzip", allowed.get("*", False)))
+
+
 async def _metrics(request: web.Request) -> web.Response:
     encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
+    gzip = accepts_gzip(request.headers.get("Accept-Encoding", ""))
     # The view and the extras are taken on the loop (the fleet state is only touched there);
     # rendering works on that immutable view, so it runs off the loop. The catalog families
-    # are rendered by our own writer (same bytes; ~10x faster at 1,024 streams, see
-    # docs/performance.md), other variants by prometheus_client.
+    # come from per-collector text kept until the collector's next snapshot (export/scrape.py,
+    # same bytes, docs/performance.md); other format variants are prometheus_client's.
     openmetrics = _fast_format(content_type)
-    if openmetrics is None:
-        collected = _Collected(list(request.app[REGISTRY].collect()))
-        body = await asyncio.to_thread(encoder, collected)
+    fleet: FleetCollector = request.app[FLEET]
+    cache: ScrapeCache | None = request.app[CACHE]  # type: ignore[assignment]
+    if openmetrics is not None and cache is not None:
+        view, extra = fleet.take()
+        body = await asyncio.to_thread(cache.render, view, extra, encoder, openmetrics, gzip)
     else:
-        render = request.app[FLEET].exposition(encoder, openmetrics)
+        render: Callable[[], bytes]
+        if openmetrics is None:
+            render = partial(encoder, _Collected(list(request.app[REGISTRY].collect())))
+        else:
+            render = fleet.exposition(encoder, openmetrics)
+        if gzip:
+            render = partial(_gzipped, render)
         body = await asyncio.to_thread(render)
-    return web.Response(body=body, headers={"Content-Type": content_type})
+    headers = {"Content-Type": content_type, "Vary": "Accept-Encoding"}
+    if gzip:
+        headers["Content-Encoding"] = "gzip"
+    return web.Response(body=body, headers=headers)
+
+
+def _gzipped(render: Callable[[], bytes]) -> bytes:
+    return zlib.compress(render(), GZIP_LEVEL, wbits=31)
 
 
 async def _healthz(request: web.Request) -> web.Response:
@@ -164,17 +201,31 @@ def create_app(
     basic_auth: tuple[str, str] | None = None,
     ready: Callable[[], bool] | None = None,
     refresh_s: float = 5.0,
+    per_stream_histograms: bool = False,
+    per_stream_counters: bool = False,
+    scrape_cache: bool = True,
 ) -> web.Application:
-    """The aiohttp application; `ready` defaults to "at least one collector snapshot"."""
+    """The aiohttp application; `ready` defaults to "at least one collector snapshot".
+
+    `per_stream_histograms`/`per_stream_counters` serve block lifetimes and block/event
+    counters per stream instead of per worker (docs/metrics.md, series budget);
+    `scrape_cache=False` renders every scrape afresh (the renderer before the cache).
+    """
     middlewares: list[Any] = [_limits]
     if basic_auth is not None:
         middlewares.append(_auth_middleware(*basic_auth))
     app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=middlewares)
     registry = CollectorRegistry(auto_describe=False)
-    fleet = FleetCollector(view_provider, extra_metrics)
+    fleet = FleetCollector(
+        view_provider,
+        extra_metrics,
+        per_stream_histograms=per_stream_histograms,
+        per_stream_counters=per_stream_counters,
+    )
     registry.register(fleet)
     app[REGISTRY] = registry
     app[FLEET] = fleet
+    app[CACHE] = ScrapeCache(fleet.detail) if scrape_cache else None
     app[VIEW] = view_provider
     app[READY] = ready
     app[REFRESH] = float(refresh_s)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import gzip
 import shutil
 import ssl
 import subprocess
+import urllib.request
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -13,7 +16,14 @@ import aiohttp
 import pytest
 
 from kvobserve.analysis.fleet import FleetState
-from kvobserve.export.server import HttpServer, create_app, make_ssl_context, parse_listen, serve
+from kvobserve.export.server import (
+    HttpServer,
+    accepts_gzip,
+    create_app,
+    make_ssl_context,
+    parse_listen,
+    serve,
+)
 from kvobserve.wire.snapshot import CollectorInfo, Snapshot, StreamStats, WorkerInfo
 from tests.certs import self_signed
 from tests.unit.test_export_fleet import NOW, rich_state
@@ -52,6 +62,59 @@ async def test_metrics_text_and_openmetrics(rich: tuple[HttpServer, FleetState])
     status, headers, body = await _get(f"{srv.url}/metrics", headers={"Accept": accept})
     assert headers["Content-Type"].startswith("application/openmetrics-text")
     assert body.endswith("# EOF\n")
+
+
+def _raw(url: str, headers: dict[str, str]) -> tuple[dict[str, str], bytes]:
+    """GET without any decoding of the body (aiohttp's client would gunzip it)."""
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as r:
+        return dict(r.headers), r.read()
+
+
+@pytest.mark.parametrize("accept", ["", "application/openmetrics-text; version=1.0.0"])
+async def test_metrics_gzip_when_asked(rich: tuple[HttpServer, FleetState], accept: str) -> None:
+    srv, _ = rich
+    url = f"{srv.url}/metrics"
+    plain_h, plain = await asyncio.to_thread(_raw, url, {"Accept": accept})
+    assert "Content-Encoding" not in plain_h and plain_h["Vary"] == "Accept-Encoding"
+    for enc in ("gzip", "deflate, gzip;q=1.0, *;q=0.5", "*"):  # what Prometheus and curl send
+        headers, packed = await asyncio.to_thread(
+            _raw, url, {"Accept": accept, "Accept-Encoding": enc}
+        )
+        assert headers["Content-Encoding"] == "gzip", enc
+        assert gzip.decompress(packed) == plain
+        assert len(packed) < len(plain)
+    for enc in ("gzip;q=0", "identity", "br"):
+        headers, body = await asyncio.to_thread(
+            _raw, url, {"Accept": accept, "Accept-Encoding": enc}
+        )
+        assert "Content-Encoding" not in headers and body == plain, enc
+
+
+async def test_metrics_uncached_renderer_serves_the_same(
+    rich: tuple[HttpServer, FleetState],
+) -> None:
+    srv, state = rich
+    old = await _start(state, scrape_cache=False)
+    try:
+        for enc in ("", "gzip"):
+            _, new_body = await asyncio.to_thread(
+                _raw, f"{srv.url}/metrics", {"Accept-Encoding": enc}
+            )
+            _, old_body = await asyncio.to_thread(
+                _raw, f"{old.url}/metrics", {"Accept-Encoding": enc}
+            )
+            if enc:
+                new_body, old_body = gzip.decompress(new_body), gzip.decompress(old_body)
+            assert new_body == old_body
+    finally:
+        await old.close()
+
+
+def test_accepts_gzip() -> None:
+    assert accepts_gzip("gzip") and accepts_gzip("GZip, deflate") and accepts_gzip("*")
+    assert accepts_gzip("x-gzip") and accepts_gzip("gzip;q=0.1")
+    assert not accepts_gzip("") and not accepts_gzip("gzip;q=0") and not accepts_gzip("br")
+    assert not accepts_gzip("*, gzip;q=0") and not accepts_gzip("gzip;q=bogus")
 
 
 async def test_metrics_follow_the_state_at_scrape_time(rich: tuple[HttpServer, FleetState]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 
@@ -68,6 +69,15 @@ def test_scale_snapshot_round_trips_and_renders() -> None:
         fs.update(snap, now)
     body = FleetCollector(lambda: fs.view(now)).exposition(generate_latest)()
     assert body.count(b"\nkvobserve_stream_up{") == 16
+
+
+def test_scale_short_run_measures_both_renderers(tmp_path: Path) -> None:
+    figs = asyncio.run(scale.run(2, 2, cold=1, warm=1, idle_s=0.2, workdir=tmp_path))
+    old, new = figs[4]
+    for f in (old, new):
+        assert f.streams == 4 and all(len(t) == 1 for t in f.times.values())
+        assert 0 < f.gzip_bytes < f.plain_bytes
+    assert old.samples > new.samples  # per-stream counters and histograms only in the old one
 
 
 def test_e2e_payload_decodes_as_one_stored_event() -> None:

@@ -279,3 +279,32 @@ def test_promql_parses(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"SUCCESS: {len(rules)} rules found" in proc.stdout
+
+
+_SELECTOR = re.compile(r"\b(kvobserve_[a-z_]+)\{([^}]*)\}")
+
+
+def _matched_labels(expr: str) -> Iterator[tuple[str, set[str]]]:
+    """(metric, label names its matchers use) for every kvobserve selector in `expr`."""
+    for m in _SELECTOR.finditer(expr):
+        yield m.group(1), set(re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", m.group(2)))
+
+
+@pytest.mark.parametrize("name", sorted(UIDS))
+def test_matchers_name_labels_the_family_has(name: str) -> None:
+    """A matcher on a label the series lacks matches nothing once a filter is set."""
+    for expr in _exprs(_load(name)):
+        for metric, labels in _matched_labels(expr):
+            family = BY_NAME.get(metric) or BY_NAME.get(re.sub(r"_(bucket|sum|count)$", "", metric))
+            if family is None:
+                continue  # a pending addition, checked by test_metric_names_in_catalog
+            allowed = {*family.labels, "job", "instance", "le"}
+            assert labels <= allowed, f"{name}: {metric} has no {labels - allowed} in {expr}"
+
+
+def test_matched_labels_extraction() -> None:
+    expr = 'sum(rate(kvobserve_kv_events_total{job=~"$job", type!="x"}[5m])) / kvobserve_stream_up{a="b"}'
+    assert list(_matched_labels(expr)) == [
+        ("kvobserve_kv_events_total", {"job", "type"}),
+        ("kvobserve_stream_up", {"a"}),
+    ]

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import gzip
 import os
 import re
 from pathlib import Path
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.openmetrics.exposition import generate_latest as om_generate_latest
 
 from kvobserve import __version__
 from kvobserve.export.catalog import CATALOG
 from kvobserve.export.prometheus import FleetCollector
+from kvobserve.export.scrape import ScrapeCache
 from tests.unit.test_export_fleet import rich_view
 
 GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "golden" / "metrics.txt"
@@ -41,3 +45,24 @@ def test_scrape_matches_golden_file() -> None:
         "KVOBSERVE_UPDATE_GOLDEN=1 .venv/bin/pytest tests/unit/test_export_golden.py"
     )
     assert "MASKED" in got  # the masks apply to something
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_cached_scrape_matches_golden_file(packed: bool) -> None:
+    view = rich_view()
+    cache = ScrapeCache()
+    for _ in range(2):  # rendered, then from the cache
+        body = cache.render(view, [], generate_latest, False, packed)
+        text = gzip.decompress(body) if packed else body
+        assert golden_text(text.decode()) == GOLDEN.read_text()
+
+
+def test_cached_openmetrics_scrape_is_prometheus_clients() -> None:
+    view = rich_view()
+    r = CollectorRegistry()
+    r.register(FleetCollector(lambda: view))
+    want = om_generate_latest(r)
+    cache = ScrapeCache()
+    assert cache.render(view, [], om_generate_latest, True) == want
+    assert gzip.decompress(cache.render(view, [], om_generate_latest, True, True)) == want
+    assert want.endswith(b"# EOF\n") and want.count(b"# EOF") == 1

@@ -11,6 +11,7 @@ from kvobserve import __version__
 from kvobserve.analysis.fleet import FleetState, FleetView
 from kvobserve.export.catalog import CATALOG
 from kvobserve.export.prometheus import FleetCollector, aggregator_metrics, catalog_metric
+from kvobserve.export.samples import EVENT_TYPES
 from tests.unit.test_export_fleet import NOW, rich_state, rich_view
 
 S0 = {"worker_id": "sglang-a", "node_rank": "0", "dp_rank": "0"}
@@ -22,6 +23,15 @@ def reg() -> CollectorRegistry:
     r = CollectorRegistry()
     view = rich_view()
     r.register(FleetCollector(lambda: view))
+    return r
+
+
+@pytest.fixture(scope="module")
+def detailed() -> CollectorRegistry:
+    """The rich fleet with per-stream counters and histograms (the opt-in)."""
+    r = CollectorRegistry()
+    view = rich_view()
+    r.register(FleetCollector(lambda: view, per_stream_histograms=True, per_stream_counters=True))
     return r
 
 
@@ -56,24 +66,58 @@ def test_stream_series_of_a_live_stream(reg: CollectorRegistry) -> None:
     }
     got = {name: val(reg, name, **S0) for name in expected}
     assert got == expected
-    for typ, n in (("stored", 80), ("removed", 15), ("cleared", 5)):
-        assert val(reg, "kvobserve_kv_events_total", **S0, type=typ) == n
+    assert val(reg, "kvobserve_kv_events_total", **S0, type="stored") is None  # per worker
     assert val(reg, "kvobserve_kv_replay_requests_total", **S0, result="timeout") == 1
     assert val(reg, "kvobserve_kv_decode_errors_total", **S0, reason="msgpack") == 3
 
 
-def test_block_series_by_medium(reg: CollectorRegistry) -> None:
+def test_block_series_by_medium(reg: CollectorRegistry, detailed: CollectorRegistry) -> None:
     gpu, cpu = {**S0, "medium": "GPU"}, {**S0, "medium": "CPU"}
-    assert [val(reg, "kvobserve_kv_blocks", **m) for m in (gpu, cpu)] == [10, 4]
-    assert [val(reg, "kvobserve_kv_tokens", **m) for m in (gpu, cpu)] == [160, 64]
-    assert [val(reg, "kvobserve_kv_blocks_stored_total", **m) for m in (gpu, cpu)] == [50, 6]
-    assert [val(reg, "kvobserve_kv_blocks_removed_total", **m) for m in (gpu, cpu)] == [40, 2]
+    for r in (reg, detailed):
+        assert [val(r, "kvobserve_kv_blocks", **m) for m in (gpu, cpu)] == [10, 4]
+        assert [val(r, "kvobserve_kv_tokens", **m) for m in (gpu, cpu)] == [160, 64]
+    r = detailed
+    assert [val(r, "kvobserve_kv_blocks_stored_total", **m) for m in (gpu, cpu)] == [50, 6]
+    assert [val(r, "kvobserve_kv_blocks_removed_total", **m) for m in (gpu, cpu)] == [40, 2]
+    for typ, n in (("stored", 80), ("removed", 15), ("cleared", 5)):
+        assert val(r, "kvobserve_kv_events_total", **S0, type=typ) == n
     h = "kvobserve_kv_block_lifetime_seconds"
-    buckets = [val(reg, f"{h}_bucket", **gpu, le=le) for le in ("1.0", "10.0", "+Inf")]
+    buckets = [val(r, f"{h}_bucket", **gpu, le=le) for le in ("1.0", "10.0", "+Inf")]
     assert buckets == [3, 7, 9]
-    assert val(reg, f"{h}_count", **gpu) == 9
-    assert val(reg, f"{h}_sum", **gpu) == 42.5
-    assert val(reg, f"{h}_count", **cpu) is None  # no histogram for CPU in the snapshot
+    assert val(r, f"{h}_count", **gpu) == 9
+    assert val(r, f"{h}_sum", **gpu) == 42.5
+    assert val(r, f"{h}_count", **cpu) is None  # no histogram for CPU in the snapshot
+    assert val(reg, f"{h}_count", **gpu) is None  # by default: per worker
+
+
+def test_worker_sums_by_default(reg: CollectorRegistry) -> None:
+    # sglang-a: node-0 ranks 0 and 1, node-1 ranks 1 and 2, the stale node-2's rank 3.
+    w = {"worker_id": "sglang-a"}
+    got = [val(reg, "kvobserve_kv_events_total", **w, type=t) for t in EVENT_TYPES]
+    assert got == [80 + 40 + 10 + 20 + 45, 15 + 5, 5]
+    assert val(reg, "kvobserve_kv_events_total", worker_id="vllm-b", type="stored") == 7
+    stored = [val(reg, "kvobserve_kv_blocks_stored_total", **w, medium=m) for m in ("GPU", "CPU")]
+    assert stored == [50 + 8 + 1 + 2 + 9, 6]
+    removed = [val(reg, "kvobserve_kv_blocks_removed_total", **w, medium=m) for m in ("GPU", "CPU")]
+    assert removed == [40 + 4, 2]
+    h, gpu = "kvobserve_kv_block_lifetime_seconds", {**w, "medium": "GPU"}
+    buckets = [val(reg, f"{h}_bucket", **gpu, le=le) for le in ("1.0", "10.0", "+Inf")]
+    assert buckets == [3 + 1, 7 + 4, 9 + 4]  # node-2 is down; cumulative values still count
+    assert val(reg, f"{h}_sum", **gpu) == 42.5 + 8.0
+    assert val(reg, f"{h}_count", **w, medium="CPU") is None
+
+
+def test_a_repeated_stream_is_summed_once() -> None:
+    # node-1 claims node_rank 0 too: its copy of rank 1 is the same stream as node-0's.
+    state = rich_state()
+    state._entries["node-1"].snapshot.collector.node_rank = 0
+    view = state.view(NOW)
+    r = CollectorRegistry()
+    r.register(FleetCollector(lambda: view))
+    got = r.get_sample_value(
+        "kvobserve_kv_events_total", {"worker_id": "sglang-a", "type": "stored"}
+    )
+    assert got == 80 + 40 + 20 + 45  # node-1's rank 1 (10) lost the clash; its rank 2 counts
 
 
 def test_configured_capacity_wins_over_scheduler(reg: CollectorRegistry) -> None:
@@ -82,12 +126,14 @@ def test_configured_capacity_wins_over_scheduler(reg: CollectorRegistry) -> None
     assert val(reg, "kvobserve_kv_cache_usage_ratio", **v0) == 0.24
 
 
-def test_stale_stream_keeps_counters_and_drops_gauges(reg: CollectorRegistry) -> None:
+def test_stale_stream_keeps_counters_and_drops_gauges(
+    reg: CollectorRegistry, detailed: CollectorRegistry
+) -> None:
     assert val(reg, "kvobserve_stream_up", **S3) == 0
     assert val(reg, "kvobserve_kv_event_batches_total", **S3) == 50
     assert val(reg, "kvobserve_kv_batches_lost_total", **S3) == 4
-    assert val(reg, "kvobserve_kv_blocks_stored_total", **S3, medium="GPU") == 9
-    assert val(reg, "kvobserve_kv_block_lifetime_seconds_count", **S3, medium="GPU") == 4
+    assert val(detailed, "kvobserve_kv_blocks_stored_total", **S3, medium="GPU") == 9
+    assert val(detailed, "kvobserve_kv_block_lifetime_seconds_count", **S3, medium="GPU") == 4
     info = {**S3, "engine": "sglang", "endpoint": "tcp://10.0.0.7:5560", "topic": "kv-events"}
     assert val(reg, "kvobserve_stream_info", **info, collector="node-2") == 1
     for gauge in (

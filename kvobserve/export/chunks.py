@@ -1,0 +1,292 @@
+"""One collector's sample lines, written directly: the same text export/samples.py produces.
+
+A chunk depends only on the collector's snapshot, whether it is up, and each stream's capacity
+(joined from another collector's scheduler data); export/scrape.py keys its cache on exactly
+that. A collector whose own label sets repeat is left to the reference writer (None here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client.utils import floatToGoString
+
+from kvobserve import __version__
+from kvobserve.analysis.fleet import CollectorView, FleetView, StreamView
+from kvobserve.export.exposition import TextFamilies, _escape, format_value
+from kvobserve.export.rollup import COUNTER_LABEL, LIFETIME, WorkerSums
+from kvobserve.export.samples import EVENT_TYPES, SCHEDULER_FIELDS, Detail, Group
+
+Claims = frozenset[tuple[str, ...]]
+
+
+@dataclass
+class Chunk:
+    """A collector's sample lines per family, its per-worker sums and the label sets it claims."""
+
+    text: dict[str, bytes]
+    sums: WorkerSums
+    claims: Claims
+    gz: dict[str, bytes] = field(default_factory=dict)  # family -> deflate segment, when asked
+
+
+_ESC: dict[str, str] = {}
+
+
+def _e(value: str) -> str:
+    """`_escape`, memoised: the same few worker ids, media and reasons come back every scrape."""
+    out = _ESC.get(value)
+    if out is None:
+        if len(_ESC) > 100_000:
+            _ESC.clear()
+        out = _ESC[value] = _escape(value)
+    return out
+
+
+def claims(c: CollectorView, g: Group) -> tuple[Claims, bool]:
+    """(the label sets its samples can share with another collector's, whether none repeats)."""
+    node = str(c.info.node_rank)
+    streams = {("s", s.stats.worker_id, node, str(s.stats.dp_rank)) for s in g.streams}
+    sched = {("s", x.worker_id, node, str(x.dp_rank)) for x in g.scheduler}
+    unexpected = {(u.worker_id, u.dp_rank, u.endpoint) for u in g.unexpected}
+    errors = {("e", e.worker_id, e.source, e.reason) for e in c.snapshot.scheduler_errors}
+    clean = (
+        len(streams) == len(g.streams)
+        and len(sched) == len(g.scheduler)
+        and len(unexpected) == len(g.unexpected)
+        and len(errors) == len(c.snapshot.scheduler_errors)
+        and all(len({m.medium for m in s.stats.media}) == len(s.stats.media) for s in g.streams)
+    )
+    extra = {("s", w, node, str(r)) for w, r, _ in unexpected}
+    return frozenset(streams | sched | errors | extra), clean
+
+
+class _Lines:
+    """Sample lines per family, in the order they are added."""
+
+    __slots__ = ("out",)
+
+    def __init__(self) -> None:
+        self.out: dict[str, list[str]] = {}
+
+    def __call__(self, name: str, labels: str, value: str) -> None:
+        """One line: `labels` is the `{...}` text and its trailing space."""
+        lines = self.out.get(name)
+        if lines is None:
+            lines = self.out[name] = []
+        lines.append(f"{name}{labels}{value}\n")
+
+
+def render(c: CollectorView, g: Group, detail: Detail) -> Chunk | None:
+    """The collector's chunk, or None when the reference writer must handle it."""
+    cl, clean = claims(c, g)
+    if not clean:
+        return None
+    fv = format_value
+    i = c.info
+    node = str(i.node_rank)
+    cid = _e(i.collector_id)
+    add = _Lines()
+    up = f'{{collector="{cid}",hostname="{_e(i.hostname)}",node_rank="{node}"}} '
+    add("kvobserve_collector_up", up, "1.0" if c.up else "0.0")
+    if i.start_time > 0:
+        add("kvobserve_collector_start_time_seconds", f'{{collector="{cid}"}} ', fv(i.start_time))
+    for e in c.snapshot.scheduler_errors:
+        ls = f'{{reason="{_e(e.reason)}",source="{_e(e.source)}",worker_id="{_e(e.worker_id)}"}} '
+        add("kvobserve_scheduler_source_errors_total", ls, fv(e.count))
+    for what, n in sorted(c.snapshot.refused.items()):
+        add("kvobserve_collector_refused_total", f'{{collector="{cid}",what="{_e(what)}"}} ', fv(n))
+    sums = WorkerSums()
+    hist = TextFamilies() if detail.histograms else None
+    rows = [_stream(s, node, sums, detail, hist) for s in g.streams]
+    for u in g.unexpected:
+        ls = (
+            f'{{dp_rank="{u.dp_rank}",endpoint="{_e(u.endpoint)}",node_rank="{node}",'
+            f'worker_id="{_e(u.worker_id)}"}} '
+        )
+        add("kvobserve_kv_unexpected_stream", ls, "1.0" if u.active else "0.0")
+    for sch in g.scheduler:
+        ls = f'{{dp_rank="{sch.dp_rank}",node_rank="{node}",worker_id="{_e(sch.worker_id)}"}} '
+        for attr, name in SCHEDULER_FIELDS:
+            val = getattr(sch, attr)
+            if val is not None:
+                add(name, ls, fv(val))
+    text = {name: "".join(lines).encode() for name, lines in add.out.items()}
+    for name, column in zip(STREAM_FAMILIES, zip(*rows, strict=True), strict=False):
+        joined = "".join(column)
+        if joined:
+            text[name] = joined.encode()
+    if hist is not None and hist.lines[LIFETIME]:
+        text[LIFETIME] = "".join(hist.lines[LIFETIME]).encode()
+    return Chunk(text, sums, cl)
+
+
+# The families of one stream's row, in the order _stream returns them.
+STREAM_FAMILIES = (
+    "kvobserve_stream_info",
+    "kvobserve_stream_up",
+    "kvobserve_kv_event_batches_total",
+    "kvobserve_kv_events_total",
+    "kvobserve_kv_sequence_gaps_total",
+    "kvobserve_kv_batches_missed_total",
+    "kvobserve_kv_batches_recovered_total",
+    "kvobserve_kv_batches_lost_total",
+    "kvobserve_kv_replay_requests_total",
+    "kvobserve_kv_publisher_restarts_total",
+    "kvobserve_kv_duplicate_batches_total",
+    "kvobserve_kv_rank_mismatch_batches_total",
+    "kvobserve_kv_decode_errors_total",
+    "kvobserve_kv_blocks_stored_total",
+    "kvobserve_kv_blocks_removed_total",
+    "kvobserve_kv_blocks",
+    "kvobserve_kv_tokens",
+    "kvobserve_kv_capacity_tokens",
+    "kvobserve_kv_cache_usage_ratio",
+    "kvobserve_kv_duplicate_stream",
+    "kvobserve_kv_state_complete",
+    "kvobserve_kv_last_batch_timestamp_seconds",
+    "kvobserve_kv_event_lag_seconds",
+)
+
+
+def _stream(
+    sv: StreamView, node: str, sums: WorkerSums, detail: Detail, hist: TextFamilies | None
+) -> tuple[str, ...]:
+    """One stream's lines, one string per STREAM_FAMILIES entry ("" when it has none).
+
+    Mirrors samples.stream; tests hold the two to the same bytes. A row of f-strings and one
+    transpose per collector costs a fraction of a function call per line.
+    """
+    fv = format_value
+    st = sv.stats
+    w, ew, r = st.worker_id, _e(st.worker_id), st.dp_rank
+    ls = f'{{dp_rank="{r}",node_rank="{node}",worker_id="{ew}"}} '
+    info = (
+        f'kvobserve_stream_info{{collector="{_e(sv.collector.collector_id)}",dp_rank="{r}",'
+        f'endpoint="{_e(st.endpoint)}",engine="{_e(st.engine)}",node_rank="{node}",'
+        f'topic="{_e(st.topic)}",worker_id="{ew}"}} 1.0\n'
+    )
+    events = st.events
+    types = [*EVENT_TYPES, *sorted(t for t in events if t not in EVENT_TYPES)]
+    ev = stored = removed = ""
+    if detail.counters:
+        ev = "".join(
+            f'kvobserve_kv_events_total{{dp_rank="{r}",node_rank="{node}",type="{_e(t)}",'
+            f'worker_id="{ew}"}} {fv(events.get(t, 0))}\n'
+            for t in types
+        )
+    else:
+        for t in types:
+            sums.counter("kvobserve_kv_events_total", w, t, events.get(t, 0))
+    replay = "".join(
+        f'kvobserve_kv_replay_requests_total{{dp_rank="{r}",node_rank="{node}",'
+        f'result="{_e(k)}",worker_id="{ew}"}} {fv(n)}\n'
+        for k, n in sorted(st.replay_requests.items())
+    )
+    decode = "".join(
+        f'kvobserve_kv_decode_errors_total{{dp_rank="{r}",node_rank="{node}",'
+        f'reason="{_e(k)}",worker_id="{ew}"}} {fv(n)}\n'
+        for k, n in sorted(st.decode_errors.items())
+    )
+    media = [
+        (m, f'{{dp_rank="{r}",medium="{_e(m.medium)}",node_rank="{node}",worker_id="{ew}"}} ')
+        for m in st.media
+    ]
+    if detail.counters:
+        stored = "".join(
+            f"kvobserve_kv_blocks_stored_total{ml}{fv(m.stored_total)}\n" for m, ml in media
+        )
+        removed = "".join(
+            f"kvobserve_kv_blocks_removed_total{ml}{fv(m.removed_total)}\n" for m, ml in media
+        )
+    for m in st.media:
+        if not detail.counters:
+            sums.counter("kvobserve_kv_blocks_stored_total", w, m.medium, m.stored_total)
+            sums.counter("kvobserve_kv_blocks_removed_total", w, m.medium, m.removed_total)
+        if m.lifetime is None:
+            continue
+        if hist is not None:
+            labels = {"worker_id": w, "node_rank": node, "dp_rank": str(r), "medium": m.medium}
+            hist.histogram(LIFETIME, labels, m.lifetime)
+        else:
+            sums.histogram(w, m.medium, m.lifetime)
+    head = (
+        info,
+        f"kvobserve_stream_up{ls}{'1.0' if sv.up else '0.0'}\n",
+        f"kvobserve_kv_event_batches_total{ls}{fv(st.batches_total)}\n",
+        ev,
+        f"kvobserve_kv_sequence_gaps_total{ls}{fv(st.gaps)}\n",
+        f"kvobserve_kv_batches_missed_total{ls}{fv(st.missed)}\n",
+        f"kvobserve_kv_batches_recovered_total{ls}{fv(st.recovered)}\n",
+        f"kvobserve_kv_batches_lost_total{ls}{fv(st.lost)}\n",
+        replay,
+        f"kvobserve_kv_publisher_restarts_total{ls}{fv(st.restarts)}\n",
+        f"kvobserve_kv_duplicate_batches_total{ls}{fv(st.duplicate_batches)}\n",
+        f"kvobserve_kv_rank_mismatch_batches_total{ls}{fv(st.rank_mismatch_batches)}\n",
+        decode,
+        stored,
+        removed,
+    )
+    if not sv.live:
+        return (*head, "", "", "", "", "", "", "", "")
+    usage = sv.usage_ratio
+    return (
+        *head,
+        "".join(f"kvobserve_kv_blocks{ml}{fv(m.blocks)}\n" for m, ml in media),
+        "".join(f"kvobserve_kv_tokens{ml}{fv(m.tokens)}\n" for m, ml in media),
+        f"kvobserve_kv_capacity_tokens{ls}{fv(sv.capacity_tokens)}\n" if sv.capacity_tokens else "",
+        f"kvobserve_kv_cache_usage_ratio{ls}{fv(usage)}\n" if usage is not None else "",
+        f"kvobserve_kv_duplicate_stream{ls}{'1.0' if st.duplicate_stream else '0.0'}\n",
+        f"kvobserve_kv_state_complete{ls}{'1.0' if st.state_complete else '0.0'}\n",
+        f"kvobserve_kv_last_batch_timestamp_seconds{ls}{fv(st.last_batch_ts)}\n"
+        if st.last_batch_ts > 0
+        else "",
+        f"kvobserve_kv_event_lag_seconds{ls}{fv(st.lag_seconds)}\n"
+        if st.lag_seconds is not None
+        else "",
+    )
+
+
+def fleet_level(v: FleetView, order: list[CollectorView], sums: WorkerSums) -> dict[str, bytes]:
+    """samples.fleet_level's lines per family, written directly (rebuilt every scrape)."""
+    fv = format_value
+    add = _Lines()
+    add("kvobserve_build_info", f'{{version="{_e(__version__)}"}} ', "1.0")
+    for c in order:
+        cl = f'{{collector="{_e(c.info.collector_id)}"}} '
+        add("kvobserve_collector_snapshot_age_seconds", cl, fv(c.age_s))
+    for w_id, size in sorted(v.dp_size.items()):
+        add("kvobserve_worker_dp_size", f'{{worker_id="{_e(w_id)}"}} ', fv(size))
+    for w_id, ids in sorted(v.leaders.items()):
+        add("kvobserve_worker_leaders", f'{{worker_id="{_e(w_id)}"}} ', fv(len(ids)))
+    for (w_id, rank), ids in sorted(v.owners.items()):
+        ls = f'{{dp_rank="{rank}",worker_id="{_e(w_id)}"}} '
+        add("kvobserve_dp_rank_owners", ls, fv(len(ids)))
+    for (name, w_id, lv), n in sorted(sums.counters.items()):
+        add(name, f'{{{COUNTER_LABEL[name]}="{_e(lv)}",worker_id="{_e(w_id)}"}} ', fv(n))
+    out = {name: "".join(lines).encode() for name, lines in add.out.items()}
+    hist = []
+    for labels, h in sums.histogram_samples():
+        medium, w_id = labels["medium"], labels["worker_id"]
+        tail = f'",medium="{_e(medium)}",worker_id="{_e(w_id)}"}} '
+        for bound, n in zip(h.bounds, h.counts, strict=True):
+            hist.append(f'{LIFETIME}_bucket{{le="{_le(bound)}{tail}{fv(n)}\n')
+        ls = f'{{medium="{_e(medium)}",worker_id="{_e(w_id)}"}} '
+        top = fv(h.count)
+        hist.append(f'{LIFETIME}_bucket{{le="+Inf{tail}{top}\n')
+        hist.append(f"{LIFETIME}_count{ls}{top}\n{LIFETIME}_sum{ls}{fv(h.sum)}\n")
+    if hist:
+        out[LIFETIME] = "".join(hist).encode()
+    return out
+
+
+_LE: dict[float, str] = {}
+
+
+def _le(bound: float) -> str:
+    out = _LE.get(bound)
+    if out is None:
+        if len(_LE) > 10_000:
+            _LE.clear()
+        out = _LE[bound] = floatToGoString(bound)
+    return out

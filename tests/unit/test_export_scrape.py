@@ -1,0 +1,146 @@
+"""The cached /metrics renderer: prometheus_client's bytes, plain and gzip, as the fleet changes."""
+
+from __future__ import annotations
+
+import gzip
+import time
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.openmetrics.exposition import generate_latest as om_generate_latest
+
+from benchmarks import scale
+from kvobserve.analysis.fleet import FleetState, FleetView
+from kvobserve.export.prometheus import FleetCollector, catalog_metric
+from kvobserve.export.samples import Detail
+from kvobserve.export.scrape import ScrapeCache
+from tests.unit.test_export_fleet import NOW, rich_state
+
+EXTRA = [catalog_metric("kvobserve_nats_connected", [({}, 1.0)])]
+DETAILS = [Detail(), Detail(histograms=True, counters=True), Detail(histograms=True)]
+
+
+def reference(view: FleetView, detail: Detail, om: bool, extra: list[Metric] = EXTRA) -> bytes:
+    """prometheus_client's encoder over FleetCollector.collect()."""
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(
+        FleetCollector(
+            lambda: view,
+            lambda: extra,
+            per_stream_histograms=detail.histograms,
+            per_stream_counters=detail.counters,
+        )
+    )
+    return (om_generate_latest if om else generate_latest)(reg)
+
+
+def encoder(om: bool) -> Callable[[Any], bytes]:
+    return om_generate_latest if om else generate_latest
+
+
+def check(cache: ScrapeCache, view: FleetView, om: bool) -> bytes:
+    """The cached body equals prometheus_client's, and so does its gzip form."""
+    want = reference(view, cache.detail, om)
+    assert cache.render(view, EXTRA, encoder(om), om) == want
+    packed = cache.render(view, EXTRA, encoder(om), om, gzip=True)
+    d = zlib.decompressobj(wbits=31)
+    assert d.decompress(packed) == want
+    assert d.eof and d.unused_data == b""  # one gzip member, nothing after it
+    assert gzip.decompress(packed) == want
+    if om:
+        assert want.endswith(b"# EOF\n")
+    return want
+
+
+def synthetic(collectors: int, seq: int, now: float) -> FleetState:
+    fs = FleetState()
+    for c in range(collectors):
+        fs.update(scale.synthetic_snapshot(c, 8, seq, now), now)
+    return fs
+
+
+@pytest.mark.parametrize("om", [False, True])
+@pytest.mark.parametrize("detail", DETAILS, ids=["default", "detail", "histograms"])
+def test_cached_bytes_equal_prometheus_client(om: bool, detail: Detail) -> None:
+    now = time.time()
+    clash = rich_state()
+    clash._entries["node-1"].snapshot.collector.node_rank = 0  # two collectors claim a stream
+    views = [rich_state().view(NOW), synthetic(6, 3, now).view(now), FleetView(), clash.view(NOW)]
+    for view in views:
+        cache = ScrapeCache(detail)
+        check(cache, view, om)
+        check(cache, view, om)  # from the cache this time
+
+
+def test_only_changed_collectors_are_rendered_again() -> None:
+    now = time.time()
+    fs = synthetic(6, 3, now)
+    cache = ScrapeCache()
+    check(cache, fs.view(now), False)
+    assert cache.rendered == 6
+    check(cache, fs.view(now + 0.5), True)
+    assert cache.rendered == 6  # nothing new: the wall clock only moves the ages
+    fs.update(scale.synthetic_snapshot(2, 8, 4, now + 1), now + 1)
+    check(cache, fs.view(now + 1), False)
+    assert cache.rendered == 7
+
+
+def test_a_collector_going_stale_is_rendered_as_down() -> None:
+    now = time.time()
+    fs = synthetic(4, 3, now)
+    cache = ScrapeCache()
+    before = check(cache, fs.view(now), False)
+    fs.update(scale.synthetic_snapshot(0, 8, 4, now + 10), now + 10)  # only node 0 reports
+    after = check(cache, fs.view(now + 10), False)
+    assert after.count(b"kvobserve_stream_up{") == before.count(b"kvobserve_stream_up{")
+    assert after.count(b"kvobserve_kv_blocks{") == 8  # the three stale collectors' gauges left
+    assert cache.rendered == 8
+
+
+def test_capacity_joined_from_another_collector_invalidates_the_chunk() -> None:
+    # node-1 serves sglang-a rank 1 with the capacity that node-0's scheduler data gives.
+    state = rich_state()
+    cache = ScrapeCache()
+    first = check(cache, state.view(NOW), False)
+    assert (
+        b'kvobserve_kv_capacity_tokens{dp_rank="1",node_rank="1",worker_id="sglang-a"} 640.0'
+        in first
+    )
+    snap = state._entries["node-0"].snapshot
+    sched = [msgspec.structs.replace(s, max_total_tokens=1280) for s in snap.scheduler]
+    state.update(msgspec.structs.replace(snap, seq=snap.seq + 1, scheduler=sched), NOW)
+    second = check(cache, state.view(NOW), False)
+    assert (
+        b'kvobserve_kv_capacity_tokens{dp_rank="1",node_rank="1",worker_id="sglang-a"} 1280.0'
+        in second
+    )
+
+
+def test_gzip_with_few_or_many_changed_collectors() -> None:
+    now = time.time()
+    fs = synthetic(8, 3, now)
+    cache = ScrapeCache()
+    check(cache, fs.view(now), False)  # text cached: the next gzip scrape keeps segments per piece
+    check(cache, fs.view(now), True)
+    for c in range(8):  # every collector new: one segment per family
+        fs.update(scale.synthetic_snapshot(c, 8, 4, now + 1), now + 1)
+    check(cache, fs.view(now + 1), True)
+    fs.update(scale.synthetic_snapshot(5, 8, 5, now + 2), now + 2)  # one new
+    check(cache, fs.view(now + 2), False)
+
+
+def test_a_forgotten_collector_leaves_the_cache() -> None:
+    now = time.time()
+    fs = FleetState(forget_after_s=60)
+    for c in range(3):
+        fs.update(scale.synthetic_snapshot(c, 8, 3, now), now)
+    cache = ScrapeCache()
+    check(cache, fs.view(now), False)
+    fs.update(scale.synthetic_snapshot(0, 8, 4, now + 100), now + 100)
+    body = check(cache, fs.view(now + 100), False)
+    assert body.count(b"kvobserve_collector_up{") == 1
