@@ -7,6 +7,7 @@ may replace a default (`collect` serves HTTP on 9478) through `load_config(defau
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import re
 import socket
@@ -27,6 +28,7 @@ from kvobserve.config.model import (
 )
 from kvobserve.config.values import (
     at_least,
+    check_host,
     check_pair,
     check_subject_token,
     check_type,
@@ -41,6 +43,7 @@ from kvobserve.config.values import (
 _FLAG_NAMES: dict[str, tuple[str, ...] | None] = {
     "collector.id": ("--collector-id",),
     "collector.interval_s": ("--interval",),
+    "collector.host": ("--collector-host",),
     "worker.id": ("--worker-id",),
     "worker.url": ("--engine-url",),
     "worker.version": ("--engine-version",),
@@ -65,6 +68,8 @@ _MOVED = {
 _SERVICE_LINK = re.compile(r"^(service_host|service_port(_.+)?|port(_\d+_(tcp|udp|sctp)(_.+)?)?)$")
 # Worker keys that a flag/env var sets on every worker; the others need at most one worker.
 _ALL_WORKERS = frozenset({"allow_pickle", "passthrough_engine_metrics"})
+# String settings that also take a TOML list of strings (kept comma-joined, as flags give them).
+_LISTS = frozenset({("worker", "url")})
 
 
 def _flags(dotted: str) -> tuple[str, ...]:
@@ -152,10 +157,16 @@ def _table(table: Any, section: str, where: str) -> dict[str, Any]:
     spec = SECTIONS[section]
     if not isinstance(table, dict):
         raise ConfigError(f"{where}: expected a table, got {table!r}")
+    out: dict[str, Any] = {}
     for key, value in table.items():
         if key not in spec:
             raise _unknown(key, value, where, spec)
-    return {k: check_type(v, spec[k], f"{where}.{k}") for k, v in table.items()}
+        if (section, key) in _LISTS and isinstance(value, list):
+            for i, item in enumerate(value):
+                check_type(item, str, f"{where}.{key}[{i}]")
+            value = ",".join(value)
+        out[key] = check_type(value, spec[key], f"{where}.{key}")
+    return out
 
 
 def _apply_overrides(
@@ -205,7 +216,7 @@ def _build_collector(c: dict[str, Any]) -> CollectorConfig:
             f"collector.node_rank: {cfg.node_rank} must be < collector.nnodes ({cfg.nnodes})"
         )
     at_least(cfg.interval_s, 0, "collector.interval_s", strict=True)
-    return cfg
+    return dataclasses.replace(cfg, host=check_host(cfg.host, "collector.host"))
 
 
 def _build_worker(i: int, w: dict[str, Any], node_rank: int) -> WorkerConfig:
@@ -214,25 +225,34 @@ def _build_worker(i: int, w: dict[str, Any], node_rank: int) -> WorkerConfig:
     engine = w.get("engine")
     if engine not in ("sglang", "vllm"):
         raise ConfigError(f"{where}.engine: must be 'sglang' or 'vllm', got {engine!r}")
-    for key in ("url", "metrics_url"):
-        if key in w:
-            check_url(w[key], f"{where}.{key}")
+    urls = [u.strip() for u in str(w.get("url", "")).split(",")]
+    if "url" in w:
+        for u in urls:
+            check_url(u, f"{where}.url")
+        if len(urls) > 1 and engine != "vllm":
+            raise ConfigError(
+                f"{where}.url: {len(urls)} URLs for {engine}; several URLs are for vLLM API "
+                "servers that each list their own ranks"
+            )
+        w["url"] = ",".join(urls)
+    if "metrics_url" in w:
+        check_url(w["metrics_url"], f"{where}.metrics_url")
     url, kv = w.get("url"), w.get("kv_endpoint")
     if kv is None and url is None:
         raise ConfigError(f"{where}: needs kv_endpoint or url (discovery), has neither")
-    for key, schemes, bind in (
-        ("kv_endpoint", ("tcp", "ipc", "inproc"), False),
-        ("replay_endpoint", ("tcp", "ipc", "inproc"), False),
-        ("load_endpoint", ("tcp",), False),
-        ("kv_metrics_endpoint", ("tcp", "ipc"), True),  # we bind the PULL the engine pushes to
-        ("fpm_endpoint", ("tcp", "ipc"), False),
+    for key, schemes in (
+        ("kv_endpoint", ("tcp", "ipc", "inproc")),
+        ("replay_endpoint", ("tcp", "ipc", "inproc")),
+        ("load_endpoint", ("tcp",)),
+        ("kv_metrics_endpoint", ("tcp", "ipc")),  # we bind the PULL the engine pushes to
+        ("fpm_endpoint", ("tcp", "ipc")),
     ):
         if key in w:
-            check_zmq_endpoint(w[key], f"{where}.{key}", schemes, bind=bind)
+            check_zmq_endpoint(w[key], f"{where}.{key}", schemes)
     if "dp_size" not in w and url is not None:
         w["dp_size"] = None  # from discovery
     if "id" not in w:  # engine@host:port: the same on every node that watches this worker
-        w["id"] = f"{engine}@{(url or kv or '').partition('://')[2].split('/')[0]}"
+        w["id"] = f"{engine}@{(urls[0] if url else kv or '').partition('://')[2].split('/')[0]}"
     cfg = WorkerConfig(**{"leader": node_rank == 0, **w})
     if cfg.dp_size is not None:
         at_least(cfg.dp_size, 1, f"{where}.dp_size")

@@ -22,17 +22,26 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class CollectorConfig:
-    """This node's collector; an empty `id` becomes the short hostname."""
+    """This node's collector; an empty `id` becomes the short hostname.
+
+    `host`: where this collector reaches its own node's engines; a wildcard host in an endpoint
+    (`tcp://*:5557`) means "the node that owns the rank", reached here.
+    """
 
     id: str = ""
     node_rank: int = 0
     nnodes: int = 1
     interval_s: float = 1.0
+    host: str = "127.0.0.1"
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
-    """One engine deployment (all its DP ranks); `dp_size` None = take it from discovery."""
+    """One engine deployment (all its DP ranks); `dp_size` None = take it from discovery.
+
+    `url`: one engine HTTP server, or several comma-separated (vLLM API servers that each list
+    their own ranks); `dp_attention` None = from discovery, else false.
+    """
 
     id: str
     engine: str
@@ -41,7 +50,7 @@ class WorkerConfig:
     replay_endpoint: str | None = None
     topic: str = ""
     dp_size: int | None = 1
-    dp_attention: bool = False
+    dp_attention: bool | None = None
     metrics_url: str | None = None
     leader: bool = True
     capacity_tokens: int = 0
@@ -52,6 +61,11 @@ class WorkerConfig:
     allow_pickle: bool = False
     passthrough_engine_metrics: bool = False
     version: str | None = None
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        """The engine HTTP servers to ask (discovery), in the order given."""
+        return tuple(u.strip() for u in (self.url or "").split(",") if u.strip())
 
 
 @dataclass(frozen=True, slots=True)

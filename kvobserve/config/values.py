@@ -76,17 +76,38 @@ def check_url(value: str, field: str, schemes: tuple[str, ...] = ("http", "https
     return value
 
 
-def check_zmq_endpoint(value: str, field: str, schemes: tuple[str, ...], *, bind: bool) -> str:
-    """A ZMQ endpoint of one of `schemes`; tcp needs host:port (a wildcard only where we bind)."""
+def is_wildcard(host: str) -> bool:
+    """A bind-all host (`*`, `0.0.0.0`, `::`) or none: in an endpoint, the node owning the rank."""
+    return host.strip("[]") in WILDCARD_HOSTS
+
+
+def check_zmq_endpoint(value: str, field: str, schemes: tuple[str, ...]) -> str:
+    """A ZMQ endpoint of one of `schemes`; tcp needs `host:port`, where the host may be a wildcard
+    (`tcp://*:5557`, `tcp://:5557`): each collector then connects at its own `[collector] host`."""
     scheme, sep, rest = value.partition("://")
     if not sep or scheme not in schemes:
         want = " or ".join(f"{s}://" for s in schemes)
         raise ConfigError(f"{field}: expected a {want} endpoint, got {value!r}")
     if scheme != "tcp" and not rest:
         raise ConfigError(f"{field}: empty {scheme} address in {value!r}")
-    if scheme == "tcp" and host_of(rest, field, "tcp://") in WILDCARD_HOSTS and not bind:
-        raise ConfigError(f"{field}: wildcard host in {value!r}; give the engine's address")
+    if scheme == "tcp":
+        try:
+            split_host_port(rest)
+        except ValueError:
+            raise ConfigError(f"{field}: expected tcp://host:port, got {value!r}") from None
     return value
+
+
+def check_host(value: str, field: str) -> str:
+    """A host to connect to (name, IPv4 or IPv6, brackets dropped); not a wildcard."""
+    host = value.strip()
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if is_wildcard(host) or any(c in host for c in "/[] \t"):
+        raise ConfigError(
+            f"{field}: expected the address this node's engines are reached at, got {value!r}"
+        )
+    return host
 
 
 def check_subject_token(value: str, field: str) -> str:

@@ -160,6 +160,37 @@ def test_worker_defaults_and_leader_follows_node_rank() -> None:
 def test_dp_size_left_to_discovery_when_url_given() -> None:
     cfg = load_config(None, {"worker.engine": "sglang", "worker.url": "http://h:30000"}, {})
     assert cfg.workers[0].dp_size is None
+    assert cfg.workers[0].dp_attention is None  # from discovery too
+
+
+def test_collector_host_default_flag_env_and_ipv6() -> None:
+    assert load_config(None, {}, {}).collector.host == "127.0.0.1"
+    assert load_config(None, {}, {"KVOBSERVE_COLLECTOR_HOST": "10.0.0.6"}).collector.host == (
+        "10.0.0.6"
+    )
+    args = parse_flags(["--collector-host", "[fd00::6]"])
+    assert load_config(None, overrides_from_args(args), {}).collector.host == "fd00::6"
+
+
+@pytest.mark.parametrize("host", ["*", "0.0.0.0", "[::]", ""])
+def test_wildcard_endpoint_hosts_are_accepted(tmp_path: Path, host: str) -> None:
+    text = (
+        '[[worker]]\nengine = "sglang"\ndp_size = 8\n'
+        f'kv_endpoint = "tcp://{host}:5557"\nreplay_endpoint = "tcp://{host}:5657"\n'
+        f'load_endpoint = "tcp://{host}:5573"\nfpm_endpoint = "tcp://{host}:7000"\n'
+    )
+    (w,) = load_config(write(tmp_path, text), {}, {}).workers
+    assert w.kv_endpoint == f"tcp://{host}:5557" and w.fpm_endpoint == f"tcp://{host}:7000"
+
+
+def test_several_vllm_urls_as_a_list_or_comma_separated(tmp_path: Path) -> None:
+    text = '[[worker]]\nengine = "vllm"\nurl = ["http://10.0.0.5:8000", "http://10.0.0.6:8000"]\n'
+    (w,) = load_config(write(tmp_path, text), {}, {}).workers
+    assert w.urls == ("http://10.0.0.5:8000", "http://10.0.0.6:8000")
+    assert w.id == "vllm@10.0.0.5:8000"  # from the first: the same on every node
+    flag = {"worker.engine": "vllm", "worker.url": "http://10.0.0.5:8000, http://10.0.0.6:8000"}
+    (w2,) = load_config(None, flag, {}).workers
+    assert w2.urls == w.urls and w2.id == w.id
 
 
 def test_precedence_file_env_flags(tmp_path: Path) -> None:
@@ -303,10 +334,30 @@ BAD: list[tuple[str, dict[str, Any], dict[str, str], str]] = [
         "worker[0].kv_endpoint: expected tcp://host:port, got 'tcp://h'",
     ),
     (
-        '[[worker]]\nengine = "sglang"\nkv_endpoint = "tcp://*:5557"\n',
+        '[[worker]]\nengine = "sglang"\nkv_endpoint = "tcp://*"\n',
         {},
         {},
-        "worker[0].kv_endpoint: wildcard host in 'tcp://*:5557'",
+        "worker[0].kv_endpoint: expected tcp://host:port, got 'tcp://*'",
+    ),
+    ('[collector]\nhost = "*"\n', {}, {}, "collector.host: expected the address this node"),
+    ("", {}, {"KVOBSERVE_COLLECTOR_HOST": "0.0.0.0"}, "KVOBSERVE_COLLECTOR_HOST (collector.host)"),
+    (
+        '[[worker]]\nengine = "sglang"\nurl = ["http://a:1", "http://b:1"]\n',
+        {},
+        {},
+        "worker[0].url: 2 URLs for sglang; several URLs are for vLLM API servers",
+    ),
+    (
+        '[[worker]]\nengine = "vllm"\nurl = ["http://a:1", 5]\n',
+        {},
+        {},
+        "worker[0].url[1]: expected str, got 5",
+    ),
+    (
+        '[[worker]]\nengine = "vllm"\nurl = "http://a:1,b:2"\n',
+        {},
+        {},
+        "worker[0].url: expected http://host[:port], got 'b:2'",
     ),
     (
         '[[worker]]\nengine = "sglang"\nurl = "10.0.0.5:30000"\n',
