@@ -3,12 +3,15 @@
 The engines' rules, as docs/collector.md states them: rank r publishes on port base + r (both
 engines' `offset_endpoint_port`); an SGLang scheduler publishes as its attention-DP rank under DP
 attention, else as its DP rank (from 0.5.16, `select_kv_publisher_dp_rank`); pure-DP SGLang runs
-every rank's scheduler on the leader node.
+every rank's scheduler on the leader node. A wildcard host in an endpoint means the node that
+owns the rank (`on_node`).
 """
 
 from __future__ import annotations
 
 from typing import Final
+
+from kvobserve.config import WILDCARD_HOSTS
 
 ENGINES: Final = ("sglang", "vllm")
 # SGLang 0.5.16 added select_kv_publisher_dp_rank (PR #29211); before, pure DP collided on rank 0
@@ -116,3 +119,38 @@ def parse_version(text: str) -> tuple[int, ...]:
     if not parts:
         raise ValueError(f"version={text!r}: no leading number")
     return tuple(parts)
+
+
+def endpoint_host(endpoint: str) -> str | None:
+    """The host of a `tcp://host:port` endpoint, brackets dropped ("" when absent); else None."""
+    scheme, sep, rest = endpoint.partition("://")
+    if scheme != "tcp" or not sep:
+        return None
+    if rest.startswith("["):
+        host, sep, port = rest[1:].partition("]:")
+    else:
+        host, sep, port = rest.rpartition(":")
+    return host if sep and port.isdigit() else None
+
+
+def on_node(endpoint: str, host: str) -> str:
+    """The endpoint as the node that owns the rank reaches it.
+
+    A wildcard (`*`, `0.0.0.0`, `::`) or absent tcp host means "the node that owns the rank":
+    it becomes `host` (that node's `[collector] host`). Any other endpoint is used as given.
+    """
+    h = endpoint_host(endpoint)
+    if h is None or h not in WILDCARD_HOSTS:
+        return endpoint
+    port = endpoint.rpartition(":")[2]
+    return f"tcp://{bracket(host)}:{port}"
+
+
+def bracket(host: str) -> str:
+    """IPv6 literals are bracketed in endpoints and URLs."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def is_node_local(endpoint: str) -> bool:
+    """A tcp endpoint with a wildcard or absent host: each node connects at its own address."""
+    return endpoint_host(endpoint) in WILDCARD_HOSTS

@@ -101,12 +101,11 @@ async def test_sglang_wildcard_host_and_bases(engine: Engine) -> None:
     found = await discover(engine.url, "sglang")
     assert found.dp_size == 4
     assert found.version == "0.5.23" and found.block_size == 16
-    assert [s.endpoint for s in found.sources] == [f"tcp://127.0.0.1:{5557 + r}" for r in range(4)]
-    assert [s.replay_endpoint for s in found.sources] == [
-        f"tcp://127.0.0.1:{5657 + r}" for r in range(4)
-    ]
+    # a wildcard host stays one: "the node that owns the rank" (each collector's own host)
+    assert [s.endpoint for s in found.sources] == [f"tcp://*:{5557 + r}" for r in range(4)]
+    assert [s.replay_endpoint for s in found.sources] == [f"tcp://*:{5657 + r}" for r in range(4)]
     assert {s.topic for s in found.sources} == {"kv-events"}
-    assert found.load_endpoint_base == "tcp://127.0.0.1:5561" and found.load_topic == "load"
+    assert found.load_endpoint_base == "tcp://*:5561" and found.load_topic == "load"
 
 
 async def test_sglang_prefers_kv_event_sources_and_fills_missing_ranks(engine: Engine) -> None:
@@ -127,11 +126,11 @@ async def test_sglang_prefers_kv_event_sources_and_fills_missing_ranks(engine: E
     assert found.sources == (
         DiscoveredSource(0, "ipc:///tmp/sgl/kv.0", "ipc:///tmp/sgl/r.0", "t0", 32),
         DiscoveredSource(1, "tcp://10.9.9.9:6001", None, "t1", 32),
-        DiscoveredSource(2, "tcp://127.0.0.1:5559", "tcp://127.0.0.1:5659", "kv-events", 16),
+        DiscoveredSource(2, "tcp://*:5559", "tcp://*:5659", "kv-events", 16),
     )
 
 
-def test_sglang_loopback_replaced_for_remote_engine_and_ipv6_bracketed() -> None:
+def test_sglang_loopback_and_ipv6_wildcard_are_the_owning_node() -> None:
     body = {
         "kv_events": {
             "endpoint_host": "::",
@@ -145,7 +144,8 @@ def test_sglang_loopback_replaced_for_remote_engine_and_ipv6_bracketed() -> None
         ],
     }
     found = parse_sglang_server_info("http://[fd00::5]:30000/server_info", body)
-    assert [s.endpoint for s in found.sources] == ["tcp://[fd00::5]:7000", "tcp://[fd00::5]:7001"]
+    # `::` and the bound 127.0.0.1 (how SGLang reports a wildcard bind): the rank's own node
+    assert [s.endpoint for s in found.sources] == ["tcp://*:7000", "tcp://*:7001"]
     assert found.dp_size == 2 and found.load_endpoint_base is None
 
 
@@ -163,7 +163,7 @@ async def test_vllm_kv_event_sources(engine: Engine) -> None:
         engine.url + "/kv_event_sources",
         2,
         (
-            DiscoveredSource(0, "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5657", "kv-events", None),
+            DiscoveredSource(0, "tcp://*:5557", "tcp://*:5657", "kv-events", None),
             DiscoveredSource(1, "tcp://10.0.0.7:5558", None, "kv-events", None),
         ),
     )
@@ -243,11 +243,8 @@ async def test_rediscovery_reports_moved_endpoints(engine: Engine) -> None:
         moved["0"]["endpoint"] = "tcp://*:6557"  # engine restarted on new ports
         engine.serve("/kv_event_sources", moved)
         assert await red.poll_once() is True
-        assert changes[-1][0].sources[0].endpoint == "tcp://127.0.0.1:6557"
-        assert (
-            changes[-1][1] is not None
-            and changes[-1][1].sources[0].endpoint == "tcp://127.0.0.1:5557"
-        )
+        assert changes[-1][0].sources[0].endpoint == "tcp://*:6557"
+        assert changes[-1][1] is not None and changes[-1][1].sources[0].endpoint == "tcp://*:5557"
         engine.serve("/kv_event_sources", "garbage")
         assert await red.poll_once() is False
         assert (
@@ -272,7 +269,8 @@ async def test_check_command_resolves_discovery(engine: Engine, tmp_path: Path) 
     engine.serve("/server_info", SGLANG_INFO)
     cfg = tmp_path / "kvobserve.toml"
     cfg.write_text(
-        f'[collector]\nnode_rank = 1\nnnodes = 2\n\n[[worker]]\nid = "sg"\nengine = "sglang"\n'
+        f'[collector]\nnode_rank = 1\nnnodes = 2\nhost = "127.0.0.2"\n\n'
+        f'[[worker]]\nid = "sg"\nengine = "sglang"\n'
         f'url = "{engine.url}"\ndp_attention = true\nleader = true\n'
         f'metrics_url = "{engine.url}/metrics"\n'
     )
@@ -287,19 +285,38 @@ async def test_check_command_resolves_discovery(engine: Engine, tmp_path: Path) 
             proc.kill()
             await proc.wait()
     assert proc.returncode == 0, err.decode()
-    (plan,) = json.loads(out)["workers"]
+    doc = json.loads(out)
+    assert doc["collector"]["host"] == "127.0.0.2"
+    (plan,) = doc["workers"]
     assert plan["dp_size"] == 4 and plan["watched_ranks"] == [2, 3]
+    # this node's ranks at its own host; node 0's keep the advertised wildcard
     assert [s["endpoint"] for s in plan["streams"]] == [
-        f"tcp://127.0.0.1:{5557 + r}" for r in range(4)
-    ]
-    assert plan["streams"][3]["replay_endpoint"] == "tcp://127.0.0.1:5660"
+        "tcp://*:5557", "tcp://*:5558", "tcp://127.0.0.2:5559", "tcp://127.0.0.2:5560"
+    ]  # fmt: skip
+    assert [(s["node_rank"], s["watched"]) for s in plan["streams"]] == [
+        (0, False), (0, False), (1, True), (1, True)
+    ]  # fmt: skip
+    assert plan["streams"][3]["replay_endpoint"] == "tcp://127.0.0.2:5660"
     assert plan["probe_endpoints"] == []  # 5561 is the load PUB of rank 0 (SGLang `auto`)
     assert plan["notes"] == [
-        "probe tcp://127.0.0.1:5561 skipped: it is the SGLang load publisher's port"
+        "probe tcp://127.0.0.2:5561 skipped: it is the SGLang load publisher's port"
     ]
     assert plan["scheduler_sources"] == [
-        {"source": "metrics", "endpoint": f"{engine.url}/metrics"},
-        *({"source": "load", "endpoint": f"tcp://127.0.0.1:{5561 + r}"} for r in range(4)),
+        {
+            "source": "metrics",
+            "endpoint": f"{engine.url}/metrics",
+            "scope": "leader",
+            "dp_rank": None,
+        },
+        *(
+            {
+                "source": "load",
+                "endpoint": f"tcp://127.0.0.2:{5561 + r}",
+                "scope": "rank",
+                "dp_rank": r,
+            }
+            for r in (2, 3)
+        ),
     ]
 
 
