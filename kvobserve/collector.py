@@ -1,5 +1,8 @@
 """One node's collector: sources -> analysis -> a snapshot every interval -> transport.
 
+Every node reads the per-rank scheduler channels of its own ranks; the leader also reads the
+worker-wide sources. A non-leader reports scheduler values of its own ranks only.
+
 The ZMQ ingest runs in its own thread (sources/kv_stream.py); everything else (discovery,
 scheduler sources, the snapshot loop, HTTP) runs on the asyncio loop.
 """
@@ -7,6 +10,7 @@ scheduler sources, the snapshot loop, HTTP) runs on the asyncio loop.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
 import time
@@ -16,11 +20,16 @@ from typing import Any, Protocol
 from kvobserve import __version__
 from kvobserve.aio import cancel_and_wait
 from kvobserve.config import Config
-from kvobserve.sources.discovery import DiscoveredEngine, DiscoveryError, Rediscovery, discover
+from kvobserve.sources.discovery import (
+    DiscoveredEngine,
+    DiscoveryError,
+    Rediscovery,
+    discover_urls,
+)
 from kvobserve.sources.kv_stream import IngestLoop, IngestOptions
 from kvobserve.sources.passthrough import relabel
-from kvobserve.sources.plan import StreamSpec, WorkerPlan, plan_worker
-from kvobserve.sources.scheduler import SchedulerSources
+from kvobserve.sources.plan import SchedulerSpec, StreamSpec, WorkerPlan, plan_worker
+from kvobserve.sources.scheduler import SchedulerSources, SchedulerValues
 from kvobserve.wire.snapshot import (
     CollectorInfo,
     Family,
@@ -69,6 +78,7 @@ class Collector:
         self.scheduler: dict[str, SchedulerSources] = {}
         self._rediscovery: list[Rediscovery] = []
         self._found: dict[str, DiscoveredEngine] = {}
+        self._sched_specs: dict[str, tuple[SchedulerSpec, ...]] = {}
         self._task: asyncio.Task[None] | None = None
         self._seq = 0
         self.snapshots_published = 0
@@ -80,36 +90,23 @@ class Collector:
     async def start(self) -> None:
         """Discover, open the streams, start the scheduler sources and the snapshot loop."""
         for w in self.cfg.workers:
-            if not w.url:
+            if not w.urls:
                 continue
             try:
-                self._found[w.id] = await discover(w.url, w.engine)
+                self._found[w.id] = await discover_urls(w.urls, w.engine)
             except DiscoveryError as exc:  # not up yet: configured endpoints, rediscovery later
                 log.warning("%s", exc)
             self._rediscovery.append(
                 Rediscovery(
-                    w.url, w.engine, on_change=self._on_rediscovered, current=self._found.get(w.id)
+                    w.urls,
+                    w.engine,
+                    on_change=functools.partial(self._on_rediscovered, w.id),
+                    current=self._found.get(w.id),
                 )
             )
         self.ingest = IngestLoop(self._replan(), self._ingest_options)
         self.ingest.start()
-        for plan in self.plans:
-            w = plan.worker
-            if not plan.scheduler or not plan.dp_size:
-                continue
-            src = SchedulerSources(
-                plan.scheduler,
-                w.engine,
-                allow_pickle=w.allow_pickle,
-                interval_s=self.cfg.collector.interval_s,
-            )
-            try:
-                await src.start()
-            except Exception as exc:  # e.g. the KvMetrics PULL address in use: report, go on
-                log.warning("worker %s: scheduler sources: %s", w.id, exc)
-                await src.close()
-                continue
-            self.scheduler[w.id] = src
+        await self._sync_scheduler()
         for r in self._rediscovery:
             await r.start()
         self._task = asyncio.create_task(self._loop(), name="kvobserve-snapshots")
@@ -122,14 +119,53 @@ class Collector:
         ]
         return [s for p in self.plans for s in p.watched]
 
-    def _on_rediscovered(self, new: DiscoveredEngine, old: DiscoveredEngine | None) -> None:
-        for w in self.cfg.workers:
-            if w.url == new.url:
-                self._found[w.id] = new
+    async def _sync_scheduler(self) -> None:
+        """Start the scheduler sources of every plan; restart a worker's when its plan changed."""
+        for plan in self.plans:
+            w = plan.worker
+            specs = plan.scheduler if plan.dp_size else ()
+            if self._sched_specs.get(w.id) == specs:
+                continue
+            old = self.scheduler.pop(w.id, None)
+            if old is not None:
+                await old.close()
+            self._sched_specs[w.id] = specs
+            if not specs:
+                continue
+            src = SchedulerSources(
+                specs,
+                w.engine,
+                allow_pickle=w.allow_pickle,
+                interval_s=self.cfg.collector.interval_s,
+            )
+            try:
+                await src.start()
+            except Exception as exc:  # e.g. the KvMetrics PULL address in use: report, go on
+                log.warning("worker %s: scheduler sources: %s", w.id, exc)
+                await src.close()
+                continue
+            self.scheduler[w.id] = src
+
+    async def _on_rediscovered(
+        self, worker_id: str, new: DiscoveredEngine, old: DiscoveredEngine | None
+    ) -> None:
+        self._found[worker_id] = new
         specs = self._replan()
         if self.ingest is not None:
             self.ingest.set_specs(specs)
+        await self._sync_scheduler()
         log.info("endpoints of %s changed; now watching %d streams", new.url, len(specs))
+
+    def _scheduler_values(
+        self, worker_id: str, src: SchedulerSources
+    ) -> dict[int, SchedulerValues]:
+        """A rank's values as this node may report them: a non-leader reports its own ranks."""
+        values = src.values()
+        plan = next((p for p in self.plans if p.worker.id == worker_id), None)
+        if plan is None or plan.worker.leader:
+            return values
+        mine = set(plan.watched_ranks)
+        return {r: v for r, v in values.items() if r in mine}
 
     async def snapshot(self) -> Snapshot:
         """The collector's state now."""
@@ -144,7 +180,7 @@ class Collector:
             for (source, reason), n in sorted(src.errors().items())
         ]
         for wid, src in self.scheduler.items():
-            for rank, v in sorted(src.values().items()):
+            for rank, v in sorted(self._scheduler_values(wid, src).items()):
                 sched.append(
                     SchedulerStats(
                         wid,

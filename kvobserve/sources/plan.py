@@ -3,16 +3,26 @@
 `plan_worker` decides, for one configured worker on this node: every rank's KV-event stream
 (configured endpoints win over advertised ones), the ranks this node owns, the probe ports past
 the last rank, and the scheduler sources with the exact endpoints they connect to or bind.
-`kvobserve check` prints these plans; the collector runs them.
+A wildcard host (`tcp://*:5557`) is the node that owns the rank: this node's own ranks are
+connected at `[collector] host`, other nodes' ranks keep the wildcard (this node does not know
+their addresses). `kvobserve check` prints these plans; the collector runs them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
 
-from kvobserve.analysis.layout import offset_endpoint, watched_ranks
-from kvobserve.config import CollectorConfig, ConfigError, WorkerConfig
-from kvobserve.sources.discovery import DiscoveredEngine
+from kvobserve.analysis.layout import (
+    bracket,
+    endpoint_host,
+    offset_endpoint,
+    on_node,
+    owned_ranks,
+    watched_ranks,
+)
+from kvobserve.config import WILDCARD_HOSTS, CollectorConfig, ConfigError, WorkerConfig
+from kvobserve.sources.discovery_parse import DiscoveredEngine
 from kvobserve.wire.snapshot import WorkerInfo
 
 
@@ -36,11 +46,16 @@ class StreamSpec:
 
 @dataclass(frozen=True, slots=True)
 class SchedulerSpec:
-    """One scheduler source: `endpoints[i]` serves `ranks[i]`; no ranks = the message says."""
+    """One scheduler source: `endpoints[i]` serves `ranks[i]`; no ranks = the message says.
+
+    `scope`: "rank" (a per-rank channel of this node's own ranks, on every node), "node" (this
+    node's own engine HTTP, on every node) or "leader" (read by the worker's leader only).
+    """
 
     source: str  # metrics (URL scraped), load (SUB), kv_metrics (PULL we bind), fpm (SUB)
     endpoints: tuple[str, ...]
     ranks: tuple[int, ...] = ()
+    scope: str = "leader"
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +70,9 @@ class WorkerPlan:
     scheduler: tuple[SchedulerSpec, ...]
     discovered_from: str | None = None
     notes: tuple[str, ...] = ()
+    owners: tuple[int, ...] = ()  # node_rank owning each rank (the layout rule)
+    dp_attention: bool = False
+    block_size: int | None = None
 
     @property
     def watched(self) -> list[StreamSpec]:
@@ -79,24 +97,77 @@ def rank_endpoint(base: str, rank: int, *, dotted_ipc: bool = False) -> str:
     return f"{base}.{rank}" if dotted_ipc else base
 
 
+def node_url(url: str, host: str) -> str | None:
+    """`url` at this node's `host` when its host is a wildcard (node-local); None otherwise."""
+    parts = urlsplit(url)
+    if (parts.hostname or "") not in WILDCARD_HOSTS:
+        return None
+    netloc = bracket(host) + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
 def scheduler_specs(
-    w: WorkerConfig, ranks: range, load_base: str | None = None
+    w: WorkerConfig,
+    ranks: range | tuple[int, ...],
+    load_base: str | None = None,
+    *,
+    host: str = "127.0.0.1",
+    leader: bool = True,
 ) -> tuple[SchedulerSpec, ...]:
-    """The scheduler sources of one worker for `ranks`; configured endpoints win over discovery."""
+    """The scheduler sources of one worker on this node; configured endpoints win over discovery.
+
+    Per-rank channels (load, fpm) of this node's own `ranks` on every node, wildcard hosts at
+    `host`; a `metrics_url` with a wildcard host is this node's own engine (every node); an
+    explicit `metrics_url` and the KvMetrics PULL belong to the leader.
+    """
     out: list[SchedulerSpec] = []
-    if w.metrics_url:
+    local = node_url(w.metrics_url, host) if w.metrics_url else None
+    if w.metrics_url and local is None and leader:
         out.append(SchedulerSpec("metrics", (w.metrics_url,)))
+    if local is not None:
+        out.append(SchedulerSpec("metrics", (local,), scope="node"))
+    ranks = tuple(ranks)
     load = w.load_endpoint or load_base
-    if load:
-        out.append(
-            SchedulerSpec("load", tuple(rank_endpoint(load, r) for r in ranks), tuple(ranks))
-        )
-    if w.kv_metrics_endpoint:
+    if load and ranks:
+        eps = tuple(on_node(rank_endpoint(load, r), host) for r in ranks)
+        out.append(SchedulerSpec("load", eps, ranks, "rank"))
+    if w.kv_metrics_endpoint and leader:
         out.append(SchedulerSpec("kv_metrics", (w.kv_metrics_endpoint,)))
-    if w.fpm_endpoint:
-        eps = tuple(rank_endpoint(w.fpm_endpoint, r, dotted_ipc=True) for r in ranks)
-        out.append(SchedulerSpec("fpm", eps, tuple(ranks)))
+    if w.fpm_endpoint and ranks:
+        eps = tuple(on_node(rank_endpoint(w.fpm_endpoint, r, dotted_ipc=True), host) for r in ranks)
+        out.append(SchedulerSpec("fpm", eps, ranks, "rank"))
     return tuple(out)
+
+
+def _owners(engine: str, dp_attention: bool, nnodes: int, dp_size: int) -> tuple[int, ...]:
+    """The node_rank that owns each rank (the layout rule); () while dp_size is unknown."""
+    out = [0] * dp_size
+    if dp_size and (engine == "vllm" or dp_attention):
+        for k in range(nnodes):
+            for r in owned_ranks(k, nnodes, dp_size):
+                out[r] = k
+    return tuple(out)
+
+
+def _layout_notes(
+    w: WorkerConfig, node: CollectorConfig, found: DiscoveredEngine | None, split: bool
+) -> list[str]:
+    """What the config and the engine disagree on, and explicit hosts on a split worker."""
+    notes: list[str] = []
+    if found and w.dp_size and w.dp_size != found.dp_size:
+        notes.append(f"dp_size {w.dp_size} in config, the engine advertises {found.dp_size}")
+    if found and found.nnodes and found.nnodes != node.nnodes:
+        notes.append(
+            f"the engine runs on {found.nnodes} nodes, [collector] nnodes is {node.nnodes}"
+        )
+    for key in ("kv_endpoint", "replay_endpoint", "load_endpoint", "fpm_endpoint"):
+        ep = getattr(w, key)
+        if split and node.nnodes > 1 and ep and endpoint_host(ep) not in (None, *WILDCARD_HOSTS):
+            notes.append(
+                f"{key} {ep}: every node connects to {endpoint_host(ep)}; a wildcard host "
+                "(tcp://*:PORT) means each rank's own node"
+            )
+    return notes
 
 
 def plan_worker(
@@ -106,11 +177,19 @@ def plan_worker(
     where = f"worker[{i}]"
     dp_size = w.dp_size or (found.dp_size if found else 1)
     notes = [] if w.dp_size or found else ["dp_size unknown without discovery; assuming 1"]
-    if found and w.dp_size and w.dp_size != found.dp_size:
-        notes.append(f"dp_size {w.dp_size} in config, the engine advertises {found.dp_size}")
     if found is None and not w.kv_endpoint:
         notes, dp_size = ["endpoints come from discovery at run time (--no-discovery)"], 0
+    dp_attention = w.dp_attention
+    if dp_attention is None:
+        dp_attention = bool(found and found.dp_attention)
+    split = w.engine == "vllm" or dp_attention
+    notes += [*(found.notes if found else ()), *_layout_notes(w, node, found, split)]
     by_rank = {s.dp_rank: s for s in found.sources} if found else {}
+    watched = (
+        watched_ranks(w.engine, dp_attention, node.node_rank, node.nnodes, dp_size)
+        if dp_size
+        else range(0)
+    )
     streams: list[StreamSpec] = []
     try:
         for r in range(dp_size):
@@ -123,34 +202,37 @@ def plan_worker(
                 raise ConfigError(
                     f"{where}: no endpoint for dp_rank {r} (not advertised by {w.url})"
                 )
+            if r in watched:  # this node's rank: a wildcard host is this node
+                ep, replay = on_node(ep, node.host), on_node(replay, node.host) if replay else None
             topic = w.topic or (src.topic if src else "")
             streams.append(StreamSpec(w.id, r, w.engine, ep, topic, replay))
-        watched = (
-            watched_ranks(w.engine, w.dp_attention, node.node_rank, node.nnodes, dp_size)
-            if dp_size
-            else range(0)
-        )
-        base = streams[0] if streams else None
+        base = w.kv_endpoint or (by_rank[0].endpoint if 0 in by_rank else None)
         probe_eps = {
-            dp_size + k: offset_endpoint(base.endpoint, dp_size + k, w.engine)
+            dp_size + k: on_node(offset_endpoint(base, dp_size + k, w.engine), node.host)
             for k in range(w.probe_extra_ports)
-            if base is not None and base.endpoint.startswith("tcp://")
+            if base is not None and base.startswith("tcp://")
         }
     except ValueError as exc:  # layout refuses e.g. an ipc:// endpoint with several ranks
         if isinstance(exc, ConfigError):
             raise
         raise ConfigError(f"{where}.kv_endpoint: {exc}") from None
-    sched = scheduler_specs(w, range(dp_size), found.load_endpoint_base if found else None)
+    load_base = found.load_endpoint_base if found else None
+    sched = scheduler_specs(w, watched, load_base, host=node.host, leader=w.leader)
     # SGLang's `auto` load range starts at kv_base + dp_size: exactly the first probed port
-    load_eps = {e for s in sched if s.source == "load" for e in s.endpoints}
+    load = w.load_endpoint or load_base
+    load_ports = range(0)
+    if load and load.startswith("tcp://"):
+        first = int(load.rpartition(":")[2])
+        load_ports = range(first, first + dp_size)
     for r, ep in list(probe_eps.items()):
-        if ep in load_eps:
+        if int(ep.rpartition(":")[2]) in load_ports:
             del probe_eps[r]
             notes.append(f"probe {ep} skipped: it is the SGLang load publisher's port")
     probes: tuple[StreamSpec, ...] = ()
-    if base is not None and dp_size - 1 in watched:  # the node with the last rank probes past it
+    topic0 = streams[0].topic if streams else ""
+    if streams and dp_size - 1 in watched:  # the node with the last rank probes past it
         probes = tuple(
-            StreamSpec(w.id, r, w.engine, ep, base.topic, probe=True) for r, ep in probe_eps.items()
+            StreamSpec(w.id, r, w.engine, ep, topic0, probe=True) for r, ep in probe_eps.items()
         )
     return WorkerPlan(
         w,
@@ -158,7 +240,10 @@ def plan_worker(
         tuple(streams),
         tuple(watched),
         probes,
-        sched if w.leader else (),
+        sched,
         found.url if found else None,
         tuple(notes),
+        _owners(w.engine, dp_attention, node.nnodes, dp_size),
+        dp_attention,
+        found.block_size if found else None,
     )

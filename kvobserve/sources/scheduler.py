@@ -1,4 +1,4 @@
-"""Leader scheduler metrics per DP rank: engine /metrics scrape, SGLang load PUB, KvMetrics PULL, FPM SUB.
+"""Scheduler metrics per DP rank: engine /metrics scrape, SGLang load PUB, KvMetrics PULL, FPM SUB.
 
 Each source keeps the latest normalized values per dp_rank; `SchedulerSources` merges the sources
 of one worker field by field, the freshest value winning. Bad input is counted by reason.
@@ -40,7 +40,7 @@ class SchedulerValues:
     token_usage_ratio: float | None = None
     cache_hit_ratio: float | None = None
     max_total_tokens: float | None = None
-    source: str = ""  # the source of the freshest update
+    source: str = ""  # the sources that reported this rank, `+`-joined
     updated_at: float = 0.0  # wall-clock time of that update
 
 
@@ -295,9 +295,14 @@ class FpmSubscriber(_SubPerRank):
 
 
 def merge_values(per_source: Iterable[dict[int, SchedulerValues]]) -> dict[int, SchedulerValues]:
-    """Per rank and field, the value of the most recently updated source that has one."""
+    """Per rank and field, the value of the most recently updated source that has one.
+
+    `source` names every source that reported the rank (`load+metrics`), so it does not flip
+    with whichever was freshest; `updated_at` is the freshest update.
+    """
     out: dict[int, SchedulerValues] = {}
     stamps: dict[tuple[int, str], float] = {}
+    names: dict[int, set[str]] = {}
     for vals in per_source:
         for rank, v in vals.items():
             m = out.setdefault(rank, SchedulerValues())
@@ -306,8 +311,10 @@ def merge_values(per_source: Iterable[dict[int, SchedulerValues]]) -> dict[int, 
                 if x is not None and v.updated_at >= stamps.get((rank, f), -1.0):
                     setattr(m, f, x)
                     stamps[(rank, f)] = v.updated_at
-            if v.updated_at >= m.updated_at:
-                m.updated_at, m.source = v.updated_at, v.source
+            m.updated_at = max(m.updated_at, v.updated_at)
+            names.setdefault(rank, set()).add(v.source)
+    for rank, m in out.items():
+        m.source = "+".join(sorted(n for n in names[rank] if n))
     return out
 
 

@@ -74,11 +74,11 @@ class UnexpectedStream(Struct, omit_defaults=True, gc=False):
 
 
 class SchedulerStats(Struct, omit_defaults=True, gc=False):
-    """Normalized leader scheduler metrics of one DP rank; None where unknown."""
+    """Normalized scheduler metrics of one DP rank; None where unknown."""
 
     worker_id: str
     dp_rank: int
-    source: str = ""  # metrics, load, kv_metrics, fpm
+    source: str = ""  # metrics, load, kv_metrics, fpm; several `+`-joined (load+metrics)
     running_requests: float | None = None
     queued_requests: float | None = None
     token_usage_ratio: float | None = None

@@ -334,8 +334,9 @@ def test_merge_freshest_source_wins_per_field() -> None:
     load = {0: SchedulerValues(8, 1, 0.5, None, 65536, source="load", updated_at=11.0)}
     merged = merge_values([scrape, fpm, load])
     assert vals(merged[0]) == (9, 0, 0.5, 0.6, 65536)
-    assert (merged[0].source, merged[0].updated_at) == ("fpm", 12.0)
-    assert vals(merged[1]) == (1.0, None, None, None, None)
+    # every source that reported the rank (stable, not the freshest one of the moment)
+    assert (merged[0].source, merged[0].updated_at) == ("fpm+load+metrics", 12.0)
+    assert vals(merged[1]) == (1.0, None, None, None, None) and merged[1].source == "metrics"
 
 
 async def test_scheduler_sources_for_a_worker(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
