@@ -55,6 +55,7 @@ class StreamView:
     live: bool  # collector up; a stale stream is served as down
     capacity_tokens: float | None
     gpu_tokens: int
+    scheduler_source: str | None = None  # the scheduler sources of this rank; None: none has it
 
     @property
     def up(self) -> bool:
@@ -131,6 +132,7 @@ class FleetState:
         entries = sorted(self._entries.values(), key=lambda e: e.snapshot.collector.collector_id)
         capacity: dict[tuple[str, int], float] = {}
         configured: dict[tuple[str, str], int] = {}
+        reported: dict[tuple[str, int], list[tuple[SchedulerStats, CollectorInfo]]] = {}
         for e in entries:
             snap, up = e.snapshot, self._is_up(e, now)
             info = snap.collector
@@ -147,12 +149,11 @@ class FleetState:
                     v.leaders[w.worker_id].append(info.collector_id)
             if up:
                 for s in snap.scheduler:
-                    v.scheduler.append((s, info))
-                    if s.max_total_tokens:
-                        capacity[(s.worker_id, s.dp_rank)] = s.max_total_tokens
+                    reported.setdefault((s.worker_id, s.dp_rank), []).append((s, info))
         for w_id, size in v.dp_size.items():
             for r in range(size):
                 v.owners.setdefault((w_id, r), [])
+        sources = self._join_scheduler(v, reported, capacity)
         for e in entries:
             snap, up = e.snapshot, self._is_up(e, now)
             info = snap.collector
@@ -161,12 +162,58 @@ class FleetState:
                 if cap is None:
                     cap = capacity.get((st.worker_id, st.dp_rank))
                 gpu = sum(m.tokens for m in st.media if m.medium in GPU_MEDIA)
-                v.streams.append(StreamView(st, info, up, cap, gpu))
+                src = sources.get((st.worker_id, st.dp_rank))
+                v.streams.append(StreamView(st, info, up, cap, gpu, src))
             if up:
                 v.unexpected.extend((u, info) for u in snap.unexpected)
         v.streams.sort(key=lambda s: (s.stats.worker_id, s.stats.dp_rank, s.collector.collector_id))
         v.conditions = list(_conditions(v))
         return v
+
+    @staticmethod
+    def _join_scheduler(
+        v: FleetView,
+        reported: dict[tuple[str, int], list[tuple[SchedulerStats, CollectorInfo]]],
+        capacity: dict[tuple[str, int], float],
+    ) -> dict[tuple[str, int], str]:
+        """One scheduler entry per (worker_id, dp_rank), whoever read it, under the rank's owner.
+
+        The leader reads worker-wide sources, every node its own ranks' channels: the same rank
+        can come from two collectors. Per field the freshest value wins; the entry is served
+        with the node_rank of the collector that owns the rank (the reader's when none does).
+        Returns (worker_id, dp_rank) -> the sources that reported it.
+        """
+        infos = {c.info.collector_id: c.info for c in v.collectors if c.up}
+        names: dict[tuple[str, int], str] = {}
+        for key, got in reported.items():
+            stats = got[0][0] if len(got) == 1 else _merge([s for s, _ in got])
+            owner = next((infos[c] for c in v.owners.get(key, []) if c in infos), got[0][1])
+            v.scheduler.append((stats, owner))
+            if stats.max_total_tokens:
+                capacity[key] = stats.max_total_tokens
+            names[key] = "+".join(sorted({n for s, _ in got for n in s.source.split("+") if n}))
+        return names
+
+
+_STAT_FIELDS = (
+    "running_requests",
+    "queued_requests",
+    "token_usage_ratio",
+    "cache_hit_ratio",
+    "max_total_tokens",
+)
+
+
+def _merge(got: list[SchedulerStats]) -> SchedulerStats:
+    """Several collectors' entries of one rank: per field, the freshest value."""
+    newest = sorted(got, key=lambda s: s.updated, reverse=True)
+    top = newest[0]
+    vals = {
+        f: next((getattr(s, f) for s in newest if getattr(s, f) is not None), None)
+        for f in _STAT_FIELDS
+    }
+    source = "+".join(sorted({n for s in got for n in s.source.split("+") if n}))
+    return SchedulerStats(top.worker_id, top.dp_rank, source, **vals, updated=top.updated)
 
 
 def _labels(**kw: object) -> tuple[tuple[str, str], ...]:

@@ -40,6 +40,8 @@ def stream_json(s: StreamView) -> Json:
         "tokens": {m.medium: m.tokens for m in st.media} if live else {},
         "capacity_tokens": s.capacity_tokens if live else None,
         "usage_ratio": s.usage_ratio if live else None,
+        # which scheduler sources report this rank (load, metrics, ...); "none": no source does
+        "scheduler_source": (s.scheduler_source or "none") if live else None,
         "last_batch_ts": st.last_batch_ts or None,
         "lag_seconds": st.lag_seconds if live else None,
     }

@@ -1,8 +1,8 @@
 """One collector's sample lines, written directly: the same text export/samples.py produces.
 
-A chunk depends only on the collector's snapshot, whether it is up, and each stream's capacity
-(joined from another collector's scheduler data); export/scrape.py keys its cache on exactly
-that. A collector whose own label sets repeat is left to the reference writer (None here).
+A chunk depends only on the collector's snapshot, whether it is up, each stream's capacity and
+the scheduler entries of its ranks (joined per rank from whichever collector read them);
+export/scrape.py keys its cache on exactly that. A collector whose own label sets repeat is left to the reference writer (None here).
 """
 
 from __future__ import annotations

@@ -3,9 +3,10 @@
 What is cached: per collector, its sample lines per family (export/chunks.py), its per-worker
 sums, and (once a gzip scrape asked) each family's lines as a deflate segment. The cache key is
 everything a chunk depends on: the snapshot object (FleetState replaces it, never mutates it),
-whether the collector is up (stale streams drop their gauges) and every stream's capacity
-(joined from another collector's scheduler data). Rebuilt per scrape: build info, ownership,
-snapshot ages (wall clock), the per-worker sums, extras and passthrough families.
+whether the collector is up (stale streams drop their gauges), every stream's capacity and the
+scheduler entries of its ranks (both joined per rank from whichever collector read them).
+Rebuilt per scrape: build info, ownership, snapshot ages (wall clock), the per-worker sums,
+extras and passthrough families.
 
 A family's samples come from many collectors, and the text format wants one block per family,
 so the body is, per family in catalog order, its header and then each collector's lines in
@@ -128,7 +129,8 @@ class ScrapeCache:
         for c in order:
             cid = c.info.collector_id
             g = by_c.get(cid, _EMPTY)
-            key = (c.up, tuple([s.capacity_tokens for s in g.streams]))
+            # scheduler entries are joined per rank across collectors (analysis/fleet.py)
+            key = (c.up, tuple([s.capacity_tokens for s in g.streams]), tuple(g.scheduler))
             hit = self._cache.get(cid)
             if hit is not None and hit[0] is c.snapshot and hit[1] == key:
                 ch = hit[2]

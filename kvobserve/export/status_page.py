@@ -106,6 +106,13 @@ def _usage(s: Json) -> str:
     return _n(f"{100 * u:.1f}%", u >= 0.95)
 
 
+def _sched(source: str | None) -> str:
+    """The rank's scheduler sources; `none` stands out: no capacity or usage from the engine."""
+    if source is None:
+        return '<td class="muted">-</td>'
+    return f'<td class="{"muted" if source == "none" else "small"}">{_e(source)}</td>'
+
+
 def _streams(streams: list[Json]) -> str:
     rows = []
     for s in streams:
@@ -116,9 +123,13 @@ def _streams(streams: list[Json]) -> str:
             f"{_n(s['gaps'], s['gaps'] > 0)}{_n(s['lost'], s['lost'] > 0)}"
             f"{_n(s['restarts'])}"
             f"{_dup(dup)}"
-            f"{_usage(s)}<td class='small'>{_e(s['endpoint'])}</td></tr>"
+            f"{_usage(s)}{_sched(s.get('scheduler_source'))}"
+            f"<td class='small'>{_e(s['endpoint'])}</td></tr>"
         )
-    head = "worker rank node collector state batches gaps lost restarts duplicate usage endpoint"
+    head = (
+        "worker rank node collector state batches gaps lost restarts duplicate usage scheduler"
+        " endpoint"
+    )
     return _table(head.split(), rows, "No streams.")
 
 

@@ -87,7 +87,12 @@ def test_only_changed_collectors_are_rendered_again() -> None:
     assert cache.rendered == 6  # nothing new: the wall clock only moves the ages
     fs.update(scale.synthetic_snapshot(2, 8, 4, now + 1), now + 1)
     check(cache, fs.view(now + 1), False)
-    assert cache.rendered == 7
+    # node-002 is the leader of its worker: its scheduler entries of node-003's ranks are
+    # served with node-003's streams (joined per rank), so node-003 is rendered again too
+    assert cache.rendered == 8
+    fs.update(scale.synthetic_snapshot(3, 8, 4, now + 1), now + 1)
+    check(cache, fs.view(now + 1), False)
+    assert cache.rendered == 9  # a non-leader's snapshot: only its own chunk
 
 
 def test_a_collector_going_stale_is_rendered_as_down() -> None:
