@@ -10,7 +10,7 @@ from typing import Any
 
 from kvobserve.commands.common import fail, load
 from kvobserve.config import SECTIONS, Config, ConfigError, add_config_flags
-from kvobserve.sources.discovery import DiscoveredEngine, DiscoveryError, discover
+from kvobserve.sources.discovery import DiscoveredEngine, DiscoveryError, discover_urls
 from kvobserve.sources.plan import WorkerPlan, plan_worker
 
 
@@ -24,39 +24,78 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=5.0, help="discovery timeout (s)")
 
 
-async def _discover_all(cfg: Config, timeout_s: float) -> dict[str, DiscoveredEngine]:
-    """Discovery for every worker with a url, concurrently."""
-    todo = [w for w in cfg.workers if w.url]
-    found = await asyncio.gather(
-        *(discover(w.url or "", w.engine, timeout_s=timeout_s) for w in todo)
+async def _discover_all(
+    cfg: Config, timeout_s: float
+) -> tuple[dict[str, DiscoveredEngine], dict[str, DiscoveryError]]:
+    """Discovery for every worker with a url, concurrently: (found, failed) by worker id."""
+    todo = [w for w in cfg.workers if w.urls]
+    got = await asyncio.gather(
+        *(discover_urls(w.urls, w.engine, timeout_s=timeout_s) for w in todo),
+        return_exceptions=True,
     )
-    return {w.id: d for w, d in zip(todo, found, strict=True)}
+    found: dict[str, DiscoveredEngine] = {}
+    failed: dict[str, DiscoveryError] = {}
+    for w, d in zip(todo, got, strict=True):
+        if isinstance(d, DiscoveryError):
+            failed[w.id] = d
+        elif isinstance(d, BaseException):
+            raise d
+        else:
+            found[w.id] = d
+    return found, failed
 
 
-def _ranged(ranks: range) -> str:
-    """`0-3`, `5`, or `none`."""
+def _ranged(ranks: list[int]) -> str:
+    """`0-3`, `5`, `0-1, 4` or `none`."""
     if not ranks:
         return "none"
-    return str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return ", ".join(str(x[0]) if len(x) == 1 else f"{x[0]}-{x[-1]}" for x in runs)
 
 
 _STREAM_KEYS = ("dp_rank", "endpoint", "replay_endpoint", "topic")
 
 
 def plan_json(p: WorkerPlan) -> dict[str, Any]:
-    """One worker's plan as the JSON `check --json` prints."""
+    """One worker's plan as the JSON `check --json` prints.
+
+    Streams of other nodes' ranks keep the endpoint as configured or advertised: a wildcard host
+    there is that node's own address, which only that node's collector knows.
+    """
     w = p.worker
+    watched = set(p.watched_ranks)
     return {
         "worker_id": w.id,
         "engine": w.engine,
         "dp_size": p.dp_size or None,
+        "dp_attention": p.dp_attention,
         "leader": w.leader,
         "discovered_from": p.discovered_from,
-        "streams": [{k: getattr(s, k) for k in _STREAM_KEYS} for s in p.streams],
+        "block_size": p.block_size,
+        "streams": [
+            {
+                **{k: getattr(s, k) for k in _STREAM_KEYS},
+                "node_rank": p.owners[s.dp_rank] if s.dp_rank < len(p.owners) else None,
+                "watched": s.dp_rank in watched,
+            }
+            for s in p.streams
+        ],
         "watched_ranks": list(p.watched_ranks),
         "probe_endpoints": [s.endpoint for s in p.probes],
         "scheduler_sources": [
-            {"source": s.source, "endpoint": e} for s in p.scheduler for e in s.endpoints
+            {
+                "source": s.source,
+                "endpoint": e,
+                "scope": s.scope,
+                "dp_rank": s.ranks[i] if s.ranks else None,
+            }
+            for s in p.scheduler
+            for i, e in enumerate(s.endpoints)
         ],
         "notes": list(p.notes),
     }
@@ -66,46 +105,70 @@ def _print_text(cfg: Config, plans: list[dict[str, Any]]) -> None:
     """The plan as a human-readable table; `*` marks the ranks this node watches."""
     c = cfg.collector
     print(f"config {cfg.path or '(flags/env only)'}: valid")
-    print(f"cluster {cfg.cluster}  collector {c.id}  node_rank {c.node_rank} of {c.nnodes}")
+    print(
+        f"cluster {cfg.cluster}  collector {c.id}  node_rank {c.node_rank} of {c.nnodes}"
+        f"  host {c.host}"
+    )
     print(f"http {cfg.http.listen or 'off'}  nats {cfg.nats.url if cfg.nats else 'embedded'}")
     for p in plans:
         src = f"  discovered from {p['discovered_from']}" if p["discovered_from"] else ""
         lead = "leader" if p["leader"] else "not leader"
+        attn = ", DP attention" if p["dp_attention"] and p["engine"] == "sglang" else ""
         print(
-            f"\nworker {p['worker_id']} ({p['engine']}, dp_size {p['dp_size'] or '?'}, {lead}){src}"
+            f"\nworker {p['worker_id']} ({p['engine']}, dp_size {p['dp_size'] or '?'}{attn},"
+            f" {lead}){src}"
         )
         for note in p["notes"]:
             print(f"  note: {note}")
-        watched = set(p["watched_ranks"])
-        print("  dp_rank  endpoint                         replay                           topic")
+        print(f"  {'dp_rank':<8} {'node':<5} {'endpoint':<32} {'replay':<32} topic")
+        others: dict[int, list[int]] = {}
         for s in p["streams"]:
-            mark = "*" if s["dp_rank"] in watched else " "
+            if not s["watched"]:
+                others.setdefault(s["node_rank"], []).append(s["dp_rank"])
+                continue
             replay = s["replay_endpoint"] or "-"
-            print(f" {mark}{s['dp_rank']:<7} {s['endpoint']:<32} {replay:<32} {s['topic']!r}")
-        ranks = p["watched_ranks"]
-        print(
-            f"  ranks watched by this node (*): {_ranged(range(ranks[0], ranks[-1] + 1) if ranks else range(0))}"
-        )
+            print(
+                f" *{s['dp_rank']:<8} {s['node_rank']:<5} {s['endpoint']:<32} {replay:<32}"
+                f" {s['topic']!r}"
+            )
+        for node, ranks in sorted(others.items()):
+            print(f"  {_ranged(ranks):<8} {node:<5} (node {node}'s collector connects to these)")
+        print(f"  ranks watched by this node (*): {_ranged(p['watched_ranks'])}")
         print(f"  probe endpoints: {', '.join(p['probe_endpoints']) or 'none'}")
-        sched = ", ".join(f"{s['source']} {s['endpoint']}" for s in p["scheduler_sources"])
-        print(f"  scheduler sources: {sched or 'none'}")
+        sched = p["scheduler_sources"]
+        print(f"  scheduler sources: {'none' if not sched else ''}")
+        for x in sched:
+            rank = f"rank {x['dp_rank']}" if x["dp_rank"] is not None else x["scope"]
+            print(f"    {x['source']:<10} {x['endpoint']:<40} ({rank})")
 
 
 def run(args: argparse.Namespace) -> int:
     """Exit 0 when the config is valid and resolvable, 2 with a one-line error otherwise."""
     try:
         cfg = load(args)
-        found = {} if args.no_discovery else asyncio.run(_discover_all(cfg, args.timeout))
-        node = cfg.collector
-        plans = [
-            plan_json(plan_worker(i, w, node, found.get(w.id))) for i, w in enumerate(cfg.workers)
-        ]
+        found, failed = (
+            ({}, {}) if args.no_discovery else asyncio.run(_discover_all(cfg, args.timeout))
+        )
+        plans = []
+        for i, w in enumerate(cfg.workers):
+            err = failed.get(w.id)
+            if err is not None and not w.kv_endpoint:
+                raise err  # nothing to watch without it
+            plan = plan_json(plan_worker(i, w, cfg.collector, found.get(w.id)))
+            if err is not None:  # configured endpoints stand; the collector retries discovery
+                plan["notes"].insert(0, f"{err}; using the configured endpoints")
+            plans.append(plan)
     except (ConfigError, DiscoveryError) as exc:
         return fail("check", exc)
     if args.json:
-        json.dump(
-            {"config": cfg.path, "cluster": cfg.cluster, "workers": plans}, sys.stdout, indent=2
-        )
+        c = cfg.collector
+        doc = {
+            "config": cfg.path,
+            "cluster": cfg.cluster,
+            "collector": {"id": c.id, "node_rank": c.node_rank, "nnodes": c.nnodes, "host": c.host},
+            "workers": plans,
+        }
+        json.dump(doc, sys.stdout, indent=2)
         print()
     else:
         _print_text(cfg, plans)
