@@ -1,7 +1,9 @@
 """`kvobserve demo`: a simulated fleet with faults, its collectors and the aggregator, one process.
 
-The fleet: a 2-node SGLang 0.5.23 DP-attention worker (dp_size 8, ranks 0-3 on node 0 and 4-7 on
-node 1, one collector per node) and a single-node vLLM 0.33 worker (dp_size 4, its own collector).
+The fleet: a 2-node SGLang 0.5.23 DP-attention worker (dp_size 8, ranks 0-3 on node 0 at
+127.0.0.1 and 4-7 on node 1 at 127.0.0.2, one collector per node, each at its own address, both
+configured with node 0's URL only; the load publisher and every node's /metrics on) and a
+single-node vLLM 0.33 worker (dp_size 4, its own collector).
 The fault schedule, at the default 20 batches/s per rank: SGLang ranks 2 and 5 lose batches
 200-204 on the wire (kept in the replay ring, so the collectors recover them, ~10 s in) and restart
 their publishers every 1,000 batches (~50 s); vLLM rank 1 has a second publisher on its endpoint
@@ -31,6 +33,7 @@ from kvobserve.config import (
 )
 from kvobserve.simulate import FaultConfig, SimulatedWorker, nodes_of
 from kvobserve.simulate.config import SimConfig
+from kvobserve.simulate.group import free_port_range
 from kvobserve.simulate.truth import write_truth
 
 DEMO_FAULTS_SGLANG = FaultConfig(
@@ -58,10 +61,26 @@ class Demo:
         return {"truth_version": 1, "workers": [s.truth() for s in self.sims]}
 
 
+SGLANG_HOSTS = ("127.0.0.1", "127.0.0.2")  # the SGLang worker's two nodes
+
+
 def _collector_config(
-    cid: str, node_rank: int, nnodes: int, worker: WorkerConfig, interval_s: float
+    cid: str, node_rank: int, nnodes: int, worker: WorkerConfig, interval_s: float, host: str
 ) -> Config:
-    return Config("demo", CollectorConfig(cid, node_rank, nnodes, interval_s), (worker,))
+    node = CollectorConfig(cid, node_rank, nnodes, interval_s, host)
+    return Config("demo", node, (dataclasses.replace(worker, leader=node_rank == 0),))
+
+
+def _sglang_worker(node0: SimulatedWorker) -> WorkerConfig:
+    """The one [[worker]] table every SGLang node uses: node 0's URL, each node's own /metrics."""
+    c = node0.cfg
+    return WorkerConfig(
+        id=c.worker_id,
+        engine="sglang",
+        url=f"http://{c.host}:{node0.http_port}",
+        dp_size=None,  # endpoints, dp_size, attention DP and the load PUB: from /server_info
+        metrics_url=f"http://*:{node0.http_port}/metrics",  # every node's own engine
+    )
 
 
 def _worker_config(sim: SimulatedWorker, engine: str, leader: bool) -> WorkerConfig:
@@ -101,6 +120,9 @@ async def start_demo(
         rate=rate,
         seed=seed,
         faults=sglang_faults,
+        load_port=0,  # --load-publish-endpoint: every rank's usage on its own node
+        follower_http=True,  # node 1's dummy server serves /metrics of its ranks
+        http_port=free_port_range(SGLANG_HOSTS, 1),  # the same --port on both nodes
     )
     vllm = SimConfig(
         worker_id="vllm-dp4",
@@ -112,17 +134,20 @@ async def start_demo(
     )
     sims: list[SimulatedWorker] = []
     try:
-        for cfg in [*nodes_of(sglang.validate()), vllm.validate()]:
+        for cfg in [*nodes_of(sglang.validate(), SGLANG_HOSTS), vllm.validate()]:
             sims.append(SimulatedWorker(dataclasses.replace(cfg, start_delay_s=0.5)).start())
     except BaseException:
         for s in sims:
             s.stop()
         raise
     sg0, sg1, vl = sims
+    sg = _sglang_worker(sg0)
     configs = [
-        _collector_config("sglang-node-0", 0, 2, _worker_config(sg0, "sglang", True), interval_s),
-        _collector_config("sglang-node-1", 1, 2, _worker_config(sg1, "sglang", False), interval_s),
-        _collector_config("vllm-node-0", 0, 1, _worker_config(vl, "vllm", True), interval_s),
+        _collector_config("sglang-node-0", 0, 2, sg, interval_s, sg0.cfg.host),
+        _collector_config("sglang-node-1", 1, 2, sg, interval_s, sg1.cfg.host),
+        _collector_config(
+            "vllm-node-0", 0, 1, _worker_config(vl, "vllm", True), interval_s, vl.cfg.host
+        ),
     ]
     try:
         emb = await start_embedded(configs, http)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Iterator
@@ -59,6 +60,34 @@ def test_demo_serves_twelve_streams_and_stops_on_sigterm(procs: Procs) -> None:
     assert set(info) == {(w, r, w.split("-")[0], _collector(w, int(r))) for w, r in STREAMS}
     owners = s.by("kvobserve_dp_rank_owners", ("worker_id", "dp_rank"))
     assert owners == dict.fromkeys(STREAMS, 1.0)
+
+    # every stream has a usage ratio: node 1's SGLang ranks too (their load PUB, read on node 1)
+    def usage_everywhere() -> Scrape | None:
+        s = scrape(base)
+        if s is None:
+            return None
+        got = s.by("kvobserve_kv_cache_usage_ratio", ("worker_id", "dp_rank"))
+        sched = s.by("kvobserve_scheduler_token_usage_ratio", ("worker_id", "dp_rank"))
+        return s if set(got) == STREAMS and set(sched) == STREAMS else None
+
+    s = poll(usage_everywhere, 10, "usage of all 12 streams", lambda: scrape(base))
+    ratios = s.by("kvobserve_kv_cache_usage_ratio", ("worker_id", "dp_rank")).values()
+    assert all(0 <= v < 1 for v in ratios)  # 0 until a stream's first batch
+
+    def both_sources() -> list[dict[str, object]] | None:  # load PUB and each node's /metrics
+        streams: list[dict[str, object]] = json.loads(fetch(f"{base}/api/v1/streams") or "[]")
+        sg = {x["scheduler_source"] for x in streams if x["worker_id"] == "sglang-dp8"}
+        return streams if sg == {"load+metrics"} else None
+
+    streams = poll(both_sources, 10, "SGLang ranks read from load and /metrics", lambda: None)
+    hosts = {
+        (x["worker_id"], x["dp_rank"]): str(x["endpoint"]).split("://")[1].rsplit(":", 1)[0]
+        for x in streams
+    }
+    # the two SGLang nodes on their own loopback addresses, each rank watched on its own
+    assert hosts == {(w, int(r)): "127.0.0.2" if _collector(w, int(r)) == "sglang-node-1"
+                     else "127.0.0.1" for w, r in STREAMS}  # fmt: skip
+    assert {x["scheduler_source"] for x in streams if x["worker_id"] == "vllm-dp4"} == {"metrics"}
 
     page = fetch(f"{base}/")
     assert page is not None
