@@ -63,6 +63,7 @@ class Collector:
         ingest: IngestOptions | None = None,
         clock: Callable[[], float] = time.time,
         observers: list[Callable[[Snapshot], object]] | None = None,
+        rediscovery_s: float = 30.0,
     ) -> None:
         self.cfg = cfg
         self.observers = observers or []  # called with every published snapshot
@@ -73,6 +74,7 @@ class Collector:
             c.id, c.node_rank, socket.gethostname(), clock(), cfg.cluster, __version__
         )
         self._ingest_options = ingest
+        self._rediscovery_s = rediscovery_s  # how often discovery is asked again
         self.ingest: IngestLoop | None = None
         self.plans: list[WorkerPlan] = []
         self.scheduler: dict[str, SchedulerSources] = {}
@@ -100,6 +102,7 @@ class Collector:
                 Rediscovery(
                     w.urls,
                     w.engine,
+                    interval_s=self._rediscovery_s,
                     on_change=functools.partial(self._on_rediscovered, w.id),
                     current=self._found.get(w.id),
                 )

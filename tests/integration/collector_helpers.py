@@ -157,10 +157,11 @@ async def running_collector(
     *,
     ingest: IngestOptions | None = None,
     observers: list[Callable[[Snapshot], object]] | None = None,
+    rediscovery_s: float = 30.0,
 ) -> AsyncIterator[Collector]:
     """A started Collector on a LocalBus; closed (and the bus with it) on exit."""
     bus = LocalBus()
-    col = Collector(cfg, bus, ingest=ingest, observers=observers)
+    col = Collector(cfg, bus, ingest=ingest, observers=observers, rediscovery_s=rediscovery_s)
     try:
         await col.start()
         yield col
