@@ -59,6 +59,7 @@ def _ranged(ranks: list[int]) -> str:
 
 
 _STREAM_KEYS = ("dp_rank", "endpoint", "replay_endpoint", "topic")
+_SCOPES = {"node": "this node's engine", "leader": "leader", "rank": "rank"}
 
 
 def plan_json(p: WorkerPlan) -> dict[str, Any]:
@@ -136,9 +137,9 @@ def _print_text(cfg: Config, plans: list[dict[str, Any]]) -> None:
         print(f"  ranks watched by this node (*): {_ranged(p['watched_ranks'])}")
         print(f"  probe endpoints: {', '.join(p['probe_endpoints']) or 'none'}")
         sched = p["scheduler_sources"]
-        print(f"  scheduler sources: {'none' if not sched else ''}")
+        print("  scheduler sources:" + ("" if sched else " none"))
         for x in sched:
-            rank = f"rank {x['dp_rank']}" if x["dp_rank"] is not None else x["scope"]
+            rank = f"rank {x['dp_rank']}" if x["dp_rank"] is not None else _SCOPES[x["scope"]]
             print(f"    {x['source']:<10} {x['endpoint']:<40} ({rank})")
 
 

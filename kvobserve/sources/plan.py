@@ -207,10 +207,11 @@ def plan_worker(
             topic = w.topic or (src.topic if src else "")
             streams.append(StreamSpec(w.id, r, w.engine, ep, topic, replay))
         base = w.kv_endpoint or (by_rank[0].endpoint if 0 in by_rank else None)
+        last = bool(streams) and dp_size - 1 in watched  # its node probes past the last rank
         probe_eps = {
             dp_size + k: on_node(offset_endpoint(base, dp_size + k, w.engine), node.host)
             for k in range(w.probe_extra_ports)
-            if base is not None and base.startswith("tcp://")
+            if last and base is not None and base.startswith("tcp://")
         }
     except ValueError as exc:  # layout refuses e.g. an ipc:// endpoint with several ranks
         if isinstance(exc, ConfigError):
@@ -228,12 +229,10 @@ def plan_worker(
         if int(ep.rpartition(":")[2]) in load_ports:
             del probe_eps[r]
             notes.append(f"probe {ep} skipped: it is the SGLang load publisher's port")
-    probes: tuple[StreamSpec, ...] = ()
     topic0 = streams[0].topic if streams else ""
-    if streams and dp_size - 1 in watched:  # the node with the last rank probes past it
-        probes = tuple(
-            StreamSpec(w.id, r, w.engine, ep, topic0, probe=True) for r, ep in probe_eps.items()
-        )
+    probes = tuple(
+        StreamSpec(w.id, r, w.engine, ep, topic0, probe=True) for r, ep in probe_eps.items()
+    )
     return WorkerPlan(
         w,
         dp_size,
