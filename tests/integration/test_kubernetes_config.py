@@ -1,0 +1,60 @@
+"""The shared kvobserve.toml of deploy/kubernetes, read by kvobserve's own loader with exactly the
+environment each pod gets: the setting and variable names of the manifests are the loader's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvobserve.config import load_config
+from tests.integration.k8s_helpers import (
+    configmap_data,
+    container_env,
+    find,
+    lws_pod,
+    lws_templates,
+)
+
+pytestmark = pytest.mark.integration
+
+
+def _shared_file(tmp_path: Path) -> str:
+    path = tmp_path / "kvobserve.toml"
+    path.write_text(configmap_data("kvobserve-config")["kvobserve.toml"])
+    return str(path)
+
+
+@pytest.mark.parametrize("worker", [0, 1])
+def test_each_collector_pod_loads_the_shared_config(tmp_path: Path, worker: int) -> None:
+    pod, labels, annotations, injected = lws_pod(0, worker)
+    template = lws_templates()["leader" if worker == 0 else "worker"]
+    (sidecar,) = template["spec"]["initContainers"]
+    labels = {**template["metadata"]["labels"], **labels}
+    env = container_env(sidecar, pod, labels, annotations, injected)
+    cfg = load_config(_shared_file(tmp_path), {}, env)
+    assert cfg.cluster == "prod-a"
+    assert cfg.collector.id == pod
+    assert (cfg.collector.node_rank, cfg.collector.nnodes) == (worker, 2)
+    assert cfg.collector.host == "127.0.0.1"
+    (w,) = cfg.workers
+    assert (w.id, w.engine, w.dp_size, w.dp_attention) == ("sglang-dp8-0", "sglang", 8, True)
+    assert (w.kv_endpoint, w.replay_endpoint, w.topic) == (
+        "tcp://*:5557",
+        "tcp://*:5657",
+        "kv-events",
+    )
+    assert w.leader is (worker == 0)  # only the leader pod scrapes metrics_url
+    assert cfg.nats is not None
+    assert (cfg.nats.url, cfg.nats.jetstream_kv) == ("nats://nats:4222", True)
+
+
+def test_the_aggregator_pod_loads_the_shared_config(tmp_path: Path) -> None:
+    (container,) = find("Deployment", "kvobserve-aggregator")["spec"]["template"]["spec"][
+        "containers"
+    ]
+    env = container_env(container, "kvobserve-aggregator-5d9c7-x2x4q")
+    cfg = load_config(_shared_file(tmp_path), {}, env)
+    assert cfg.http.listen == "0.0.0.0:9477"
+    assert cfg.nats is not None and cfg.nats.url == "nats://nats:4222"
+    assert cfg.nats.jetstream_kv is True
