@@ -41,11 +41,13 @@ from tests.integration.fleet_helpers import (
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 HOSTS = ("127.0.0.1", "127.0.0.2")
-MAX_BATCHES = 150
+MAX_BATCHES = 300
 STREAM_KEYS = ("worker_id", "node_rank", "dp_rank")
+# The engines publish 8 s after they start, for 6 s: the collectors connect before or while they
+# publish (a collector joining mid-stream replays from seq 0), never after the last batch.
 BASE = SimConfig(
-    dp_size=8, nnodes=2, topic="kv-events", rate=100.0, max_batches=MAX_BATCHES, prompts=40,
-    start_delay_s=4.0, capacity_tokens=8192, seed=3,
+    dp_size=8, nnodes=2, topic="kv-events", rate=50.0, max_batches=MAX_BATCHES, prompts=40,
+    start_delay_s=8.0, capacity_tokens=8192, seed=3,
 )  # fmt: skip
 
 
@@ -88,7 +90,7 @@ class Fleet:
                     yield wid, w.cfg.node_rank, int(rank), inst
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def fleet() -> Iterator[Fleet]:
     groups: dict[str, SimulatorGroup] = {}
     try:
@@ -215,7 +217,7 @@ def test_two_nodes_one_config_every_rank_on_its_node_with_usage(
         "node-1", "collect", "-c", str(cfg), "--listen", f"127.0.0.1:{p1}", "--collector-id",
         "node-1", "--node-rank", "1", "--collector-host", "127.0.0.2",
     )  # fmt: skip
-    keys = {k for k in _want(fleet)}
+    keys = set(_want(fleet))
     assert len(keys) == 32
 
     def finished() -> Scrape | None:
