@@ -1,0 +1,424 @@
+"""The streams of Dynamo event planes: messages in, per-(worker, dp_rank) analysis, snapshot parts.
+
+Owned by the Dynamo ingest thread (sources/dynamo_ingest.py); nothing here does I/O. Every
+`kv-events` RouterEvent becomes one KvBatch (`seq = event_id - 1`) for the stream's
+StreamSequencer (no replay: the plane has none) and BlockIndex. Streams appear as their events
+arrive, up to `max_streams` (more are refused and counted), and are forgotten after
+`forget_after_s` without any message. Per stream the envelope `(publisher_id, sequence)` is
+tracked too: a sequence jump is a lost message, a publisher that comes back after another one
+took over is a second live publisher (duplicate stream). `kv_metrics` (ActiveLoad) and
+`forward-pass-metrics` feed the scheduler values of the rank.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvobserve.analysis.sequence import StreamSequencer
+from kvobserve.sources.dynamo_plan import DynamoPlan
+from kvobserve.sources.plan import StreamSpec
+from kvobserve.sources.scheduler import SchedulerValues, merge_values
+from kvobserve.sources.stream_state import WatchedStream, stream_stats
+from kvobserve.wire.dynamo import (
+    DynamoMessage,
+    decode_active_load,
+    decode_fpm,
+    decode_nats_message,
+    decode_router_events,
+    decode_zmq_message,
+    to_batches,
+)
+from kvobserve.wire.dynamo_subject import FPM_TOPIC, KV_EVENTS_TOPIC, KV_METRICS_TOPIC
+from kvobserve.wire.errors import WireError
+from kvobserve.wire.kv_events import DEFAULT_MAX_PAYLOAD, BlockHash
+from kvobserve.wire.snapshot import (
+    DynamoPlaneStats,
+    DynamoStreamStats,
+    SchedulerStats,
+    StreamStats,
+    WorkerInfo,
+)
+
+Key = tuple[str, int]  # (kvobserve worker_id, dp_rank)
+_MAX_PUBLISHERS = 8  # envelope cursors kept per stream (restarts add one each)
+
+
+@dataclass(frozen=True)
+class DynamoOptions:
+    """Tunables of the Dynamo source."""
+
+    max_streams: int = 4096  # across every plane of the collector: a label cardinality cap
+    quiet_s: float = 30.0  # a stream with no message this long is down (load beats every 10 s)
+    forget_after_s: float = 300.0  # ... and forgotten after this long
+    max_payload: int = DEFAULT_MAX_PAYLOAD
+
+
+class DynamoStream:
+    """One (worker, dp_rank) stream of a Dynamo plane."""
+
+    __slots__ = (
+        "dup_pid",
+        "dynamo_worker_id",
+        "env",
+        "env_dups",
+        "env_gaps",
+        "env_missed",
+        "header_mismatch",
+        "pid",
+        "pids_seen",
+        "plan",
+        "touched",
+        "unsettled",
+        "watched",
+    )
+
+    def __init__(self, plan: DynamoPlan, spec: StreamSpec, dynamo_worker_id: int) -> None:
+        self.plan = plan
+        self.watched = WatchedStream(spec, StreamSequencer(spec.dp_rank, replay=False))
+        self.dynamo_worker_id = dynamo_worker_id
+        self.env: dict[int, int] = {}  # publisher_id -> last envelope sequence
+        self.pid = 0
+        self.pids_seen = self.env_gaps = self.env_missed = self.env_dups = 0
+        self.header_mismatch = 0
+        self.dup_pid = False
+        self.touched: set[BlockHash] | None = None  # a drift comparison is watching
+        self.unsettled = False  # a clear or restart during the comparison
+
+    @property
+    def seq(self) -> StreamSequencer:
+        """The stream's sequencer (always set for Dynamo streams)."""
+        sq = self.watched.seq
+        assert sq is not None
+        return sq
+
+    def envelope(self, pid: int, sequence: int, now: float) -> None:
+        """Track one message's envelope (publisher id, per-publisher sequence)."""
+        env = self.env
+        last = env.get(pid)
+        if last is None:
+            self.pids_seen += 1
+            if len(env) >= _MAX_PUBLISHERS:
+                del env[next(iter(env))]
+        elif sequence == last + 1:
+            pass
+        elif sequence > last:
+            self.env_gaps += 1
+            self.env_missed += sequence - last - 1
+        else:
+            self.env_dups += 1
+        if last is not None and pid != self.pid and self.pid in env:
+            # a publisher we knew speaks again after another one: both are alive
+            self.seq.mark_duplicate_stream(now)
+        env[pid] = max(sequence, last if last is not None else sequence)
+        self.pid = pid
+
+
+@dataclass
+class PlaneState:
+    """Counters and connection state of one plane."""
+
+    plan: DynamoPlan
+    connected: set[str] = field(default_factory=set)  # NATS: {url}; ZMQ: connected endpoints
+    messages_total: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    not_owned_events: int = 0
+
+    def count(self, reason: str, n: int = 1) -> None:
+        """Count `n` messages (or events) that could not be used, by reason."""
+        self.errors[reason] = self.errors.get(reason, 0) + n
+
+
+class DynamoTable:
+    """Every stream and scheduler value of the collector's Dynamo planes."""
+
+    def __init__(
+        self,
+        plans: Sequence[DynamoPlan],
+        options: DynamoOptions | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.options = options or DynamoOptions()
+        self._clock, self._wall = clock, wall
+        self.planes = [PlaneState(p) for p in plans]
+        self.streams: dict[Key, DynamoStream] = {}
+        self.sched: dict[Key, dict[str, SchedulerValues]] = {}
+        self.last_seen: dict[Key, float] = {}  # any message of the key (events, load, FPM)
+        self.refused: set[Key] = set()
+        self.refused_total = 0
+        self.touching: set[int] = set()  # plane indexes with a drift comparison in progress
+
+    # --- messages -----------------------------------------------------------------------------
+
+    def on_nats(self, plane: int, subject: str, body: bytes) -> None:
+        """One NATS message of plane `plane`."""
+        ps = self.planes[plane]
+        ps.messages_total += 1
+        try:
+            msg = decode_nats_message(subject, body, self.options.max_payload)
+            subj = msg.subject
+            ns = ps.plan.worker.namespace
+            if ns is not None and subj is not None and subj.namespace != ns:
+                ps.count("other_namespace")  # a wildcard stream subject: not ours
+                return
+            self._on_message(ps, msg, ps.plan.shown)
+        except WireError as exc:
+            ps.count(exc.reason)
+
+    def on_zmq(self, plane: int, endpoint: str, frames: Sequence[bytes]) -> None:
+        """One ZMQ direct message from `endpoint`."""
+        ps = self.planes[plane]
+        ps.messages_total += 1
+        try:
+            msg = decode_zmq_message(frames, self.options.max_payload)
+            self._on_message(ps, msg, endpoint)
+        except WireError as exc:
+            ps.count(exc.reason)
+
+    def _on_message(self, ps: PlaneState, msg: DynamoMessage, where: str) -> None:
+        topic = msg.topic
+        now = self._clock()
+        if topic == KV_EVENTS_TOPIC:
+            self._on_events(ps, msg, where, now)
+        elif topic == KV_METRICS_TOPIC:
+            load = decode_active_load(msg)
+            key = self._key(ps, load.worker_id, load.dp_rank)
+            if key is None:
+                return
+            values: dict[str, float | None] = {}
+            bs, cap = ps.plan.worker.block_size, ps.plan.worker.capacity_tokens
+            if load.kv_used_blocks is not None and bs and cap:
+                values["token_usage_ratio"] = load.kv_used_blocks * bs / cap
+            if load.waiting_requests is not None:
+                values["queued_requests"] = load.waiting_requests
+            self._set(key, "kv_metrics", now, values, cap)
+        elif topic == FPM_TOPIC:
+            fpm = decode_fpm(msg)
+            key = self._key(ps, fpm.worker_id, fpm.dp_rank or 0)
+            if key is None:
+                return
+            s, q = fpm.scheduled_requests, fpm.queued_requests
+            running = s.num_prefill_requests + s.num_decode_requests
+            queued = q.num_prefill_requests + q.num_decode_requests
+            fpm_values: dict[str, float | None] = {
+                "running_requests": running,
+                "queued_requests": queued,
+            }
+            self._set(key, "fpm", now, fpm_values, ps.plan.worker.capacity_tokens)
+        else:
+            ps.count("other_topic")
+
+    def _key(self, ps: PlaneState, dynamo_worker_id: int | str, dp_rank: int) -> Key | None:
+        """The stream key of a message, None when another collector keeps that rank."""
+        if not ps.plan.keeps(dp_rank):
+            ps.not_owned_events += 1
+            return None
+        return (ps.plan.label(dynamo_worker_id), dp_rank)
+
+    def _set(
+        self, key: Key, source: str, now: float, values: dict[str, float | None], cap: int
+    ) -> None:
+        per = self.sched.get(key)
+        if per is None:
+            if len(self.sched) >= self.options.max_streams:
+                self._refuse(key)
+                return
+            per = self.sched[key] = {}
+        self.last_seen[key] = now
+        v = per.get(source)
+        if v is None:
+            v = per[source] = SchedulerValues(source=source)
+        for name, x in values.items():
+            if x is not None:
+                setattr(v, name, float(x))
+        if cap:
+            v.max_total_tokens = float(cap)
+        v.updated_at = self._wall()
+
+    def _on_events(self, ps: PlaneState, msg: DynamoMessage, where: str, now: float) -> None:
+        events = decode_router_events(msg)
+        if events.unknown_variants:
+            ps.count("unknown_event", events.unknown_variants)
+        ms = msg.published_at_ms
+        wall = self._wall()
+        ts = ms / 1000 if ms is not None else wall
+        first: DynamoStream | None = None
+        for (wid, rank), batch, raw in to_batches(events, ts, ps.plan.worker.block_size):
+            key = self._key(ps, wid, rank)
+            if key is None:
+                continue
+            st = self.streams.get(key)
+            if st is None:
+                st = self._new_stream(ps, key, wid, where)
+                if st is None:
+                    continue
+            w = st.watched
+            w.last_seen = self.last_seen[key] = now
+            w.last_lag = wall - ts
+            if first is None:
+                first = st
+                if msg.header_mismatch:
+                    st.header_mismatch += 1
+            sq = st.seq
+            if st.touched is not None:
+                restarts = sq.restarts
+                _touch(st, batch.events)
+                sq.on_batch(batch, raw, now)
+                st.unsettled = st.unsettled or sq.restarts != restarts
+            else:
+                sq.on_batch(batch, raw, now)  # no replay on this plane: never an action
+        if first is not None and msg.publisher_id is not None and msg.sequence is not None:
+            first.envelope(msg.publisher_id, msg.sequence, now)
+
+    def _new_stream(
+        self, ps: PlaneState, key: Key, dynamo_worker_id: int, where: str
+    ) -> DynamoStream | None:
+        if len(self.streams) >= self.options.max_streams:
+            self._refuse(key)
+            return None
+        spec = StreamSpec(key[0], key[1], "dynamo", where, KV_EVENTS_TOPIC)
+        st = self.streams[key] = DynamoStream(ps.plan, spec, dynamo_worker_id)
+        if ps.plan.index in self.touching:
+            st.touched = set()
+        return st
+
+    def _refuse(self, key: Key) -> None:
+        if key not in self.refused and len(self.refused) < 1 << 16:
+            self.refused.add(key)
+            self.refused_total += 1
+
+    # --- drift windows ------------------------------------------------------------------------
+
+    def start_touch(self, plan_index: int) -> None:
+        """From now on, note every block the plane's streams store or remove (drift)."""
+        self.touching.add(plan_index)
+        for st in self.streams.values():
+            if st.plan.index == plan_index:
+                st.touched, st.unsettled = set(), False
+
+    def end_touch(self, plan_index: int) -> dict[Key, Touched]:
+        """Stop noting; per stream: its resident blocks now and what changed meanwhile."""
+        self.touching.discard(plan_index)
+        out: dict[Key, Touched] = {}
+        for key, st in self.streams.items():
+            if st.plan.index != plan_index or st.touched is None:
+                continue
+            sq = st.seq
+            out[key] = Touched(
+                st.dynamo_worker_id,
+                sq.index.resident_hashes(),
+                st.touched,
+                st.unsettled,
+                sq.state_complete and not sq.duplicate_stream(self._clock()),
+            )
+            st.touched = None
+        return out
+
+    # --- snapshot -----------------------------------------------------------------------------
+
+    def expire(self) -> None:
+        """Forget streams and scheduler values silent for `forget_after_s`."""
+        now, limit = self._clock(), self.options.forget_after_s
+        for key in [k for k, t in self.last_seen.items() if now - t > limit]:
+            st = self.streams.get(key)
+            if st is not None and st.touched is not None:
+                continue  # a drift comparison is using it
+            del self.last_seen[key]
+            self.streams.pop(key, None)
+            self.sched.pop(key, None)
+
+    def stats(self) -> DynamoStats:
+        """Everything the collector's snapshot takes from the Dynamo planes."""
+        self.expire()
+        now, quiet = self._clock(), self.options.quiet_s
+        out = DynamoStats([], [], [], [], [], self.refused_total)
+        ranks: dict[str, set[int]] = {}
+        plan_of: dict[str, DynamoPlan] = {}
+        for key, st in sorted(self.streams.items()):
+            w, sq = st.watched, st.seq
+            ps = self.planes[st.plan.index]
+            age = now - self.last_seen.get(key, w.last_seen)
+            w.connected = w.spec.endpoint in ps.connected and age < quiet
+            out.streams.append(stream_stats(w, sq, now))
+            out.dynamo.append(
+                DynamoStreamStats(
+                    key[0],
+                    key[1],
+                    st.dynamo_worker_id,
+                    st.pid,
+                    st.pids_seen,
+                    st.env_gaps,
+                    st.env_missed,
+                    st.env_dups,
+                    st.header_mismatch,
+                    last_message_age_s=round(age, 3),
+                )
+            )
+            ranks.setdefault(key[0], set()).add(key[1])
+            plan_of[key[0]] = st.plan
+        for key, per in sorted(self.sched.items()):
+            ranks.setdefault(key[0], set()).add(key[1])
+            plan_of.setdefault(key[0], self._plan_of(key[0]))
+            v = merge_values({key[1]: x} for x in per.values())[key[1]]
+            out.scheduler.append(
+                SchedulerStats(
+                    key[0], key[1], v.source, v.running_requests, v.queued_requests,
+                    v.token_usage_ratio, v.cache_hit_ratio, v.max_total_tokens, v.updated_at,
+                )
+            )  # fmt: skip
+        for label, seen in sorted(ranks.items()):
+            plan = plan_of[label]
+            owned = seen | set(plan.owned or ())
+            size = max(plan.worker.dp_size or 0, max(owned) + 1)
+            out.workers.append(
+                WorkerInfo(label, "dynamo", size, sorted(owned), 0 in owned, plan.worker.capacity_tokens)
+            )  # fmt: skip
+        for ps in self.planes:
+            out.planes.append(
+                DynamoPlaneStats(
+                    ps.plan.worker.id, ps.plan.event_plane, ps.plan.shown, bool(ps.connected),
+                    ps.messages_total, dict(ps.errors), ps.not_owned_events,
+                )
+            )  # fmt: skip
+        return out
+
+    def _plan_of(self, label: str) -> DynamoPlan:
+        prefix = label.partition("/")[0]
+        return next(ps.plan for ps in self.planes if ps.plan.worker.id == prefix)
+
+
+@dataclass
+class Touched:
+    """One stream at the end of a drift window."""
+
+    dynamo_worker_id: int
+    resident: dict[str, set[BlockHash]]  # medium -> blocks, as of the end of the window
+    touched: set[BlockHash]  # stored or removed during the window
+    unsettled: bool  # cleared or restarted during the window: not comparable this time
+    complete: bool
+
+
+@dataclass
+class DynamoStats:
+    """The Dynamo parts of one snapshot."""
+
+    streams: list[StreamStats]
+    dynamo: list[DynamoStreamStats]
+    scheduler: list[SchedulerStats]
+    workers: list[WorkerInfo]
+    planes: list[DynamoPlaneStats]
+    refused_streams: int = 0
+
+
+def _touch(st: DynamoStream, events: Sequence[object]) -> None:
+    touched = st.touched
+    assert touched is not None
+    for ev in events:
+        kind = getattr(ev, "kind", "")
+        if kind in ("BlockStored", "BlockRemoved"):
+            touched.update(ev.block_hashes)  # type: ignore[attr-defined]
+        else:  # a clear: every block of the stream may have changed
+            st.unsettled = True
