@@ -38,7 +38,7 @@ def reject_dynamo_keys(where: str, w: dict[str, Any], engine: str) -> None:
 
 def default_id(namespace: str | None) -> str:
     """The config id of a Dynamo plane when none is given; its streams are `{id}/{worker_id}`."""
-    return f"dynamo-{namespace}" if namespace else "dynamo"
+    return f"dynamo-{namespace}" if namespace and namespace != "dynamo" else "dynamo"
 
 
 def build_dynamo_worker(where: str, w: dict[str, Any], node_rank: int) -> WorkerConfig:
