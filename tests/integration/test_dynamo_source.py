@@ -14,9 +14,11 @@ from typing import Any
 import pytest
 
 from benchmarks._common import free_port
+from kvobserve.commands.embedded import start_embedded
+from kvobserve.config import Config, load_config
 from kvobserve.simulate import FaultConfig, SimConfig
 from kvobserve.simulate.group import SimulatorGroup, nodes_of
-from tests.integration.conftest import NatsServer
+from tests.integration.conftest import NatsServer, eventually
 from tests.integration.fleet_helpers import Procs, fetch, poll, write_toml
 
 pytestmark = pytest.mark.integration
@@ -30,13 +32,13 @@ FAULTS = FaultConfig(
 )
 
 
-def dynamo_group(plane: str, nats_url: str | None) -> SimulatorGroup:
+def dynamo_group(plane: str, nats_url: str | None, faults: FaultConfig = FAULTS) -> SimulatorGroup:
     """A 2-node dp8 Dynamo worker; events wait until `publish_now()` (subscribers are ready)."""
     cfg = SimConfig(
         worker_id="dyn", format="sglang-0.5.23", dp_size=8, nnodes=2, node_hosts=HOSTS,
         event_plane=plane, event_plane_url=nats_url, rate=300.0, max_batches=60,
         start_delay_s=600.0, side_interval_s=0.2, http_port=None, replay_port=None, prompts=40,
-        faults=FAULTS,
+        faults=faults,
     )  # fmt: skip
     return SimulatorGroup(nodes_of(cfg)).start()
 
@@ -159,3 +161,72 @@ def test_zmq_direct_event_plane_into_run(tmp_path: Path, procs: Procs) -> None:
         _run_and_check(tmp_path, procs, group, worker)
     finally:
         group.stop()
+
+
+async def test_each_node_keeps_its_own_share_of_a_namespace(tmp_path: Path) -> None:
+    """keep_ranks = "node": both collectors see the whole namespace on NATS, each keeps its
+    node's ranks, so every rank has exactly one owner; a silent collector leaves its ranks
+    uncovered."""
+    nats = NatsServer(tmp_path / "js", jetstream=False)
+    nats.start()
+    group = emb = None
+    try:
+        group = dynamo_group("nats", nats.url, faults=FaultConfig())
+
+        def node(k: int) -> Config:
+            settings = {
+                "collector.id": f"c{k}",
+                "collector.node_rank": k,
+                "collector.nnodes": 2,
+                "collector.interval_s": 0.2,
+                "worker.engine": "dynamo",
+                "worker.event_plane_url": nats.url,
+                "worker.dp_size": 8,
+                "worker.keep_ranks": "node",
+            }
+            return load_config(None, settings, {})
+
+        configs = [node(0), node(1)]
+        emb = await start_embedded(configs, None)
+        label = f"dynamo/{group.dynamo[0].worker_id}"
+        want = {(label, r): [f"c{r // 4}"] for r in range(8)}
+
+        def owners() -> dict[tuple[str, int], list[str]]:
+            assert emb is not None
+            return {k: v for k, v in emb.aggregator.view().owners.items() if k[0] == label}
+
+        await eventually(lambda: owners() == want, 30, "one owner per rank, by node")
+        for w in group.dynamo:
+            w.publish_now()
+        await eventually(lambda: all(w._finished() for w in group.dynamo), 30, "published")
+
+        def streams() -> dict[str, set[int]]:
+            assert emb is not None
+            out: dict[str, set[int]] = {}
+            for s in emb.aggregator.view().streams:
+                out.setdefault(s.collector.collector_id, set()).add(s.stats.dp_rank)
+            return out
+
+        await eventually(lambda: streams() == {"c0": {0, 1, 2, 3}, "c1": {4, 5, 6, 7}}, 30, "split")
+        assert not [c for c in emb.aggregator.view().conditions if c.kind.startswith("dp_rank")]
+        for col in emb.collectors:  # each dropped the other node's events
+            snap = col.last_snapshot
+            assert snap is not None and snap.dynamo_planes[0].not_owned_events > 0
+        await emb.collectors[1].close()
+
+        def uncovered() -> set[int]:
+            assert emb is not None
+            view = emb.aggregator.view()
+            return {
+                int(dict(c.labels)["dp_rank"])
+                for c in view.conditions
+                if c.kind == "dp_rank_uncovered"
+            }
+
+        await eventually(lambda: uncovered() == {4, 5, 6, 7}, 30, "node 1's ranks uncovered")
+    finally:
+        if emb is not None:
+            await emb.close()
+        if group is not None:
+            group.stop()
+        nats.stop()
