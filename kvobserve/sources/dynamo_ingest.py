@@ -18,18 +18,18 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import nats
-import nats.errors
 import zmq
 import zmq.asyncio
-from nats.aio.client import Client
-from nats.aio.msg import Msg
 from zmq.utils.monitor import parse_monitor_message
 
 from kvobserve.sources.dynamo_plan import DynamoPlan
 from kvobserve.sources.dynamo_streams import DynamoOptions, DynamoStats, DynamoTable
+
+if TYPE_CHECKING:  # nats-py is imported only when a NATS plane runs (`run` without NATS)
+    from nats.aio.client import Client
+    from nats.aio.msg import Msg
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -57,6 +57,8 @@ class _NatsPlane:
 
     async def run(self) -> None:
         """Connect (retrying), subscribe; nats-py reconnects by itself after that."""
+        import nats
+
         w = self.plan.worker
         servers = [u.strip() for u in self.plan.url.split(",")]
         kw: dict[str, Any] = {
@@ -98,7 +100,9 @@ class _NatsPlane:
         self.table.on_nats(self.index, msg.subject, msg.data)
 
     async def _on_error(self, exc: Exception) -> None:
-        name = "slow_consumer" if isinstance(exc, nats.errors.SlowConsumerError) else "connection"
+        from nats.errors import SlowConsumerError
+
+        name = "slow_consumer" if isinstance(exc, SlowConsumerError) else "connection"
         if not self._state.errors.get(name):
             log.warning("dynamo plane %s: %s: %s", self.plan.worker.id, self.plan.shown, exc)
         self._state.count(name)
