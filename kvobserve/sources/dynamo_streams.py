@@ -246,22 +246,20 @@ class DynamoTable:
         wall = self._wall()
         ts = ms / 1000 if ms is not None else wall
         first: DynamoStream | None = None
-        for (wid, rank), batch, raw in to_batches(events, ts, ps.plan.worker.block_size):
-            key = self._key(ps, wid, rank)
-            if key is None:
-                continue
-            st = self.streams.get(key)
-            if st is None:
-                st = self._new_stream(ps, key, wid, where)
+        cur: tuple[int, int] | None = None
+        st: DynamoStream | None = None
+        for ident, batch, raw in to_batches(events, ts, ps.plan.worker.block_size):
+            if ident != cur:  # a message nearly always holds one stream: look it up once
+                cur = ident
+                st = self._stream(ps, ident, where, now)
                 if st is None:
                     continue
-            w = st.watched
-            w.last_seen = self.last_seen[key] = now
-            w.last_lag = wall - ts
-            if first is None:
-                first = st
-                if msg.header_mismatch:
-                    st.header_mismatch += 1
+                st.watched.last_lag = wall - ts
+                if first is None:
+                    first = st
+                    st.header_mismatch += bool(msg.header_mismatch)
+            if st is None:
+                continue
             sq = st.seq
             if st.touched is not None:
                 restarts = sq.restarts
@@ -272,6 +270,21 @@ class DynamoTable:
                 sq.on_batch(batch, raw, now)  # no replay on this plane: never an action
         if first is not None and msg.publisher_id is not None and msg.sequence is not None:
             first.envelope(msg.publisher_id, msg.sequence, now)
+
+    def _stream(
+        self, ps: PlaneState, ident: tuple[int, int], where: str, now: float
+    ) -> DynamoStream | None:
+        """The stream of (Dynamo worker_id, dp_rank), created if kept and under the cap."""
+        key = self._key(ps, *ident)
+        if key is None:
+            return None
+        st = self.streams.get(key)
+        if st is None:
+            st = self._new_stream(ps, key, ident[0], where)
+            if st is None:
+                return None
+        st.watched.last_seen = self.last_seen[key] = now
+        return st
 
     def _new_stream(
         self, ps: PlaneState, key: Key, dynamo_worker_id: int, where: str
