@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -116,3 +117,29 @@ def test_a_dynamo_worker_next_to_engines(tmp_path: Path) -> None:
     text = NATS + '[[worker]]\nengine = "sglang"\nkv_endpoint = "tcp://127.0.0.1:5557"\n'
     cfg = _load(tmp_path, text)
     assert [w.engine for w in cfg.workers] == ["dynamo", "sglang"]
+
+
+def test_check_prints_what_a_dynamo_worker_subscribes_to(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvobserve.cli import main
+
+    text = (
+        NATS.replace("127.0.0.1", "u:pw@127.0.0.1") + 'namespace = "dynamo"\n'
+        '[[worker]]\nid = "z"\nengine = "dynamo"\nevent_plane = "zmq"\n'
+        'zmq_endpoints = ["tcp://127.0.0.1:5", "tcp://127.0.0.2:5"]\n'
+    )  # fmt: skip
+    p = tmp_path / "k.toml"
+    p.write_text(text)
+    assert main(["check", "-c", str(p)]) == 0
+    out = capsys.readouterr().out
+    assert "subscribe namespace.dynamo.component.*.endpoint.*.kv-events" in out
+    assert "subscribe tcp://127.0.0.2:5" in out and "pw" not in out
+    assert "streams: dynamo/<dynamo worker_id> per dp_rank" in out
+    assert main(["check", "-c", str(p), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    nats_plan, zmq_plan = doc["workers"]
+    assert (nats_plan["engine"], nats_plan["url"], nats_plan["keep_ranks"]) == (
+        "dynamo", "nats://127.0.0.1:4222", "all",
+    )  # fmt: skip
+    assert zmq_plan["endpoints"] == ["tcp://127.0.0.1:5", "tcp://127.0.0.2:5"]
