@@ -96,6 +96,14 @@ def render(c: CollectorView, g: Group, detail: Detail) -> Chunk | None:
         add("kvobserve_scheduler_source_errors_total", ls, fv(e.count))
     for what, n in sorted(c.snapshot.refused.items()):
         add("kvobserve_collector_refused_total", f'{{collector="{cid}",what="{_e(what)}"}} ', fv(n))
+    k = c.snapshot.counters
+    if k is not None:
+        cl_ = f'{{collector="{cid}"}} '
+        add("kvobserve_collector_messages_received_total", cl_, fv(k.messages_received))
+        add("kvobserve_collector_ingest_errors_total", cl_, fv(k.ingest_errors))
+        for reason, n in sorted(k.publish_dropped.items()):
+            ls = f'{{collector="{cid}",reason="{_e(reason)}"}} '
+            add("kvobserve_collector_publish_dropped_total", ls, fv(n))
     sums = WorkerSums()
     hist = TextFamilies() if detail.histograms else None
     rows = [_stream(s, node, sums, detail, hist) for s in g.streams]
@@ -135,6 +143,8 @@ STREAM_FAMILIES = (
     "kvobserve_kv_publisher_restarts_total",
     "kvobserve_kv_duplicate_batches_total",
     "kvobserve_kv_rank_mismatch_batches_total",
+    "kvobserve_kv_interleaved_batches_total",
+    "kvobserve_kv_blocks_unchanged_total",
     "kvobserve_kv_decode_errors_total",
     "kvobserve_kv_blocks_stored_total",
     "kvobserve_kv_blocks_removed_total",
@@ -178,6 +188,17 @@ def _stream(
     else:
         for t in types:
             sums.counter("kvobserve_kv_events_total", w, t, events.get(t, 0))
+    kinds = (("already_resident", st.already_resident), ("not_resident", st.unknown_removed))
+    unchanged = ""
+    if detail.counters:
+        unchanged = "".join(
+            f'kvobserve_kv_blocks_unchanged_total{{dp_rank="{r}",kind="{k}",node_rank="{node}",'
+            f'worker_id="{ew}"}} {fv(n)}\n'
+            for k, n in kinds
+        )
+    else:
+        for k, n in kinds:
+            sums.counter("kvobserve_kv_blocks_unchanged_total", w, k, n)
     replay = "".join(
         f'kvobserve_kv_replay_requests_total{{dp_rank="{r}",node_rank="{node}",'
         f'result="{_e(k)}",worker_id="{ew}"}} {fv(n)}\n'
@@ -223,6 +244,10 @@ def _stream(
         f"kvobserve_kv_publisher_restarts_total{ls}{fv(st.restarts)}\n",
         f"kvobserve_kv_duplicate_batches_total{ls}{fv(st.duplicate_batches)}\n",
         f"kvobserve_kv_rank_mismatch_batches_total{ls}{fv(st.rank_mismatch_batches)}\n",
+        f"kvobserve_kv_interleaved_batches_total{ls}{fv(st.interleaved_batches)}\n"
+        if st.interleaved_batches
+        else "",
+        unchanged,
         decode,
         stored,
         removed,
