@@ -7,6 +7,7 @@ that. A collector whose own label sets repeat is left to the reference writer (N
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from prometheus_client.utils import floatToGoString
@@ -30,17 +31,9 @@ class Chunk:
     gz: dict[str, bytes] = field(default_factory=dict)  # family -> deflate segment, when asked
 
 
-_ESC: dict[str, str] = {}
-
-
-def _e(value: str) -> str:
-    """`_escape`, memoised: the same few worker ids, media and reasons come back every scrape."""
-    out = _ESC.get(value)
-    if out is None:
-        if len(_ESC) > 100_000:
-            _ESC.clear()
-        out = _ESC[value] = _escape(value)
-    return out
+# Memoised: the same few worker ids, media, reasons and bucket bounds come back every scrape.
+_e = functools.lru_cache(maxsize=100_000)(_escape)
+_le = functools.lru_cache(maxsize=10_000)(floatToGoString)
 
 
 def claims(c: CollectorView, g: Group) -> tuple[Claims, bool]:
@@ -302,16 +295,4 @@ def fleet_level(v: FleetView, order: list[CollectorView], sums: WorkerSums) -> d
         hist.append(f"{LIFETIME}_count{ls}{top}\n{LIFETIME}_sum{ls}{fv(h.sum)}\n")
     if hist:
         out[LIFETIME] = "".join(hist).encode()
-    return out
-
-
-_LE: dict[float, str] = {}
-
-
-def _le(bound: float) -> str:
-    out = _LE.get(bound)
-    if out is None:
-        if len(_LE) > 10_000:
-            _LE.clear()
-        out = _LE[bound] = floatToGoString(bound)
     return out
