@@ -26,6 +26,7 @@ from kvobserve.sources.passthrough import relabel
 from kvobserve.sources.plan import StreamSpec, WorkerPlan, plan_worker
 from kvobserve.sources.scheduler import SchedulerSources
 from kvobserve.wire.snapshot import (
+    CollectorCounters,
     CollectorInfo,
     Family,
     Sample,
@@ -39,8 +40,22 @@ log = logging.getLogger(__name__)
 MAX_PASSTHROUGH_SAMPLES = 20_000  # per collector snapshot
 
 
+class SinkCounters(Protocol):
+    """What a sink counts (kvobserve.transport.TransportCounters)."""
+
+    @property
+    def dropped(self) -> dict[str, int]:
+        """Messages not sent, by reason."""
+        ...
+
+
 class SnapshotSink(Protocol):
-    """Where snapshots go: any transport (kvobserve.transport) has this method."""
+    """Where snapshots go: any transport (kvobserve.transport) has these."""
+
+    @property
+    def counters(self) -> SinkCounters:
+        """The sink's counters."""
+        ...
 
     async def publish_snapshot(self, collector_id: str, data: bytes) -> None:
         """Send one encoded snapshot; a failed send is counted by the sink, never raised."""
@@ -222,6 +237,12 @@ class Collector:
             scheduler_errors=errors,
             passthrough=passthrough,
             refused=refused,
+            counters=CollectorCounters(
+                ingest.messages_received,
+                ingest.loop_errors,
+                self.snapshots_published,
+                dict(self.transport.counters.dropped),
+            ),
             **dynamo,
         )
 

@@ -113,6 +113,7 @@ class AggregatorConfig:
 
     stale_intervals: float = 3.0
     otlp_endpoint: str | None = None
+    per_stream_detail: bool = False  # per-stream histograms and block counters (series budget)
 
 
 @dataclass(frozen=True, slots=True)

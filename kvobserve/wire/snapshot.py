@@ -58,6 +58,9 @@ class StreamStats(Struct, omit_defaults=True, gc=False):
     duplicate_stream: bool = False
     rank_mismatch_batches: int = 0
     decode_errors: dict[str, int] = {}  # reason -> count
+    interleaved_batches: int = 0  # a second publisher's batches on this stream, dropped
+    already_resident: int = 0  # stored hashes that were resident already (first store time kept)
+    unknown_removed: int = 0  # removed hashes that were not resident
     state_complete: bool = False
     last_batch_ts: float = 0.0  # engine timestamp of the last applied batch; 0 = none yet
     lag_seconds: float | None = None  # receive time - engine timestamp of the last batch
@@ -181,6 +184,15 @@ class Family(Struct, omit_defaults=True, gc=False):
     samples: list[Sample] = []
 
 
+class CollectorCounters(Struct, omit_defaults=True, gc=False):
+    """The collector's own work, cumulative since it started."""
+
+    messages_received: int = 0  # KV-event messages read from every stream and probe
+    ingest_errors: int = 0  # turns of the ingest loop that failed (logged, the loop goes on)
+    snapshots_published: int = 0
+    publish_dropped: dict[str, int] = {}  # snapshots the transport could not send, by reason
+
+
 class CollectorInfo(Struct, omit_defaults=True, gc=False):
     """The collector's identity."""
 
@@ -211,6 +223,7 @@ class Snapshot(Struct, omit_defaults=True, gc=False):
     dynamo_planes: list[DynamoPlaneStats] = []
     drift: list[DriftStats] = []
     drift_sources: list[DriftSource] = []
+    counters: CollectorCounters | None = None
 
 
 _encoder = msgspec.msgpack.Encoder()
