@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from kvobserve.sources.dynamo_plan import DynamoPlan
 from kvobserve.sources.dynamo_state import (
@@ -202,7 +203,10 @@ class DynamoTable:
             st = self._new_stream(ps, key, ident[0], where)
             if st is None:
                 return None
-        st.watched.last_seen = self.last_seen[key] = now
+        w = st.watched
+        w.last_seen = self.last_seen[key] = now
+        if w.spec.endpoint != where:  # ZMQ: a restarted publisher may advertise a new endpoint
+            w.spec = replace(w.spec, endpoint=where)
         return st
 
     def _new_stream(

@@ -3,6 +3,9 @@ forgetting, scheduler values from ActiveLoad and forward-pass metrics, bad messa
 
 from __future__ import annotations
 
+import base64
+import json
+from pathlib import Path
 from typing import Any
 
 from kvobserve.config import load_config
@@ -143,3 +146,37 @@ def test_drift_window_notes_touched_blocks_and_clears() -> None:
     t.on_nats(0, SUBJ, body([enc.router_event(W, 4, enc.CLEARED, 0)], seq=2))
     assert next(iter(t.end_touch(0).values())).unsettled
     assert t.end_touch(0) == {}  # the window is closed
+
+
+CAPTURES = Path(__file__).resolve().parents[1] / "fixtures" / "dynamo-captures" / "1.6.1"
+
+
+def _capture_keys(run: str) -> set[tuple[str, int]]:
+    """(worker_id label, dp_rank) of every kv-events RouterEvent of one 1.6.1 capture run."""
+    doc = json.loads((CAPTURES / "expected.json").read_text())
+    out = set()
+    for m in doc[run]:
+        if m["envelope"]["topic"] == "kv-events":
+            for ev in m["payload"]:
+                out.add((f"dynamo/{ev['worker_id']}", ev["event"]["dp_rank"]))
+    return out
+
+
+def test_real_dynamo_1_6_1_bytes_nats_and_zmq_direct() -> None:
+    nats_t, _ = table(block_size=16)
+    for line in (CAPTURES / "nats.jsonl").read_text().splitlines():
+        m = json.loads(line)
+        nats_t.on_nats(0, m["subject"], base64.b64decode(m["body"]))
+    zmq_t, _ = table(block_size=16)
+    for line in (CAPTURES / "zmq-direct.jsonl").read_text().splitlines():
+        m = json.loads(line)
+        zmq_t.on_zmq(0, "tcp://127.0.0.1:1", [base64.b64decode(f) for f in m["frames"]])
+    for t, run in ((nats_t, "nats"), (zmq_t, "zmq-direct")):
+        want = _capture_keys(run)
+        assert len(want) == 4  # two workers, two ranks each
+        assert t.planes[0].errors == {}
+        snap = t.stats()
+        assert {(s.worker_id, s.dp_rank) for s in snap.streams} == want
+        assert all(s.state_complete and s.gaps == 0 for s in snap.streams)  # ids from 1
+        assert {(s.worker_id, s.dp_rank) for s in snap.scheduler} >= want
+        assert all(d.header_mismatches == 0 for d in snap.dynamo)
