@@ -12,8 +12,10 @@ from typing import Any
 import pytest
 
 from kvobserve.collector import Collector
+from kvobserve.commands.demo import start_demo
 from kvobserve.config import load_config
 from kvobserve.simulate import SimConfig
+from kvobserve.simulate.dynamo_worker import SimulatedDynamoWorker
 from kvobserve.simulate.group import SimulatorGroup
 from kvobserve.transport.local import LocalBus
 from tests.integration.conftest import eventually
@@ -177,3 +179,26 @@ async def test_size_comparison_against_query_tree_sizes() -> None:
             assert (d.router_blocks, d.engine_blocks) == (t["router_blocks"], t["engine_blocks"])
             # lost removals only add blocks: the size difference is exactly the phantom count
             assert (d.phantom, d.missing) == (t["phantom"], 0)
+
+
+async def test_demo_with_a_dynamo_worker_measures_its_indexer() -> None:
+    demo = await start_demo(None, rate=100.0, interval_s=0.2, dynamo=True, drift_interval_s=1.0)
+    try:
+        dyn = next(s for s in demo.sims if isinstance(s, SimulatedDynamoWorker))
+        label = f"dynamo/{dyn.worker_id}"
+        col = next(c for c in demo.kvobserve.collectors if c.info.collector_id == "dynamo-node-0")
+
+        def measured() -> bool:
+            view = demo.kvobserve.aggregator.view()
+            up = {s.stats.dp_rank for s in view.streams if s.stats.worker_id == label and s.up}
+            snap = col.last_snapshot
+            drift = [] if snap is None else [d for d in snap.drift if d.worker_id == label]
+            # the indexer loses removals: evicted blocks stay in the router as phantoms
+            return up == {0, 1, 2, 3} and any(d.phantom for d in drift)
+
+        await eventually(measured, 30, "the demo's Dynamo worker is watched and drifts")
+        view = demo.kvobserve.aggregator.view()
+        kinds = {c.kind for c in view.conditions if dict(c.labels).get("worker_id") == label}
+        assert "dp_rank_uncovered" not in kinds
+    finally:
+        await demo.close()
