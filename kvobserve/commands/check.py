@@ -11,6 +11,7 @@ from typing import Any
 from kvobserve.commands.common import fail, load
 from kvobserve.config import SECTIONS, Config, ConfigError, add_config_flags
 from kvobserve.sources.discovery import DiscoveredEngine, DiscoveryError, discover_urls
+from kvobserve.sources.dynamo_plan import DynamoPlan, plan_dynamo
 from kvobserve.sources.plan import WorkerPlan, plan_worker
 
 
@@ -28,7 +29,7 @@ async def _discover_all(
     cfg: Config, timeout_s: float
 ) -> tuple[dict[str, DiscoveredEngine], dict[str, DiscoveryError]]:
     """Discovery for every worker with a url, concurrently: (found, failed) by worker id."""
-    todo = [w for w in cfg.workers if w.urls]
+    todo = [w for w in cfg.workers if w.urls and w.engine != "dynamo"]
     got = await asyncio.gather(
         *(discover_urls(w.urls, w.engine, timeout_s=timeout_s) for w in todo),
         return_exceptions=True,
@@ -102,6 +103,39 @@ def plan_json(p: WorkerPlan) -> dict[str, Any]:
     }
 
 
+def dynamo_json(p: DynamoPlan) -> dict[str, Any]:
+    """One Dynamo plane's plan as `check --json` prints it."""
+    w = p.worker
+    return {
+        "worker_id": w.id,
+        "engine": "dynamo",
+        "event_plane": p.event_plane,
+        "url": p.shown,
+        "namespace": w.namespace,
+        "subjects": list(p.subjects),
+        "endpoints": list(p.endpoints),
+        "stream_worker_id": p.label("<dynamo worker_id>"),
+        "keep_ranks": "all" if p.owned is None else list(p.owned),
+        "dp_size": w.dp_size,
+        "block_size": w.block_size,
+        "indexer_url": w.indexer_url,
+        "notes": list(p.notes),
+    }
+
+
+def _print_dynamo(p: dict[str, Any]) -> None:
+    print(f"\nworker {p['worker_id']} (dynamo, {p['event_plane']} event plane {p['url']})")
+    for note in p["notes"]:
+        print(f"  note: {note}")
+    for what in ("subjects", "endpoints"):
+        for x in p[what]:
+            print(f"  subscribe {x}")
+    ranks = p["keep_ranks"]
+    kept = "every rank received" if ranks == "all" else f"dp_ranks {ranks[0]}-{ranks[-1]}"
+    print(f"  streams: {p['stream_worker_id']} per dp_rank, as events arrive; keeps {kept}")
+    print(f"  drift against: {p['indexer_url'] or 'none'}")
+
+
 def _print_text(cfg: Config, plans: list[dict[str, Any]]) -> None:
     """The plan as a human-readable table; `*` marks the ranks this node watches."""
     c = cfg.collector
@@ -112,6 +146,9 @@ def _print_text(cfg: Config, plans: list[dict[str, Any]]) -> None:
     )
     print(f"http {cfg.http.listen or 'off'}  nats {cfg.nats.url if cfg.nats else 'embedded'}")
     for p in plans:
+        if p["engine"] == "dynamo":
+            _print_dynamo(p)
+            continue
         src = f"  discovered from {p['discovered_from']}" if p["discovered_from"] else ""
         lead = "leader" if p["leader"] else "not leader"
         attn = ", DP attention" if p["dp_attention"] and p["engine"] == "sglang" else ""
@@ -150,12 +187,16 @@ def run(args: argparse.Namespace) -> int:
         found, failed = (
             ({}, {}) if args.no_discovery else asyncio.run(_discover_all(cfg, args.timeout))
         )
+        node = cfg.collector
         plans = []
         for i, w in enumerate(cfg.workers):
+            if w.engine == "dynamo":
+                plans.append(dynamo_json(plan_dynamo(i, w, node)))
+                continue
             err = failed.get(w.id)
             if err is not None and not w.kv_endpoint:
                 raise err  # nothing to watch without it
-            plan = plan_json(plan_worker(i, w, cfg.collector, found.get(w.id)))
+            plan = plan_json(plan_worker(i, w, node, found.get(w.id)))
             if err is not None:  # configured endpoints stand; the collector retries discovery
                 plan["notes"].insert(0, f"{err}; using the configured endpoints")
             plans.append(plan)

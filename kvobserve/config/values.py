@@ -30,6 +30,11 @@ def check_type(value: Any, typ: type, field: str) -> Any:
     """A value of the declared type (an int is accepted as float; a bool is not an int)."""
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if typ is list and isinstance(value, list):  # lists hold strings only (zmq_endpoints)
+        for i, item in enumerate(value):
+            if not isinstance(item, str):
+                raise ConfigError(f"{field}[{i}]: expected str, got {item!r}")
+        return value
     if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
         raise ConfigError(f"{field}: expected {typ.__name__}, got {value!r}")
     return value
@@ -39,6 +44,8 @@ def convert(value: Any, typ: type, field: str) -> Any:
     """A flag or env string converted to `typ`; non-strings are only type-checked."""
     if not isinstance(value, str) or typ is str:
         return check_type(value, typ, field)
+    if typ is list:  # a flag or env value: comma-separated
+        return [part.strip() for part in value.split(",") if part.strip()]
     text = value.strip().lower()
     try:
         return _BOOLS[text] if typ is bool else typ(text)
@@ -81,9 +88,12 @@ def is_wildcard(host: str) -> bool:
     return host.strip("[]") in WILDCARD_HOSTS
 
 
-def check_zmq_endpoint(value: str, field: str, schemes: tuple[str, ...]) -> str:
+def check_zmq_endpoint(
+    value: str, field: str, schemes: tuple[str, ...], *, wildcard_ok: bool = True
+) -> str:
     """A ZMQ endpoint of one of `schemes`; tcp needs `host:port`, where the host may be a wildcard
-    (`tcp://*:5557`, `tcp://:5557`): each collector then connects at its own `[collector] host`."""
+    (`tcp://*:5557`, `tcp://:5557`): each collector then connects at its own `[collector] host`.
+    `wildcard_ok=False` where nothing resolves a wildcard (Dynamo's ZMQ endpoints)."""
     scheme, sep, rest = value.partition("://")
     if not sep or scheme not in schemes:
         want = " or ".join(f"{s}://" for s in schemes)
@@ -92,9 +102,11 @@ def check_zmq_endpoint(value: str, field: str, schemes: tuple[str, ...]) -> str:
         raise ConfigError(f"{field}: empty {scheme} address in {value!r}")
     if scheme == "tcp":
         try:
-            split_host_port(rest)
+            host, _ = split_host_port(rest)
         except ValueError:
             raise ConfigError(f"{field}: expected tcp://host:port, got {value!r}") from None
+        if not wildcard_ok and is_wildcard(host):
+            raise ConfigError(f"{field}: wildcard host in {value!r}; give the engine's address")
     return value
 
 

@@ -63,6 +63,8 @@ class IngestStats:
     streams: list[StreamStats]
     unexpected: list[UnexpectedStream]
     refused: dict[str, int]  # what a cardinality cap refused: streams, medium_events
+    messages_received: int = 0
+    loop_errors: int = 0
 
 
 class IngestLoop:
@@ -330,4 +332,5 @@ class IngestLoop:
                 continue
             streams.append(stream_stats(st, st.seq, now))
             refused["medium_events"] += st.seq.index.media_refused_events
-        return IngestStats(streams, unexpected, {k: v for k, v in refused.items() if v})
+        refused = {k: v for k, v in refused.items() if v}
+        return IngestStats(streams, unexpected, refused, self.received_total, self.loop_errors)
