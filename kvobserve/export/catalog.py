@@ -119,7 +119,7 @@ CATALOG: tuple[MetricDef, ...] = (
        "(removed while not resident).",
        per="worker_type", n=2, detail="per_stream_counters"),
     _d("kvobserve_kv_capacity_tokens", "gauge", STREAM,
-       "KV capacity in tokens, from the worker config or the leader's scheduler metrics."),
+       "KV capacity in tokens, from the worker config or the rank's scheduler metrics."),
     _d("kvobserve_kv_cache_usage_ratio", "gauge", STREAM,
        "GPU-tier resident tokens / capacity; absent while the capacity is unknown."),
     _d("kvobserve_kv_block_lifetime_seconds", "histogram", WORKER_MEDIUM,
@@ -179,7 +179,7 @@ CATALOG: tuple[MetricDef, ...] = (
     _d("kvobserve_collector_publish_dropped_total", "counter", ("collector", "reason"),
        "Snapshots the collector could not publish, by reason (closed, buffer_full, too_large, "
        "error); reported with its next snapshot that arrives.", per="fault"),
-    # leader scheduler metrics
+    # scheduler metrics per rank, joined across collectors, under the node that owns the rank
     _d("kvobserve_scheduler_running_requests", "gauge", STREAM, "Running requests of the rank."),
     _d("kvobserve_scheduler_queued_requests", "gauge", STREAM, "Queued requests of the rank."),
     _d("kvobserve_scheduler_token_usage_ratio", "gauge", STREAM,
@@ -187,9 +187,10 @@ CATALOG: tuple[MetricDef, ...] = (
     _d("kvobserve_scheduler_cache_hit_ratio", "gauge", STREAM, "Prefix cache hit ratio (0-1)."),
     _d("kvobserve_scheduler_max_total_tokens", "gauge", STREAM,
        "KV capacity in tokens as the scheduler reports it."),
-    _d("kvobserve_scheduler_source_errors_total", "counter", ("worker_id", "source", "reason"),
-       "Scheduler-source messages the leader could not use (e.g. reason pickle_refused), by "
-       "source (metrics, load, kv_metrics, fpm) and reason.", per="fault"),
+    _d("kvobserve_scheduler_source_errors_total", "counter",
+       ("worker_id", "node_rank", "source", "reason"),
+       "Scheduler-source messages a collector could not use (e.g. reason pickle_refused), by "
+       "node, source (metrics, load, kv_metrics, fpm) and reason.", per="fault"),
     # the aggregator itself
     _d("kvobserve_aggregator_snapshots_applied_total", "counter", (),
        "Collector snapshots applied to the fleet state."),

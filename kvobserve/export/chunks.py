@@ -42,7 +42,7 @@ def claims(c: CollectorView, g: Group) -> tuple[Claims, bool]:
     streams = {("s", s.stats.worker_id, node, str(s.stats.dp_rank)) for s in g.streams}
     sched = {("s", x.worker_id, node, str(x.dp_rank)) for x in g.scheduler}
     unexpected = {(u.worker_id, u.dp_rank, u.endpoint) for u in g.unexpected}
-    errors = {("e", e.worker_id, e.source, e.reason) for e in c.snapshot.scheduler_errors}
+    errors = {("e", e.worker_id, node, e.source, e.reason) for e in c.snapshot.scheduler_errors}
     clean = (
         len(streams) == len(g.streams)
         and len(sched) == len(g.scheduler)
@@ -85,7 +85,10 @@ def render(c: CollectorView, g: Group, detail: Detail) -> Chunk | None:
     if i.start_time > 0:
         add("kvobserve_collector_start_time_seconds", f'{{collector="{cid}"}} ', fv(i.start_time))
     for e in c.snapshot.scheduler_errors:
-        ls = f'{{reason="{_e(e.reason)}",source="{_e(e.source)}",worker_id="{_e(e.worker_id)}"}} '
+        ls = (
+            f'{{node_rank="{node}",reason="{_e(e.reason)}",source="{_e(e.source)}",'
+            f'worker_id="{_e(e.worker_id)}"}} '
+        )
         add("kvobserve_scheduler_source_errors_total", ls, fv(e.count))
     for what, n in sorted(c.snapshot.refused.items()):
         add("kvobserve_collector_refused_total", f'{{collector="{cid}",what="{_e(what)}"}} ', fv(n))

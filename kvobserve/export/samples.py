@@ -107,7 +107,12 @@ def collector(f: Sink, c: CollectorView, g: Group, sums: WorkerSums, detail: Det
     if i.start_time > 0:
         f.add("kvobserve_collector_start_time_seconds", cl, i.start_time)
     for e in c.snapshot.scheduler_errors:  # cumulative: served for a down collector too
-        labels = {"worker_id": e.worker_id, "source": e.source, "reason": e.reason}
+        labels = {
+            "worker_id": e.worker_id,
+            "node_rank": str(i.node_rank),
+            "source": e.source,
+            "reason": e.reason,
+        }
         f.add("kvobserve_scheduler_source_errors_total", labels, e.count)
     for what, n in sorted(c.snapshot.refused.items()):
         f.add("kvobserve_collector_refused_total", {**cl, "what": what}, n)

@@ -174,7 +174,12 @@ def test_fleet_series(reg: CollectorRegistry) -> None:
     assert (
         val(reg, "kvobserve_collector_refused_total", collector="node-0", what="medium_events") == 3
     )
-    labels = {"worker_id": "sglang-a", "source": "kv_metrics", "reason": "pickle_refused"}
+    labels = {
+        "worker_id": "sglang-a",
+        "node_rank": "0",
+        "source": "kv_metrics",
+        "reason": "pickle_refused",
+    }
     assert val(reg, "kvobserve_scheduler_source_errors_total", **labels) == 2
     assert val(reg, "kvobserve_collector_start_time_seconds", collector="node-1") == 1100
     u = {
