@@ -117,19 +117,21 @@ class Collector:
         for w in self.cfg.workers:
             if not w.urls:
                 continue
+            failed: DiscoveryError | None = None
             try:
                 self._found[w.id] = await discover_urls(w.urls, w.engine)
             except DiscoveryError as exc:  # not up yet: configured endpoints, rediscovery later
                 log.warning("%s", exc)
-            self._rediscovery.append(
-                Rediscovery(
-                    w.urls,
-                    w.engine,
-                    interval_s=self._rediscovery_s,
-                    on_change=functools.partial(self._on_rediscovered, w.id),
-                    current=self._found.get(w.id),
-                )
+                failed = exc
+            again = Rediscovery(
+                w.urls,
+                w.engine,
+                interval_s=self._rediscovery_s,
+                on_change=functools.partial(self._on_rediscovered, w.id),
+                current=self._found.get(w.id),
             )
+            again.last_error = failed  # logged once: the next polls log only a different error
+            self._rediscovery.append(again)
         self.ingest = IngestLoop(self._replan(), self._ingest_options)
         self.ingest.start()
         await self._sync_scheduler()

@@ -7,7 +7,10 @@ only, re-plans: its streams and its load subscribers move to the new ports on it
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import logging
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -85,3 +88,34 @@ async def test_node_1_follows_an_engine_restart(groups: list[SimulatorGroup]) ->
         truth = new.truth()
         for r in (2, 3):
             assert await resident(col, "w", r) == truth_resident(truth_instance(truth, r))
+
+
+async def test_vllm_before_0_31_one_log_line_and_the_configured_endpoints(
+    groups: list[SimulatorGroup], caplog: pytest.LogCaptureFixture
+) -> None:
+    sim = SimConfig(format="vllm-0.23", dp_size=2, max_batches=30, rate=200.0, start_delay_s=0.5)
+    g = SimulatorGroup([sim]).start()
+    groups.append(g)
+    (w,) = g.workers
+    cfg = load_config(
+        None,
+        {
+            "collector.interval_s": 0.2, "worker.id": "w", "worker.engine": "vllm",
+            "worker.url": f"http://127.0.0.1:{w.http_port}", "worker.kv_endpoint": f"tcp://*:{w.kv_base}",
+            "worker.dp_size": 2,
+        },
+        {},
+    )  # fmt: skip
+    caplog.set_level(logging.WARNING, logger="kvobserve")
+    async with running_collector(cfg, rediscovery_s=0.05) as col:
+        await wait_snapshot(
+            col, lambda s: [x.batches_total for x in s.streams] == [30, 30], what="both ranks"
+        )
+        polls = col._rediscovery[0]
+        end = time.monotonic() + 10
+        while polls.errors_total < 3:  # the route keeps answering 404
+            assert time.monotonic() < end, f"{polls.errors_total} rediscovery polls"
+            await asyncio.sleep(0.02)  # polling interval, not synchronization
+    said = [r.getMessage() for r in caplog.records if "/kv_event_sources" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "vLLM before 0.31" in said[0] and "kv_endpoint, replay_endpoint and dp_size" in said[0]
