@@ -17,10 +17,12 @@ from kvobserve import __version__
 from kvobserve.aio import cancel_and_wait
 from kvobserve.config import Config
 from kvobserve.sources.discovery import DiscoveredEngine, DiscoveryError, Rediscovery, discover
+from kvobserve.sources.health import Health
 from kvobserve.sources.kv_stream import IngestLoop, IngestOptions
 from kvobserve.sources.passthrough import relabel
 from kvobserve.sources.plan import StreamSpec, WorkerPlan, plan_worker
 from kvobserve.sources.scheduler import SchedulerSources
+from kvobserve.sources.stream_events import RecentEvents
 from kvobserve.wire.snapshot import (
     CollectorInfo,
     Family,
@@ -28,6 +30,7 @@ from kvobserve.wire.snapshot import (
     SchedulerStats,
     Snapshot,
     SourceErrors,
+    SourceState,
     encode_snapshot,
 )
 
@@ -64,6 +67,7 @@ class Collector:
             c.id, c.node_rank, socket.gethostname(), clock(), cfg.cluster, __version__
         )
         self._ingest_options = ingest
+        self.events = RecentEvents(wall=clock)  # every snapshot carries the latest
         self.ingest: IngestLoop | None = None
         self.plans: list[WorkerPlan] = []
         self.scheduler: dict[str, SchedulerSources] = {}
@@ -91,7 +95,7 @@ class Collector:
                     w.url, w.engine, on_change=self._on_rediscovered, current=self._found.get(w.id)
                 )
             )
-        self.ingest = IngestLoop(self._replan(), self._ingest_options)
+        self.ingest = IngestLoop(self._replan(), self._ingest_options, events=self.events)
         self.ingest.start()
         for plan in self.plans:
             w = plan.worker
@@ -102,7 +106,10 @@ class Collector:
                 w.engine,
                 allow_pickle=w.allow_pickle,
                 interval_s=self.cfg.collector.interval_s,
+                worker_id=w.id,
             )
+            for s in src.sources:
+                s.health.on_change = self._source_changed(w.id, s.name)
             try:
                 await src.start()
             except Exception as exc:  # e.g. the KvMetrics PULL address in use: report, go on
@@ -113,6 +120,13 @@ class Collector:
         for r in self._rediscovery:
             await r.start()
         self._task = asyncio.create_task(self._loop(), name="kvobserve-snapshots")
+
+    def _source_changed(self, worker_id: str, source: str) -> Callable[[Health, str], None]:
+        def changed(h: Health, before: str) -> None:
+            msg = f"scheduler source {source}: {before} -> {h.state}: {h.reason}"
+            self.events.add("source", msg, worker_id=worker_id, at=h.since)
+
+        return changed
 
     def _replan(self) -> list[StreamSpec]:
         """Plan every worker anew from the config and discovery; the streams to watch."""
@@ -187,7 +201,20 @@ class Collector:
             scheduler_errors=errors,
             passthrough=passthrough,
             refused=refused,
+            sources=self._source_states(),
+            events=self.events.recent(),
         )
+
+    def _source_states(self) -> list[SourceState]:
+        out = []
+        for wid, src in self.scheduler.items():
+            for s in src.sources:
+                h = s.health
+                where = ", ".join(s.endpoints)
+                out.append(
+                    SourceState(wid, s.name, where, h.state, h.reason, h.since, s.messages_total)
+                )
+        return out
 
     async def publish_once(self) -> Snapshot:
         """Build and publish one snapshot."""

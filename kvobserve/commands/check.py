@@ -1,4 +1,8 @@
-"""`kvobserve check`: validate the config, resolve discovery, print what this node would watch."""
+"""`kvobserve check`: validate the config, resolve discovery, print what this node would watch.
+
+With --probe it also connects to every endpoint and URL for a few seconds and says what it found
+per rank (commands/check_probe.py); exit 1 when something there is wrong.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import json
 import sys
 from typing import Any
 
+from kvobserve.commands.check_probe import Found, probe_all
 from kvobserve.commands.common import fail, load
 from kvobserve.config import SECTIONS, Config, ConfigError, add_config_flags
 from kvobserve.sources.discovery import DiscoveredEngine, DiscoveryError, discover
@@ -22,6 +27,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-discovery", action="store_true", help="do not contact engines with a `url`"
     )
     parser.add_argument("--timeout", type=float, default=5.0, help="discovery timeout (s)")
+    parser.add_argument(
+        "--probe",
+        action="store_true",
+        help="connect to every KV-event endpoint, replay endpoint and metrics URL and say what "
+        "is there (exit 1 when something is wrong)",
+    )
+    parser.add_argument(
+        "--probe-seconds", type=float, default=3.0, metavar="S", help="how long to listen (3)"
+    )
 
 
 async def _discover_all(cfg: Config, timeout_s: float) -> dict[str, DiscoveredEngine]:
@@ -62,6 +76,30 @@ def plan_json(p: WorkerPlan) -> dict[str, Any]:
     }
 
 
+def probe_targets(p: WorkerPlan) -> list[Found]:
+    """Every endpoint and URL of one worker's plan, for --probe."""
+    wid = p.worker.id
+    out = [Found("stream", wid, s.dp_rank, s.endpoint, s.topic) for s in p.streams]
+    out += [
+        Found("replay", wid, s.dp_rank, s.replay_endpoint) for s in p.streams if s.replay_endpoint
+    ]
+    out += [Found("probe", wid, s.dp_rank, s.endpoint) for s in p.probes]
+    out += [
+        Found("metrics", wid, None, e)
+        for sp in p.scheduler
+        if sp.source == "metrics"
+        for e in sp.endpoints
+    ]
+    return out
+
+
+def _print_probe(found: list[Found]) -> None:
+    for f in found:
+        who = f"rank {f.dp_rank}" if f.dp_rank is not None else ""
+        mark = "ok " if f.ok else "BAD"
+        print(f"  {mark} {f.role:<8}{who:<8} {f.endpoint:<32} {f.summary()}")
+
+
 def _print_text(cfg: Config, plans: list[dict[str, Any]]) -> None:
     """The plan as a human-readable table; `*` marks the ranks this node watches."""
     c = cfg.collector
@@ -89,24 +127,43 @@ def _print_text(cfg: Config, plans: list[dict[str, Any]]) -> None:
         print(f"  probe endpoints: {', '.join(p['probe_endpoints']) or 'none'}")
         sched = ", ".join(f"{s['source']} {s['endpoint']}" for s in p["scheduler_sources"])
         print(f"  scheduler sources: {sched or 'none'}")
+        if "probe" in p:
+            print(f"  probed for {p['probe_seconds']:g} s:")
+            _print_probe(p["probe_found"])
 
 
 def run(args: argparse.Namespace) -> int:
-    """Exit 0 when the config is valid and resolvable, 2 with a one-line error otherwise."""
+    """0: the config is valid and resolvable (and, with --probe, every endpoint as expected);
+    1: --probe found something wrong; 2: a one-line error (bad config, discovery failed)."""
+    if args.probe_seconds <= 0:
+        return fail("check", f"--probe-seconds {args.probe_seconds}: must be > 0")
     try:
         cfg = load(args)
         found = {} if args.no_discovery else asyncio.run(_discover_all(cfg, args.timeout))
         node = cfg.collector
-        plans = [
-            plan_json(plan_worker(i, w, node, found.get(w.id))) for i, w in enumerate(cfg.workers)
-        ]
+        worker_plans = [plan_worker(i, w, node, found.get(w.id)) for i, w in enumerate(cfg.workers)]
     except (ConfigError, DiscoveryError) as exc:
         return fail("check", exc)
+    plans = [plan_json(p) for p in worker_plans]
+    bad = 0
+    if args.probe:
+        targets = [probe_targets(p) for p in worker_plans]
+        asyncio.run(probe_all([f for t in targets for f in t], args.probe_seconds))
+        for pj, t in zip(plans, targets, strict=True):
+            pj["probe"] = [f.json() for f in t]
+            pj["probe_found"], pj["probe_seconds"] = t, args.probe_seconds
+            bad += sum(1 for f in t if not f.ok)
     if args.json:
-        json.dump(
-            {"config": cfg.path, "cluster": cfg.cluster, "workers": plans}, sys.stdout, indent=2
-        )
+        doc = {"config": cfg.path, "cluster": cfg.cluster, "workers": plans}
+        for pj in plans:
+            pj.pop("probe_found", None)
+            pj.pop("probe_seconds", None)
+        json.dump(doc, sys.stdout, indent=2)
         print()
     else:
         _print_text(cfg, plans)
-    return 0
+        if not args.probe:
+            print("\nendpoints not contacted: `kvobserve check --probe` connects to each")
+        elif bad:
+            print(f"\n{bad} endpoint(s) not as expected (BAD above)")
+    return 1 if bad else 0

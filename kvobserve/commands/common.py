@@ -70,7 +70,13 @@ async def start_http(
     def extra() -> list[Metric]:
         return aggregator_metrics(agg.fleet, agg.decode_errors, transport)
 
-    app = server.create_app(agg.view, extra_metrics=extra, basic_auth=http.basic_auth)
+    app = server.create_app(
+        agg.view,
+        extra_metrics=extra,
+        basic_auth=http.basic_auth,
+        events=lambda: list(agg.events),
+        runbook_url=http.runbook_url,
+    )
     tls = server.make_ssl_context(*http.tls) if http.tls else None
     served = await server.serve(app, http.listen, tls)
     log.info("serving %s/metrics", served.url)

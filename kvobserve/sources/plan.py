@@ -82,10 +82,15 @@ def rank_endpoint(base: str, rank: int, *, dotted_ipc: bool = False) -> str:
 def scheduler_specs(
     w: WorkerConfig, ranks: range, load_base: str | None = None
 ) -> tuple[SchedulerSpec, ...]:
-    """The scheduler sources of one worker for `ranks`; configured endpoints win over discovery."""
+    """The scheduler sources of one worker for `ranks`; configured endpoints win over discovery.
+
+    Without `metrics_url`, the engine's `url` + /metrics is scraped: SGLang and vLLM serve their
+    Prometheus metrics on the same HTTP port as /server_info and /kv_event_sources.
+    """
     out: list[SchedulerSpec] = []
-    if w.metrics_url:
-        out.append(SchedulerSpec("metrics", (w.metrics_url,)))
+    metrics_url = w.metrics_url or (f"{w.url.rstrip('/')}/metrics" if w.url else None)
+    if metrics_url:
+        out.append(SchedulerSpec("metrics", (metrics_url,)))
     load = w.load_endpoint or load_base
     if load:
         out.append(

@@ -8,7 +8,10 @@ import zmq
 
 from kvobserve.analysis.mirror import MirrorDetector
 from kvobserve.analysis.sequence import StreamSequencer
+from kvobserve.sources.health import UP_STATES, Health
+from kvobserve.sources.link import Link, LinkTimes
 from kvobserve.sources.plan import StreamSpec
+from kvobserve.sources.stream_events import RecentEvents, StreamHistory
 from kvobserve.wire.snapshot import Histogram, MediumStats, StreamStats
 
 
@@ -20,10 +23,13 @@ class WatchedStream:
         "batches",
         "connected",
         "decode_errors",
+        "history",
         "last_lag",
         "last_seen",
+        "link",
         "mirror",
         "monitor",
+        "rate_prev",
         "replay",
         "seq",
         "sock",
@@ -43,6 +49,26 @@ class WatchedStream:
         self.batches = 0  # probe ports: KV batches seen
         self.last_seen = 0.0  # monotonic time of the last message
         self.last_lag: float | None = None
+        self.link: Link | None = None  # None for probe ports
+        self.history: StreamHistory | None = None
+        self.rate_prev: tuple[float, int] | None = None  # (now, events) at the last snapshot
+
+
+def new_link(spec: StreamSpec, times: LinkTimes, events: RecentEvents, wall: float) -> Link:
+    """A stream's Link; its state changes are logged once each and become events."""
+
+    startup = [True]  # until the first change: connecting -> waiting -> up is no news
+
+    def changed(h: Health, before: str) -> None:
+        if h.state in UP_STATES and (before in UP_STATES or startup[0]):
+            return  # logged, but only a move into or out of trouble is an event
+        startup[0] = False
+        msg = f"{before} -> {h.state}: {h.reason}"
+        events.add("state", msg, worker_id=spec.worker_id, dp_rank=spec.dp_rank, at=h.since)
+
+    name = f"stream {spec.worker_id} rank {spec.dp_rank} ({spec.endpoint})"
+    health = Health(name, "connecting", "connecting", wall, changed)
+    return Link(spec.endpoint, spec.topic, health, times)
 
 
 def count_bad(st: WatchedStream, reason: str, seq_frame: bytes) -> None:
@@ -58,7 +84,8 @@ def count_bad(st: WatchedStream, reason: str, seq_frame: bytes) -> None:
     st.decode_errors[reason] = st.decode_errors.get(reason, 0) + 1
 
 
-def stream_stats(st: WatchedStream, sq: StreamSequencer, now: float) -> StreamStats:
+def stream_stats(st: WatchedStream, sq: StreamSequencer, now: float, wall: float) -> StreamStats:
+    """The snapshot form of one stream (`now` monotonic, `wall` the same instant)."""
     idx = sq.index
     blocks, tokens = idx.blocks, idx.tokens
     stored, removed, lifetimes = idx.stored_total, idx.removed_total, idx.lifetime
@@ -77,13 +104,20 @@ def stream_stats(st: WatchedStream, sq: StreamSequencer, now: float) -> StreamSt
             )
         )
     spec = st.spec
+    events_total = sum(idx.events_total.values())
+    rate = None
+    if st.rate_prev is not None and now > st.rate_prev[0]:
+        rate = (events_total - st.rate_prev[1]) / (now - st.rate_prev[0])
+    st.rate_prev = (now, events_total)
+    link, hist = st.link, st.history
+    last = hist.last if hist is not None else {}
     return StreamStats(
         spec.worker_id,
         spec.dp_rank,
         engine=spec.engine,
         endpoint=spec.endpoint,
         topic=spec.topic,
-        up=st.connected,
+        up=link is not None and link.health.up,
         batches_total=sq.batches_applied,
         events=idx.events_total,
         media=media,
@@ -100,4 +134,16 @@ def stream_stats(st: WatchedStream, sq: StreamSequencer, now: float) -> StreamSt
         state_complete=sq.state_complete,
         last_batch_ts=sq.last_ts or 0.0,
         lag_seconds=st.last_lag,
+        state=link.health.state if link is not None else "",
+        reason=link.reason_now(now) if link is not None else "",
+        state_since=link.health.since if link is not None else 0.0,
+        events_per_s=rate,
+        last_message_time=wall - (now - st.last_seen) if st.last_seen else 0.0,
+        last_gap_time=last.get("gap", 0.0),
+        last_loss_time=last.get("loss", 0.0),
+        last_restart_time=last.get("restart", 0.0),
+        last_duplicate_time=last.get("duplicate", 0.0),
+        last_decode_error_time=last.get("decode_error", 0.0),
+        last_rank_mismatch_time=last.get("rank_mismatch", 0.0),
+        incomplete_reason=hist.incomplete_reason if hist is not None else "",
     )
