@@ -17,7 +17,7 @@ from kvobserve import __version__
 from kvobserve.aio import cancel_and_wait
 from kvobserve.config import Config
 from kvobserve.sources.discovery import DiscoveredEngine, DiscoveryError, Rediscovery, discover
-from kvobserve.sources.health import Health
+from kvobserve.sources.health import OK_STATES, Health
 from kvobserve.sources.kv_stream import IngestLoop, IngestOptions
 from kvobserve.sources.passthrough import relabel
 from kvobserve.sources.plan import StreamSpec, WorkerPlan, plan_worker
@@ -123,6 +123,8 @@ class Collector:
 
     def _source_changed(self, worker_id: str, source: str) -> Callable[[Health, str], None]:
         def changed(h: Health, before: str) -> None:
+            if h.state in OK_STATES and before in OK_STATES:
+                return  # waiting -> up is no news; moves into and out of trouble are
             msg = f"scheduler source {source}: {before} -> {h.state}: {h.reason}"
             self.events.add("source", msg, worker_id=worker_id, at=h.since)
 

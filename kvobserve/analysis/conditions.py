@@ -18,6 +18,9 @@ if TYPE_CHECKING:
 
 Labels = tuple[tuple[str, str], ...]
 NEAR_FULL = 0.95  # scheduler token usage above this: cache_near_full (the rule's threshold)
+# A stream counts as down after this long: a publisher restart's second of silence is no outage
+# (the alert waits 5 minutes; the page shows the stream's state at once either way).
+DOWN_AFTER_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -105,14 +108,15 @@ def _stream(s: StreamView, now: float, running: float | None) -> Iterable[Condit
     st = s.stats
     where = labels(worker_id=st.worker_id, node_rank=s.collector.node_rank, dp_rank=st.dp_rank)
     name = f"{st.worker_id} rank {st.dp_rank}"
-    if not s.up:
-        if not s.live:
-            why = f"its collector {s.collector.collector_id} is silent"
-        else:
-            why = f"{st.state or 'down'}: {st.reason}" if st.reason else st.state or "not connected"
+    if not s.live:
+        why = f"its collector {s.collector.collector_id} is silent"
         yield Condition.of("stream_down", where, f"{name} is down: {why}", st.state_since)
-        if not s.live:
-            return  # its collector is down: nothing newer is known
+        return  # nothing newer is known
+    # its first connect under way, or it just went (a restart): not down yet
+    settling = st.state == "starting" or now - st.state_since < DOWN_AFTER_S
+    if not s.up and not settling:
+        why = f"{st.state or 'down'}: {st.reason}" if st.reason else st.state or "not connected"
+        yield Condition.of("stream_down", where, f"{name} is down: {why}", st.state_since)
     if st.duplicate_stream:
         yield Condition.of(
             "duplicate_stream",

@@ -133,7 +133,7 @@ def probe_zmq(found: list[Found], seconds: float) -> None:
             if f.role != "replay":
                 sock.setsockopt(zmq.SUBSCRIBE, b"")
             mon = sock.get_monitor_socket(MONITOR_EVENTS)
-            link = Link(f.endpoint, "", Health("", "connecting", "connecting", time.time()),
+            link = Link(f.endpoint, "", Health("", "starting", "connecting", time.time()),
                         LinkTimes(handshake_s=seconds / 2, no_answer_s=seconds / 2))  # fmt: skip
             try:
                 sock.connect(f.endpoint)

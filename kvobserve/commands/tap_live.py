@@ -86,6 +86,8 @@ def _why_silent(link: Link, w: _Watch, endpoint: str, topic: str, waited: float)
     h = link.health
     if h.state in ("waiting", "idle"):
         state = "connected, but the publisher sent nothing"
+    elif h.state == "starting":
+        state = "no answer yet (the host is down or the port filtered?)"
     else:
         state = h.reason
     return f"nothing received in {waited:.0f} s from {endpoint}: {state} ({KV_EVENTS_HINT})"
@@ -112,7 +114,7 @@ def watch_live(
     clock: Callable[[], float] = time.monotonic,
 ) -> Outcome:
     """Read `sub` until --count, a stop signal, `timeout_s` without a batch, or a bad run."""
-    health = Health("", "connecting", "connecting", time.time())
+    health = Health("", "starting", "connecting", time.time())
     link = Link(endpoint, topic, health, LinkTimes())
     w = _Watch(start=clock())
     prefix = topic.encode()
@@ -172,7 +174,7 @@ def _drain_sub(
             frames = sub.recv_multipart(zmq.NOBLOCK)
         except zmq.Again:
             return None
-        if prefix and not frames[0].startswith(prefix):
+        if prefix and not frames[0].startswith(prefix) and not looks_like_http(frames):
             w.other_topics[frames[0][:64]] += 1  # only there because of the widened subscription
             continue
         batch = tap.handle(frames, "live", topic, endpoint)

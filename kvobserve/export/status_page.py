@@ -170,7 +170,9 @@ def _stream_row(s: Json, cond: dict[str, str], clock: _Clock) -> str:
         dup += "</span>"
     else:
         dup = "-" if s["duplicate_stream"] is None else "no"
-    complete = s["state_complete"]
+    complete = s["state_complete"] if s["batches"] else None  # no batch yet: nothing to judge
+    if not s["batches"] and not s["duplicate_stream"]:
+        dup = "-"
     index = "-" if complete is None else "exact" if complete else "lower bound"
     if complete is False and s.get("incomplete_reason"):
         index += f'<br><span class="small">{_e(s["incomplete_reason"])}</span>'
@@ -179,11 +181,12 @@ def _stream_row(s: Json, cond: dict[str, str], clock: _Clock) -> str:
         f" / {s['rank_mismatch_batches']} rank" if s["rank_mismatch_batches"] else ""
     )
     eps = s.get("events_per_s")
+    state_cell = td("state", f'<span class="{cls}">{_e(state)}</span>')
     return (
         f'<tr data-rank="{_e(s["dp_rank"])}" data-state="{_e(state)}">'
         f"<td>{_e(s['worker_id'])}</td><td class=n>{_e(s['dp_rank'])}</td>"
         f"<td class=n>{_e(s['node_rank'])}</td>"
-        f"{td('state', f'<span class={cls}>{_e(state)}</span>')}<td>{reason}</td>"
+        f"{state_cell}<td>{reason}</td>"
         f"<td class=n>{_e(s['batches'])}</td>"
         f"<td class=n>{'-' if eps is None else f'{eps:,.0f}'}</td>"
         f"<td class=n>{_secs(s.get('lag_seconds'))}</td>"

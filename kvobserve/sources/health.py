@@ -14,7 +14,8 @@ log = logging.getLogger("kvobserve.health")
 
 # States in which a stream counts as up (kvobserve_stream_up 1): connected to a publisher.
 UP_STATES = frozenset({"waiting", "up", "idle", "duplicate"})
-# Scheduler sources: these are fine; anything else is logged as a warning.
+# Fine states (logged at INFO; others at WARNING): `starting` is a stream's first connect, under
+# way for at most LinkTimes.no_answer_s; it is not up, but not down either.
 OK_STATES = UP_STATES | {"starting"}
 
 OnChange = Callable[["Health", str], None]  # (health, previous state)

@@ -197,7 +197,7 @@ class IngestLoop:
             link.tick(now, wall)
             if link.wants_probe(now):
                 self.topic_probes.open(link, now)
-            elif link.wants_park() and st.sock is not None:
+            elif link.wants_park(now) and st.sock is not None:
                 self._close(st)
                 link.park(now)
             elif link.wants_reopen(now):

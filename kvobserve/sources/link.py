@@ -1,7 +1,7 @@
 """Why a KV-event SUB is (not) receiving: its socket monitor's events and what arrives, as a state.
 
-States (docs/collector.md "Stream states"): `connecting` (no ZMQ connection: refused, no answer,
-the publisher went away), `not_publisher` (something answers that is not a ZMQ PUB: an HTTP
+States (docs/collector.md "Stream states"): `starting` (the first connect is under way: not yet
+down), `connecting` (no ZMQ connection: refused, no answer, the publisher went away), `not_publisher` (something answers that is not a ZMQ PUB: an HTTP
 server, a ROUTER), `undecodable` (a ZMQ publisher whose messages are not KV events),
 `wrong_topic` (the publisher sends, but not under the subscribed prefix), `waiting` (connected, no
 batch yet), `up`, `idle` (no batch for `idle_s`), `duplicate` (two publishers). A SUB with a
@@ -56,7 +56,8 @@ class LinkTimes:
     probe_after_s: float = 5.0  # connected this long and nothing received: look at the topics
     probe_s: float = 3.0  # how long the empty-prefix SUB listens
     reprobe_s: float = 60.0
-    reopen_s: float = 10.0  # a parked socket (not a publisher) is opened again after this
+    park_after_s: float = 2.0  # not a publisher this long: close the socket (park it)
+    reopen_s: float = 10.0  # a parked socket is opened again after this
     reopen_max_s: float = 60.0
     bad_run: int = 5  # undecodable messages in a row (none decoded): undecodable
 
@@ -70,6 +71,7 @@ class Link:
     __slots__ = (
         "_attempt_at",
         "_failed",
+        "_np_at",
         "_park_s",
         "_probed_at",
         "_reached",
@@ -93,7 +95,7 @@ class Link:
         self._failed = False  # this attempt's handshake failed (a reason is set)
         self._tcp_at: float | None = None  # TCP up, handshake pending, since
         self.parked_at: float | None = None  # socket closed (not a publisher) since
-        self._park_s = 0.0
+        self._park_s = self._np_at = 0.0
         self.zmq_at: float | None = None  # ZMQ handshake done at (None: not connected)
         self._probed_at: float | None = None
         self.last_data: float | None = None  # last decoded batch
@@ -117,14 +119,14 @@ class Link:
                 h.set("waiting", "connected, no batch yet", wall)
         elif event in _HANDSHAKE_FAILED:
             self._failed, self._tcp_at = True, None
-            h.set("not_publisher", _handshake_reason(event, value, self.http_like), wall)
+            self._not_pub(_handshake_reason(event, value, self.http_like), now, wall)
         elif event == zmq.EVENT_DISCONNECTED:
             self._tcp_at = None
             if self.zmq_at is not None:
                 self.zmq_at = None
                 h.set("connecting", "disconnected: the publisher went away (engine stopped?)", wall)
             elif not self._failed and h.state != "not_publisher":
-                h.set("not_publisher", NOT_PUB, wall)  # e.g. a ROUTER: libzmq does not retry
+                self._not_pub(NOT_PUB, now, wall)  # e.g. a ROUTER: libzmq does not retry
         elif event == zmq.EVENT_CONNECT_RETRIED:
             if not self._reached:
                 slow = self._attempt_at is not None and now - self._attempt_at >= 1.0
@@ -146,14 +148,21 @@ class Link:
         if not self.http_like and looks_like_http(bad_frames):
             self.http_like = True
         if self.http_like:
-            h.set("not_publisher", HTTP_HINT, wall)
+            self._not_pub(HTTP_HINT, now, wall)
         elif self.bad_run >= self.times.bad_run:
             h.set("undecodable", f"messages do not decode ({bad_reason}): not KV events?", wall)
 
-    def on_probe(self, topics: dict[bytes, int], wall: float) -> None:
-        """What the empty-prefix SUB saw in `probe_s`: message counts by topic frame."""
+    def on_probe(
+        self, topics: dict[bytes, int], sample: list[bytes] | None, now: float, wall: float
+    ) -> None:
+        """What the empty-prefix SUB saw in `probe_s`: message counts by topic frame, and the
+        first message (an HTTP answer read as ZMTP 1.0 never passes a prefix filter)."""
         self.probing = False
         h = self.health
+        if sample is not None and looks_like_http(sample):
+            self.http_like = True
+            self._not_pub(HTTP_HINT, now, wall)
+            return
         if h.state not in ("waiting", "idle", "wrong_topic"):
             return  # batches arrived meanwhile, or the connection went
         prefix = self.topic.encode()
@@ -179,25 +188,29 @@ class Link:
         tcp, attempt, data = self._tcp_at, self._attempt_at, self.last_data
         if h.state == "up" and data is not None and now - data >= t.idle_s:
             h.set("idle", f"no batch for {t.idle_s:.0f} s or more", wall)
-        elif h.state in ("connecting", "not_publisher") and tcp is not None:
+        elif h.state in ("starting", "connecting", "not_publisher") and tcp is not None:
             if now - tcp >= t.handshake_s:
                 reason = f"TCP open but no ZMQ handshake in {t.handshake_s:.0f} s: not a ZMQ PUB?"
-                h.set("not_publisher", reason, wall)
-        elif h.state == "connecting" and attempt is not None and now - attempt >= t.no_answer_s:
+                self._not_pub(reason, now, wall)
+        elif h.state in _CONNECTING and attempt is not None and now - attempt >= t.no_answer_s:
             h.set("connecting", _NO_ANSWER, wall)
 
     # --- questions of the ingest loop -------------------------------------------------------------
 
     def wants_probe(self, now: float) -> bool:
-        """Connected, silent since connecting, a topic set, no probe lately: look at the topics."""
+        """A topic set, no probe lately, and either connected but silent since connecting (a
+        topic mismatch?) or refused by the peer (an HTTP server, whose answer the prefix hides)."""
         t = self.times
+        if self.probing or not self.topic or self.parked_at is not None:
+            return False
+        if self._probed_at is not None and now - self._probed_at < t.reprobe_s:
+            return False
+        if self.health.state == "not_publisher":
+            return not self.http_like
         return (
-            not self.probing
-            and self.topic != ""
-            and self.zmq_at is not None
+            self.zmq_at is not None
             and now - self.zmq_at >= t.probe_after_s
             and (self.last_data is None or self.last_data < self.zmq_at)
-            and (self._probed_at is None or now - self._probed_at >= t.reprobe_s)
             and self.health.state in ("waiting", "idle", "wrong_topic")
         )
 
@@ -205,9 +218,20 @@ class Link:
         """The ingest loop opened the empty-prefix SUB."""
         self.probing, self._probed_at = True, now
 
-    def wants_park(self) -> bool:
-        """Not a publisher: close the socket rather than let libzmq retry every 100 ms."""
-        return self.parked_at is None and self.health.state == "not_publisher"
+    def _not_pub(self, reason: str, now: float, wall: float) -> None:
+        if self.health.state != "not_publisher":
+            self._np_at = now
+        self.health.set("not_publisher", reason, wall)
+
+    def wants_park(self, now: float) -> bool:
+        """Not a publisher for `park_after_s`: close the socket rather than let libzmq retry
+        every 100 ms (the retries until then show what answers, e.g. an HTTP server)."""
+        return (
+            self.parked_at is None
+            and not self.probing
+            and self.health.state == "not_publisher"
+            and now - self._np_at >= self.times.park_after_s
+        )
 
     def park(self, now: float) -> None:
         """The ingest loop closed the socket; `wants_reopen` says when to open it again."""
@@ -232,6 +256,7 @@ class Link:
         return h.reason
 
 
+_CONNECTING = frozenset({"starting", "connecting"})
 _REFUSED = "connection refused: nothing listens there"
 _NO_ANSWER = "no answer: the host is down or the port filtered?"
 _HANDSHAKE_FAILED = frozenset(

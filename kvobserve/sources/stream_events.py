@@ -118,7 +118,7 @@ class StreamHistory:
             self._add("duplicate", msg, wall)
         if sq.state_complete:
             self.incomplete_reason = ""
-        elif not self.incomplete_reason:
+        elif not self.incomplete_reason and sq.batches_applied:
             self.incomplete_reason = "joined mid-stream or lost batches"
 
     def _settle(self, sq: StreamSequencer, wall: float) -> None:

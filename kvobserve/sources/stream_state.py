@@ -67,7 +67,7 @@ def new_link(spec: StreamSpec, times: LinkTimes, events: RecentEvents, wall: flo
         events.add("state", msg, worker_id=spec.worker_id, dp_rank=spec.dp_rank, at=h.since)
 
     name = f"stream {spec.worker_id} rank {spec.dp_rank} ({spec.endpoint})"
-    health = Health(name, "connecting", "connecting", wall, changed)
+    health = Health(name, "starting", "connecting", wall, changed)
     return Link(spec.endpoint, spec.topic, health, times)
 
 
