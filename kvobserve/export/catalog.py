@@ -11,7 +11,7 @@ WORKER_MEDIUM = ("worker_id", "medium")
 # The reference stream of the series budget (docs/metrics.md): two storage tiers, one replay
 # result and one decode-error reason seen, a worker of 16 ranks, 8 streams per collector.
 REFERENCE = {"medium": 2, "value": 1, "fault": 0, "worker": 16, "collector": 8, "buckets": 15}
-BUDGET = 32  # series per stream by default (DESIGN.md)
+BUDGET = 32  # series per stream by default (the series budget, docs/metrics.md)
 
 
 @dataclass(frozen=True)
@@ -236,7 +236,7 @@ regenerate it with `KVOBSERVE_UPDATE_GOLDEN=1 .venv/bin/pytest tests/unit/test_e
 _BUDGET = """
 ## Series budget
 
-At most {budget} series per stream by default (DESIGN.md). Block counters, event counters and
+At most {budget} series per stream by default. Block counters, event counters and
 block-lifetime histograms are the bulk of a stream's series and are rarely read per rank, so they
 are summed over the worker's ranks by default (labels `worker_id` plus `medium` or `type`;
 stale streams' values included, a clash counted once). The aggregator's options
