@@ -5,7 +5,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 RUN_STAMP := $(VENV)/.installed-run
-PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check
+# -qq: errors still print; pip's warnings about this machine's index configuration and
+# setuptools' advice on editable installs do not (they drowned the demo's URLs).
+PIP := $(BIN)/python -m pip install -qq --disable-pip-version-check
 DEMO_FLAGS ?=
 
 .PHONY: run test venv venv-run tools lint bench fuzz soak clean
@@ -16,6 +18,7 @@ $(RUN_STAMP): pyproject.toml
 	@echo "installing kvobserve into $(VENV) (runtime dependencies only) ..."
 	@$(PIP) --upgrade pip
 	@$(PIP) -e .
+	@$(BIN)/python -m compileall -q kvobserve  # so the first start does not compile (~3 s)
 	@touch $(RUN_STAMP)
 
 $(STAMP): pyproject.toml
