@@ -83,6 +83,10 @@ class Aggregator:
         except UnicodeDecodeError:  # msgspec's error for a str of invalid UTF-8; not msgpack
             self.decode_errors["msgpack"] = self.decode_errors.get("msgpack", 0) + 1
             return
+        self.apply(snap, received)
+
+    def apply(self, snap: Snapshot, received: float | None = None) -> None:
+        """Apply a decoded snapshot (a collector's own view skips the bytes) and its events."""
         now = self.clock()
         if self.fleet.update(snap, now if received is None else min(received, now)):
             self._take_events(snap)

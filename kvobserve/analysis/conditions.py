@@ -124,7 +124,8 @@ def _stream(s: StreamView, now: float, running: float | None) -> Iterable[Condit
             f"{name}: two publishers (interleaved or mirrored)",
             st.last_duplicate_time,
         )
-    if s.up and not st.state_complete and st.batches_total:  # before any batch: simply empty
+    # before any batch the index is simply empty; during a replay its outcome is not known yet
+    if s.up and not st.state_complete and st.batches_total and not st.replaying:
         why = st.incomplete_reason or "joined mid-stream or lost batches"
         yield Condition.of("index_incomplete", where, f"{name}: block index incomplete: {why}")
 

@@ -260,13 +260,8 @@ class IngestLoop:
                 msg = parse_monitor_message(mon.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 return
-            event = int(msg["event"])
-            if event == zmq.EVENT_CONNECTED:
-                st.connected = True
-            elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
-                st.connected = False
             if st.link is not None:
-                st.link.on_monitor(event, int(msg["value"]), now, wall)
+                st.link.on_monitor(int(msg["event"]), int(msg["value"]), now, wall)
 
     def _open(self, st: WatchedStream) -> None:
         o = self.options
@@ -296,7 +291,6 @@ class IngestLoop:
         if st.monitor is not None:
             st.monitor.close(linger=0)
         st.sock = st.monitor = None
-        st.connected = False
 
     def _apply_specs(self, specs: Sequence[StreamSpec]) -> None:
         wanted = {s.key: s for s in specs}

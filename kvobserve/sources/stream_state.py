@@ -14,6 +14,8 @@ from kvobserve.sources.plan import StreamSpec
 from kvobserve.sources.stream_events import RecentEvents, StreamHistory
 from kvobserve.wire.snapshot import Histogram, MediumStats, StreamStats
 
+RATE_WINDOW_S = 1.0  # events/s is measured over at least this long
+
 
 class WatchedStream:
     """State of one watched endpoint, owned by the ingest thread."""
@@ -21,7 +23,6 @@ class WatchedStream:
     __slots__ = (
         "bad_seqs",
         "batches",
-        "connected",
         "decode_errors",
         "history",
         "last_lag",
@@ -29,6 +30,7 @@ class WatchedStream:
         "link",
         "mirror",
         "monitor",
+        "rate",
         "rate_prev",
         "replay",
         "seq",
@@ -43,7 +45,6 @@ class WatchedStream:
         self.monitor: zmq.Socket[bytes] | None = None
         self.replay: tuple[int, zmq.Socket[bytes]] | None = None
         self.mirror: MirrorDetector | None = None
-        self.connected = False
         self.decode_errors: dict[str, int] = {}
         self.bad_seqs: deque[int] = deque(maxlen=64)  # seqs that did not decode, live or replay
         self.batches = 0  # probe ports: KV batches seen
@@ -51,7 +52,8 @@ class WatchedStream:
         self.last_lag: float | None = None
         self.link: Link | None = None  # None for probe ports
         self.history: StreamHistory | None = None
-        self.rate_prev: tuple[float, int] | None = None  # (now, events) at the last snapshot
+        self.rate_prev: tuple[float, int] | None = None  # (now, events) when `rate` was taken
+        self.rate: float | None = None  # events/s over the last RATE_WINDOW_S or more
 
 
 def new_link(spec: StreamSpec, times: LinkTimes, events: RecentEvents, wall: float) -> Link:
@@ -105,10 +107,11 @@ def stream_stats(st: WatchedStream, sq: StreamSequencer, now: float, wall: float
         )
     spec = st.spec
     events_total = sum(idx.events_total.values())
-    rate = None
-    if st.rate_prev is not None and now > st.rate_prev[0]:
-        rate = (events_total - st.rate_prev[1]) / (now - st.rate_prev[0])
-    st.rate_prev = (now, events_total)
+    if st.rate_prev is None:
+        st.rate_prev = (now, events_total)
+    elif now - st.rate_prev[0] >= RATE_WINDOW_S:  # snapshots may come faster than this
+        st.rate = (events_total - st.rate_prev[1]) / (now - st.rate_prev[0])
+        st.rate_prev = (now, events_total)
     link, hist = st.link, st.history
     last = hist.last if hist is not None else {}
     return StreamStats(
@@ -137,7 +140,7 @@ def stream_stats(st: WatchedStream, sq: StreamSequencer, now: float, wall: float
         state=link.health.state if link is not None else "",
         reason=link.reason_now(now) if link is not None else "",
         state_since=link.health.since if link is not None else 0.0,
-        events_per_s=rate,
+        events_per_s=st.rate,
         last_message_time=wall - (now - st.last_seen) if st.last_seen else 0.0,
         last_gap_time=last.get("gap", 0.0),
         last_loss_time=last.get("loss", 0.0),
@@ -146,4 +149,5 @@ def stream_stats(st: WatchedStream, sq: StreamSequencer, now: float, wall: float
         last_decode_error_time=last.get("decode_error", 0.0),
         last_rank_mismatch_time=last.get("rank_mismatch", 0.0),
         incomplete_reason=hist.incomplete_reason if hist is not None else "",
+        replaying=sq.replay_in_flight is not None,
     )

@@ -76,6 +76,7 @@ class StreamStats(Struct, omit_defaults=True, gc=False):
     last_decode_error_time: float = 0.0
     last_rank_mismatch_time: float = 0.0
     incomplete_reason: str = ""  # why state_complete is False, when known
+    replaying: bool = False  # a replay is in flight: whether the index will be complete is open
 
 
 class UnexpectedStream(Struct, omit_defaults=True, gc=False):
