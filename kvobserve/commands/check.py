@@ -16,6 +16,7 @@ from kvobserve.commands.check_probe import Found, probe_all
 from kvobserve.commands.common import fail, load
 from kvobserve.config import SECTIONS, Config, ConfigError, add_config_flags
 from kvobserve.sources.discovery import DiscoveredEngine, DiscoveryError, discover
+from kvobserve.sources.dynamo_plan import DynamoPlan, plan_dynamo
 from kvobserve.sources.plan import WorkerPlan, plan_worker
 
 
@@ -40,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 async def _discover_all(cfg: Config, timeout_s: float) -> dict[str, DiscoveredEngine]:
     """Discovery for every worker with a url, concurrently."""
-    todo = [w for w in cfg.workers if w.url]
+    todo = [w for w in cfg.workers if w.url and w.engine != "dynamo"]
     found = await asyncio.gather(
         *(discover(w.url or "", w.engine, timeout_s=timeout_s) for w in todo)
     )
@@ -100,6 +101,39 @@ def _print_probe(found: list[Found]) -> None:
         print(f"  {mark} {f.role:<8}{who:<8} {f.endpoint:<32} {f.summary()}")
 
 
+def dynamo_json(p: DynamoPlan) -> dict[str, Any]:
+    """One Dynamo plane's plan as `check --json` prints it."""
+    w = p.worker
+    return {
+        "worker_id": w.id,
+        "engine": "dynamo",
+        "event_plane": p.event_plane,
+        "url": p.shown,
+        "namespace": w.namespace,
+        "subjects": list(p.subjects),
+        "endpoints": list(p.endpoints),
+        "stream_worker_id": p.label("<dynamo worker_id>"),
+        "keep_ranks": "all" if p.owned is None else list(p.owned),
+        "dp_size": w.dp_size,
+        "block_size": w.block_size,
+        "indexer_url": w.indexer_url,
+        "notes": list(p.notes),
+    }
+
+
+def _print_dynamo(p: dict[str, Any]) -> None:
+    print(f"\nworker {p['worker_id']} (dynamo, {p['event_plane']} event plane {p['url']})")
+    for note in p["notes"]:
+        print(f"  note: {note}")
+    for what in ("subjects", "endpoints"):
+        for x in p[what]:
+            print(f"  subscribe {x}")
+    ranks = p["keep_ranks"]
+    kept = "every rank received" if ranks == "all" else f"dp_ranks {ranks[0]}-{ranks[-1]}"
+    print(f"  streams: {p['stream_worker_id']} per dp_rank, as events arrive; keeps {kept}")
+    print(f"  drift against: {p['indexer_url'] or 'none'}")
+
+
 def _print_text(cfg: Config, plans: list[dict[str, Any]]) -> None:
     """The plan as a human-readable table; `*` marks the ranks this node watches."""
     c = cfg.collector
@@ -107,6 +141,9 @@ def _print_text(cfg: Config, plans: list[dict[str, Any]]) -> None:
     print(f"cluster {cfg.cluster}  collector {c.id}  node_rank {c.node_rank} of {c.nnodes}")
     print(f"http {cfg.http.listen or 'off'}  nats {cfg.nats.url if cfg.nats else 'embedded'}")
     for p in plans:
+        if p["engine"] == "dynamo":
+            _print_dynamo(p)
+            continue
         src = f"  discovered from {p['discovered_from']}" if p["discovered_from"] else ""
         lead = "leader" if p["leader"] else "not leader"
         print(
@@ -141,15 +178,22 @@ def run(args: argparse.Namespace) -> int:
         cfg = load(args)
         found = {} if args.no_discovery else asyncio.run(_discover_all(cfg, args.timeout))
         node = cfg.collector
-        worker_plans = [plan_worker(i, w, node, found.get(w.id)) for i, w in enumerate(cfg.workers)]
+        plans: list[dict[str, Any]] = []
+        sglang_vllm: list[tuple[dict[str, Any], WorkerPlan]] = []
+        for i, w in enumerate(cfg.workers):
+            if w.engine == "dynamo":
+                plans.append(dynamo_json(plan_dynamo(i, w, node)))
+                continue
+            wp = plan_worker(i, w, node, found.get(w.id))
+            plans.append(plan_json(wp))
+            sglang_vllm.append((plans[-1], wp))
     except (ConfigError, DiscoveryError) as exc:
         return fail("check", exc)
-    plans = [plan_json(p) for p in worker_plans]
     bad = 0
-    if args.probe:
-        targets = [probe_targets(p) for p in worker_plans]
+    if args.probe:  # the ZMQ endpoints and URLs of SGLang/vLLM workers (not Dynamo planes)
+        targets = [probe_targets(wp) for _, wp in sglang_vllm]
         asyncio.run(probe_all([f for t in targets for f in t], args.probe_seconds))
-        for pj, t in zip(plans, targets, strict=True):
+        for (pj, _), t in zip(sglang_vllm, targets, strict=True):
             pj["probe"] = [f.json() for f in t]
             pj["probe_found"], pj["probe_seconds"] = t, args.probe_seconds
             bad += sum(1 for f in t if not f.ok)

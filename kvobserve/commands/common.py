@@ -61,6 +61,7 @@ async def start_http(
     otlp_endpoint: str | None = None,
     otlp_interval_s: float = 10.0,
     transport: Transport | None = None,
+    per_stream_detail: bool = False,
 ) -> Stop:
     """Serve `agg` on [http] listen (and push OTLP when asked); returns the function that stops both."""
     from kvobserve.export import server
@@ -74,6 +75,8 @@ async def start_http(
         agg.view,
         extra_metrics=extra,
         basic_auth=http.basic_auth,
+        per_stream_histograms=per_stream_detail,
+        per_stream_counters=per_stream_detail,
         events=lambda: list(agg.events),
         runbook_url=http.runbook_url,
     )

@@ -20,6 +20,7 @@ from typing import IO, Any
 
 import zmq
 
+from kvobserve.commands import tap_dynamo
 from kvobserve.commands.tap_live import POLL_MS, watch_live
 from kvobserve.sources.link import MONITOR_EVENTS
 from kvobserve.wire.errors import WireError
@@ -66,6 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-payload", type=_positive_int, default=DEFAULT_MAX_PAYLOAD, help=argparse.SUPPRESS
     )
+    tap_dynamo.add_arguments(parser)  # Dynamo's event plane: a separate input mode
 
 
 def endpoint_problem(endpoint: str) -> str | None:
@@ -255,6 +257,8 @@ def _run_live(args: argparse.Namespace, tap: _Tap) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run `kvobserve tap`; 0 on success, 2 on a bad endpoint, file or flag."""
+    if args.dynamo is not None:
+        return tap_dynamo.run_dynamo(args)
     if (args.file is None) == (args.endpoint is None):
         return _fail("give exactly one of ENDPOINT or --file")
     if args.file is not None and args.replay_endpoint:

@@ -67,6 +67,8 @@ class IngestStats:
     streams: list[StreamStats]
     unexpected: list[UnexpectedStream]
     refused: dict[str, int]  # what a cardinality cap refused: streams, medium_events
+    messages_received: int = 0
+    loop_errors: int = 0
 
 
 class IngestLoop:
@@ -377,4 +379,5 @@ class IngestLoop:
                 st.history.update(st.seq, st.decode_errors, now, wall)
             streams.append(stream_stats(st, st.seq, now, wall))
             refused["medium_events"] += st.seq.index.media_refused_events
-        return IngestStats(streams, unexpected, {k: v for k, v in refused.items() if v})
+        refused = {k: v for k, v in refused.items() if v}
+        return IngestStats(streams, unexpected, refused, self.received_total, self.loop_errors)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import zmq
@@ -23,6 +24,7 @@ class WatchedStream:
     __slots__ = (
         "bad_seqs",
         "batches",
+        "connected",
         "decode_errors",
         "history",
         "last_lag",
@@ -50,6 +52,7 @@ class WatchedStream:
         self.batches = 0  # probe ports: KV batches seen
         self.last_seen = 0.0  # monotonic time of the last message
         self.last_lag: float | None = None
+        self.connected = False  # streams without a Link (Dynamo planes) say so themselves
         self.link: Link | None = None  # None for probe ports
         self.history: StreamHistory | None = None
         self.rate_prev: tuple[float, int] | None = None  # (now, events) when `rate` was taken
@@ -86,8 +89,11 @@ def count_bad(st: WatchedStream, reason: str, seq_frame: bytes) -> None:
     st.decode_errors[reason] = st.decode_errors.get(reason, 0) + 1
 
 
-def stream_stats(st: WatchedStream, sq: StreamSequencer, now: float, wall: float) -> StreamStats:
-    """The snapshot form of one stream (`now` monotonic, `wall` the same instant)."""
+def stream_stats(
+    st: WatchedStream, sq: StreamSequencer, now: float, wall: float | None = None
+) -> StreamStats:
+    """The snapshot form of one stream (`now` monotonic, `wall` the same instant, default now)."""
+    wall = time.time() if wall is None else wall
     idx = sq.index
     blocks, tokens = idx.blocks, idx.tokens
     stored, removed, lifetimes = idx.stored_total, idx.removed_total, idx.lifetime
@@ -120,7 +126,7 @@ def stream_stats(st: WatchedStream, sq: StreamSequencer, now: float, wall: float
         engine=spec.engine,
         endpoint=spec.endpoint,
         topic=spec.topic,
-        up=link is not None and link.health.up,
+        up=link.health.up if link is not None else st.connected,
         batches_total=sq.batches_applied,
         events=idx.events_total,
         media=media,
@@ -134,6 +140,9 @@ def stream_stats(st: WatchedStream, sq: StreamSequencer, now: float, wall: float
         duplicate_stream=sq.duplicate_stream(now),
         rank_mismatch_batches=sq.rank_mismatch_batches,
         decode_errors=dict(st.decode_errors),
+        interleaved_batches=sq.interleaved_batches,
+        already_resident=idx.store_of_resident_total,
+        unknown_removed=idx.remove_of_unknown_total,
         state_complete=sq.state_complete,
         last_batch_ts=sq.last_ts or 0.0,
         lag_seconds=st.last_lag,
