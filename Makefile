@@ -4,19 +4,36 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+RUN_STAMP := $(VENV)/.installed-run
+# -qq: errors still print; pip's warnings about this machine's index configuration and
+# setuptools' advice on editable installs do not (they drowned the demo's URLs).
+PIP := $(BIN)/python -m pip install -qq --disable-pip-version-check
+DEMO_FLAGS ?=
 
-.PHONY: run test venv tools lint bench fuzz soak clean
+.PHONY: run test venv venv-run tools lint bench fuzz soak clean
+
+# The demo needs only the runtime dependencies; the test tools come with `make test` (`venv`).
+$(RUN_STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@echo "installing kvobserve into $(VENV) (runtime dependencies only) ..."
+	@$(PIP) --upgrade pip
+	@$(PIP) -e .
+	@$(BIN)/python -m compileall -q kvobserve  # so the first start does not compile (~3 s)
+	@touch $(RUN_STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check --upgrade pip
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
-	@touch $(STAMP)
+	@echo "installing kvobserve and its test tools into $(VENV) ..."
+	@$(PIP) --upgrade pip
+	@$(PIP) -e '.[test]'
+	@touch $(STAMP) $(RUN_STAMP)
 
 venv: $(STAMP)
 
-run: venv
-	$(BIN)/kvobserve demo
+venv-run: $(RUN_STAMP)
+
+run: venv-run
+	@$(BIN)/kvobserve demo $(DEMO_FLAGS)
 
 tools: venv
 	bash scripts/install-tools.sh

@@ -1,5 +1,8 @@
 """The fleet aggregator: snapshots from a transport -> FleetState; condition transitions -> events.
 
+It also keeps the fleet's recent events (MAX_EVENTS): those the collectors report in their
+snapshots, each (collector process, seq) once, and its own condition transitions.
+
 Transport-agnostic: `kvobserve run` and `demo` use it with the in-process bus, `kvobserve
 aggregate` with NATS (kvobserve/commands/ wires it to a transport and to the HTTP export).
 """
@@ -10,6 +13,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -17,11 +21,12 @@ from kvobserve.aio import cancel_and_wait
 from kvobserve.analysis.fleet import Condition, FleetState, FleetView
 from kvobserve.transport import Transport
 from kvobserve.wire.errors import WireError
-from kvobserve.wire.snapshot import decode_snapshot
+from kvobserve.wire.snapshot import Snapshot, decode_snapshot
 
 log = logging.getLogger(__name__)
 
 ConditionKey = tuple[str, tuple[tuple[str, str], ...]]
+MAX_EVENTS = 256  # recent events kept for /api/v1/events and the status page
 
 
 class Aggregator:
@@ -39,6 +44,8 @@ class Aggregator:
         self.transitions_total: dict[str, int] = {}  # "firing" / "resolved" -> count
         self._active: dict[ConditionKey, Condition] = {}
         self._transport: Transport | None = None
+        self.events: deque[dict[str, Any]] = deque(maxlen=MAX_EVENTS)  # oldest first
+        self._event_seq: dict[str, tuple[float, int]] = {}  # collector -> (start_time, last seq)
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -76,8 +83,42 @@ class Aggregator:
         except UnicodeDecodeError:  # msgspec's error for a str of invalid UTF-8; not msgpack
             self.decode_errors["msgpack"] = self.decode_errors.get("msgpack", 0) + 1
             return
+        self.apply(snap, received)
+
+    def apply(self, snap: Snapshot, received: float | None = None) -> None:
+        """Apply a decoded snapshot (a collector's own view skips the bytes) and its events."""
         now = self.clock()
-        self.fleet.update(snap, now if received is None else min(received, now))
+        if self.fleet.update(snap, now if received is None else min(received, now)):
+            self._take_events(snap)
+
+    def _take_events(self, snap: Snapshot) -> None:
+        """The snapshot's events not seen before (a collector restart numbers them anew)."""
+        info = snap.collector
+        start, last = self._event_seq.get(info.collector_id, (info.start_time, 0))
+        if start != info.start_time:
+            last = 0
+        for e in sorted(snap.events, key=lambda e: e.seq):
+            if e.seq <= last:
+                continue
+            last = e.seq
+            ev: dict[str, Any] = {
+                "time": e.time,
+                "kind": e.kind,
+                "collector": info.collector_id,
+                "node_rank": info.node_rank,
+                "message": e.message,
+            }
+            if e.worker_id:
+                ev["worker_id"] = e.worker_id
+            if e.dp_rank is not None:
+                ev["dp_rank"] = e.dp_rank
+            if e.first_seq is not None:
+                ev["first_seq"], ev["last_seq"] = e.first_seq, e.last_seq
+            self.events.append(ev)
+        self._event_seq[info.collector_id] = (info.start_time, last)
+        if len(self._event_seq) > 4 * len(self.fleet.collector_ids()) + 64:  # forgotten ones
+            known = set(self.fleet.collector_ids())
+            self._event_seq = {k: v for k, v in self._event_seq.items() if k in known}
 
     def view(self) -> FleetView:
         """The fleet as of now."""
@@ -103,6 +144,17 @@ class Aggregator:
             self.transitions_total[ev["state"]] = self.transitions_total.get(ev["state"], 0) + 1
             labels = " ".join(f"{k}={v}" for k, v in ev["labels"].items())
             log.info("condition %s: %s %s: %s", ev["state"], ev["kind"], labels, ev["description"])
+            self.events.append(
+                {
+                    "time": ev["time"],
+                    "kind": "condition",
+                    "condition": ev["kind"],
+                    "state": ev["state"],
+                    "severity": ev["severity"],
+                    "labels": ev["labels"],
+                    "message": f"{ev['kind']} {ev['state']}: {ev['description']}",
+                }
+            )
             if self._transport is not None:
                 await self._transport.publish_event(ev["kind"], json.dumps(ev).encode())
 

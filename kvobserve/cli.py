@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import os
+import re
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from kvobserve import __version__
 
@@ -30,11 +33,47 @@ def module_name(command: str) -> str:
     return f"kvobserve.commands.{command}"
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with "did you mean" for an unknown flag or command (3.11 suggests neither)."""
+
+    def error(self, message: str) -> NoReturn:
+        """Print usage and `message` with a suggestion, exit 2."""
+        super().error(message + _suggestion(self, message))
+
+
+def _options(parser: argparse.ArgumentParser) -> list[str]:
+    return [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+
+
+def _suggestion(parser: argparse.ArgumentParser, message: str) -> str:
+    """'; did you mean --timeout?' for the first unknown word that is close to a known one."""
+    m = re.search(r"invalid choice: '([^']*)'", message)
+    if m is not None:
+        close = difflib.get_close_matches(m.group(1), list(COMMANDS), n=1, cutoff=0.6)
+        return f"; did you mean {close[0]!r}?" if close else ""
+    if not message.startswith("unrecognized arguments:"):
+        return ""
+    known = _options(parser)
+    for action in parser._actions:  # the top-level parser: the chosen command's flags
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = getattr(parser, "chosen", None)
+            if chosen in action.choices:
+                known += _options(action.choices[chosen])
+    for word in message.split(":", 1)[1].split():
+        if word.startswith("-"):
+            flag = word.split("=", 1)[0]
+            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+            if close:
+                return f"; did you mean {close[0]}?"
+    return ""
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The argument parser. Only `command`'s module is imported (all of them when None)."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="kvobserve", description="Observe the KV caches of distributed LLM serving engines."
     )
+    parser.chosen = command  # type: ignore[attr-defined]  # read by _suggestion
     parser.add_argument("--version", action="version", version=f"kvobserve {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, help_text in COMMANDS.items():

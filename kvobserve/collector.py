@@ -30,10 +30,12 @@ from kvobserve.sources.dynamo_drift import DriftPoller
 from kvobserve.sources.dynamo_ingest import DynamoIngest
 from kvobserve.sources.dynamo_plan import plan_dynamo
 from kvobserve.sources.dynamo_streams import DynamoOptions
+from kvobserve.sources.health import OK_STATES, Health
 from kvobserve.sources.kv_stream import IngestLoop, IngestOptions
 from kvobserve.sources.passthrough import relabel
 from kvobserve.sources.plan import SchedulerSpec, StreamSpec, WorkerPlan, plan_worker
 from kvobserve.sources.scheduler import SchedulerSources, SchedulerValues
+from kvobserve.sources.stream_events import RecentEvents
 from kvobserve.wire.snapshot import (
     CollectorCounters,
     CollectorInfo,
@@ -42,6 +44,7 @@ from kvobserve.wire.snapshot import (
     SchedulerStats,
     Snapshot,
     SourceErrors,
+    SourceState,
     encode_snapshot,
 )
 
@@ -95,6 +98,7 @@ class Collector:
         )
         self._ingest_options = ingest
         self._rediscovery_s = rediscovery_s  # how often discovery is asked again
+        self.events = RecentEvents(wall=clock)  # every snapshot carries the latest
         self.ingest: IngestLoop | None = None
         self._dynamo_options = dynamo
         self.dynamo: DynamoIngest | None = None  # engine = "dynamo" workers (docs/dynamo.md)
@@ -132,7 +136,7 @@ class Collector:
             )
             again.last_error = failed  # logged once: the next polls log only a different error
             self._rediscovery.append(again)
-        self.ingest = IngestLoop(self._replan(), self._ingest_options)
+        self.ingest = IngestLoop(self._replan(), self._ingest_options, events=self.events)
         self.ingest.start()
         await self._sync_scheduler()
         for r in self._rediscovery:
@@ -151,6 +155,15 @@ class Collector:
         self.drift = [DriftPoller(p, self.dynamo) for p in plans if p.worker.indexer_url]
         for d in self.drift:
             await d.start()
+
+    def _source_changed(self, worker_id: str, source: str) -> Callable[[Health, str], None]:
+        def changed(h: Health, before: str) -> None:
+            if h.state in OK_STATES and before in OK_STATES:
+                return  # waiting -> up is no news; moves into and out of trouble are
+            msg = f"scheduler source {source}: {before} -> {h.state}: {h.reason}"
+            self.events.add("source", msg, worker_id=worker_id, at=h.since)
+
+        return changed
 
     def _replan(self) -> list[StreamSpec]:
         """Plan every worker anew from the config and discovery; the streams to watch."""
@@ -180,7 +193,10 @@ class Collector:
                 w.engine,
                 allow_pickle=w.allow_pickle,
                 interval_s=self.cfg.collector.interval_s,
+                worker_id=w.id,
             )
+            for one in src.sources:
+                one.health.on_change = self._source_changed(w.id, one.name)
             try:
                 await src.start()
             except Exception as exc:  # e.g. the KvMetrics PULL address in use: report, go on
@@ -285,7 +301,20 @@ class Collector:
                 dict(self.transport.counters.dropped),
             ),
             **dynamo,
+            sources=self._source_states(),
+            events=self.events.recent(),
         )
+
+    def _source_states(self) -> list[SourceState]:
+        out = []
+        for wid, src in self.scheduler.items():
+            for s in src.sources:
+                h = s.health
+                where = ", ".join(s.endpoints)
+                out.append(
+                    SourceState(wid, s.name, where, h.state, h.reason, h.since, s.messages_total)
+                )
+        return out
 
     async def publish_once(self) -> Snapshot:
         """Build and publish one snapshot."""

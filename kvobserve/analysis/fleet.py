@@ -7,9 +7,9 @@ no scheduler leader, and its streams are served as down (stale), never as live.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from kvobserve.analysis.conditions import Condition, conditions
 from kvobserve.wire.snapshot import (
     CollectorInfo,
     SchedulerStats,
@@ -19,21 +19,6 @@ from kvobserve.wire.snapshot import (
 )
 
 GPU_MEDIA = frozenset({"GPU", "DEVICE"})
-
-
-@dataclass(frozen=True)
-class Condition:
-    """An active problem, as shown on the status page and in /api/v1/alerts."""
-
-    kind: str  # duplicate_stream, unexpected_stream, dp_rank_uncovered, ...
-    severity: str  # critical, warning, info
-    labels: tuple[tuple[str, str], ...]
-    description: str
-
-    @property
-    def key(self) -> tuple[str, tuple[tuple[str, str], ...]]:
-        """Identity of the condition across views (for transitions)."""
-        return (self.kind, self.labels)
 
 
 @dataclass(frozen=True)
@@ -56,6 +41,7 @@ class StreamView:
     capacity_tokens: float | None
     gpu_tokens: int
     scheduler_source: str | None = None  # the scheduler sources of this rank; None: none has it
+    collector_last_seen: float = 0.0  # the time of its collector's last snapshot
 
     @property
     def up(self) -> bool:
@@ -82,6 +68,7 @@ class FleetView:
     owners: dict[tuple[str, int], list[str]] = field(default_factory=dict)  # -> collector ids
     leaders: dict[str, list[str]] = field(default_factory=dict)
     conditions: list[Condition] = field(default_factory=list)
+    now: float = 0.0  # the time the view is as of
 
 
 @dataclass
@@ -128,7 +115,7 @@ class FleetState:
         """The fleet as of `now`."""
         for cid in [c for c, e in self._entries.items() if now - e.received > self.forget_after_s]:
             del self._entries[cid]
-        v = FleetView()
+        v = FleetView(now=now)
         entries = sorted(self._entries.values(), key=lambda e: e.snapshot.collector.collector_id)
         capacity: dict[tuple[str, int], float] = {}
         configured: dict[tuple[str, str], int] = {}
@@ -163,11 +150,11 @@ class FleetState:
                     cap = capacity.get((st.worker_id, st.dp_rank))
                 gpu = sum(m.tokens for m in st.media if m.medium in GPU_MEDIA)
                 src = sources.get((st.worker_id, st.dp_rank))
-                v.streams.append(StreamView(st, info, up, cap, gpu, src))
+                v.streams.append(StreamView(st, info, up, cap, gpu, src, snap.time))
             if up:
                 v.unexpected.extend((u, info) for u in snap.unexpected)
         v.streams.sort(key=lambda s: (s.stats.worker_id, s.stats.dp_rank, s.collector.collector_id))
-        v.conditions = list(_conditions(v))
+        v.conditions = list(conditions(v))
         return v
 
     @staticmethod
@@ -215,70 +202,3 @@ def _merge(got: list[SchedulerStats]) -> SchedulerStats:
     source = "+".join(sorted({n for s in got for n in s.source.split("+") if n}))
     return SchedulerStats(top.worker_id, top.dp_rank, source, **vals, updated=top.updated)
 
-
-def _labels(**kw: object) -> tuple[tuple[str, str], ...]:
-    return tuple((k, str(val)) for k, val in kw.items())
-
-
-def _conditions(v: FleetView) -> Iterable[Condition]:
-    for c in v.collectors:
-        if not c.up:
-            yield Condition(
-                "collector_down",
-                "critical",
-                _labels(collector=c.info.collector_id, node_rank=c.info.node_rank),
-                f"collector {c.info.collector_id} silent for {c.age_s:.0f} s",
-            )
-    for (w, r), ids in sorted(v.owners.items()):
-        if not ids:
-            yield Condition(
-                "dp_rank_uncovered",
-                "critical",
-                _labels(worker_id=w, dp_rank=r),
-                f"{w} rank {r} is watched by no live collector",
-            )
-        elif len(ids) > 1:
-            yield Condition(
-                "dp_rank_multiple_owners",
-                "warning",
-                _labels(worker_id=w, dp_rank=r),
-                f"{w} rank {r} is owned by {len(ids)} collectors: {', '.join(ids)}",
-            )
-    for w, ids in sorted(v.leaders.items()):
-        if len(ids) > 1:
-            yield Condition(
-                "multiple_scheduler_leaders",
-                "warning",
-                _labels(worker_id=w),
-                f"{w} has {len(ids)} scheduler-metrics leaders: {', '.join(ids)}",
-            )
-    for s in v.streams:
-        st = s.stats
-        where = _labels(worker_id=st.worker_id, node_rank=s.collector.node_rank, dp_rank=st.dp_rank)
-        if not s.up:
-            yield Condition(
-                "stream_down", "critical", where, f"{st.worker_id} rank {st.dp_rank} is down"
-            )
-            continue
-        if st.duplicate_stream:
-            yield Condition(
-                "duplicate_stream",
-                "critical",
-                where,
-                f"{st.worker_id} rank {st.dp_rank}: two publishers (interleaved or mirrored)",
-            )
-        if not st.state_complete:
-            yield Condition(
-                "index_incomplete",
-                "warning",
-                where,
-                f"{st.worker_id} rank {st.dp_rank}: block index incomplete ({st.lost} batches lost)",
-            )
-    for u, info in v.unexpected:
-        if u.active:
-            yield Condition(
-                "unexpected_stream",
-                "warning",
-                _labels(worker_id=u.worker_id, node_rank=info.node_rank, endpoint=u.endpoint),
-                f"{u.worker_id}: events on {u.endpoint}, past the last rank",
-            )

@@ -60,7 +60,6 @@ class StreamSequencer:
         self.replay_enabled = replay
         self.index = index if index is not None else BlockIndex()
         self.limits = limits
-        # counters (cumulative) and gauges
         self.batches_applied = self.gaps = self.missed = self.recovered = self.lost = 0
         self.replay_requests: dict[str, int] = dict.fromkeys(REPLAY_RESULTS, 0)
         self.restarts = self.duplicate_batches = self.rank_mismatch_batches = 0
@@ -69,7 +68,8 @@ class StreamSequencer:
         self.last_seq: int | None = None
         self.last_ts: float | None = None
         self.duplicate_stream_seen: float | None = None
-        # internal
+        # rare happenings for the event log (sources/stream_events.py): (kind, seq, seq, now)
+        self.notes: deque[tuple[str, int, int, float]] = deque(maxlen=32)
         self._recent: deque[tuple[int, bytes]] = deque(maxlen=_RECENT)
         self._replay: _Replay | None = None
         self._replay_ids = 0
@@ -200,6 +200,8 @@ class StreamSequencer:
         """First batch of a publisher (start or confirmed restart)."""
         seq = batch.seq
         self.state_complete = seq == 0
+        if seq:
+            self.notes.append(("join", seq, 0, now))
         if seq == 0 or not self.replay_enabled:
             self._accept(batch, payload)
             return None
@@ -210,6 +212,7 @@ class StreamSequencer:
         n = batch.seq - last - 1
         self.gaps += 1
         self.missed += n
+        self.notes.append(("gap", last + 1, batch.seq - 1, now))
         if not self.replay_enabled:
             self.lost += n
             self.state_complete = False
@@ -248,6 +251,7 @@ class StreamSequencer:
         if seq > high + 1:
             self.gaps += 1
             self.missed += seq - high - 1
+            self.notes.append(("gap", high + 1, seq - 1, now))
         rp.held.append((batch, payload))
         self._recent.append((seq, payload))
         self._high = seq
@@ -287,6 +291,7 @@ class StreamSequencer:
             action = CancelReplay(self._replay.replay_id)
             self._finish_replay("aborted")
         self.restarts += 1
+        self.notes.append(("restart", self._high, pending[0][0].seq if pending else 0, now))
         self._other = self.last_seq  # the retired head; if it goes on, it was interleaving
         self._other_seen, self._other_confirmed, self._other_run = now, False, 0
         self.index.reset()

@@ -1,4 +1,8 @@
-"""`kvobserve check`: validate the config, resolve discovery, print what this node would watch."""
+"""`kvobserve check`: validate the config, resolve discovery, print what this node would watch.
+
+With --probe it also connects to every endpoint and URL for a few seconds and says what it found
+per rank (commands/check_probe.py); exit 1 when something there is wrong.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import json
 import sys
 from typing import Any
 
+from kvobserve.commands.check_probe import Found, probe_all
 from kvobserve.commands.common import fail, load
 from kvobserve.config import SECTIONS, Config, ConfigError, add_config_flags
 from kvobserve.sources.discovery import DiscoveredEngine, DiscoveryError, discover_urls
@@ -23,6 +28,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-discovery", action="store_true", help="do not contact engines with a `url`"
     )
     parser.add_argument("--timeout", type=float, default=5.0, help="discovery timeout (s)")
+    parser.add_argument(
+        "--probe",
+        action="store_true",
+        help="connect to every KV-event endpoint, replay endpoint and metrics URL and say what "
+        "is there (exit 1 when something is wrong)",
+    )
+    parser.add_argument(
+        "--probe-seconds", type=float, default=3.0, metavar="S", help="how long to listen (3)"
+    )
 
 
 async def _discover_all(
@@ -103,6 +117,32 @@ def plan_json(p: WorkerPlan) -> dict[str, Any]:
     }
 
 
+def probe_targets(p: WorkerPlan) -> list[Found]:
+    """Every endpoint and URL this node's collector would use for one worker, for --probe.
+
+    Only the ranks this node owns: other nodes' ranks are reached by their own collectors.
+    """
+    wid = p.worker.id
+    mine = [s for s in p.streams if s.dp_rank in set(p.watched_ranks)]
+    out = [Found("stream", wid, s.dp_rank, s.endpoint, s.topic) for s in mine]
+    out += [Found("replay", wid, s.dp_rank, s.replay_endpoint) for s in mine if s.replay_endpoint]
+    out += [Found("probe", wid, s.dp_rank, s.endpoint) for s in p.probes]
+    out += [
+        Found("metrics", wid, None, e)
+        for sp in p.scheduler
+        if sp.source == "metrics"
+        for e in sp.endpoints
+    ]
+    return out
+
+
+def _print_probe(found: list[Found]) -> None:
+    for f in found:
+        who = f"rank {f.dp_rank}" if f.dp_rank is not None else ""
+        mark = "ok " if f.ok else "BAD"
+        print(f"  {mark} {f.role:<8}{who:<8} {f.endpoint:<32} {f.summary()}")
+
+
 def dynamo_json(p: DynamoPlan) -> dict[str, Any]:
     """One Dynamo plane's plan as `check --json` prints it."""
     w = p.worker
@@ -178,17 +218,24 @@ def _print_text(cfg: Config, plans: list[dict[str, Any]]) -> None:
         for x in sched:
             rank = f"rank {x['dp_rank']}" if x["dp_rank"] is not None else _SCOPES[x["scope"]]
             print(f"    {x['source']:<10} {x['endpoint']:<40} ({rank})")
+        if "probe" in p:
+            print(f"  probed for {p['probe_seconds']:g} s:")
+            _print_probe(p["probe_found"])
 
 
 def run(args: argparse.Namespace) -> int:
-    """Exit 0 when the config is valid and resolvable, 2 with a one-line error otherwise."""
+    """0: the config is valid and resolvable (and, with --probe, every endpoint as expected);
+    1: --probe found something wrong; 2: a one-line error (bad config, discovery failed)."""
+    if args.probe_seconds <= 0:
+        return fail("check", f"--probe-seconds {args.probe_seconds}: must be > 0")
     try:
         cfg = load(args)
         found, failed = (
             ({}, {}) if args.no_discovery else asyncio.run(_discover_all(cfg, args.timeout))
         )
         node = cfg.collector
-        plans = []
+        plans: list[dict[str, Any]] = []
+        sglang_vllm: list[tuple[dict[str, Any], WorkerPlan]] = []
         for i, w in enumerate(cfg.workers):
             if w.engine == "dynamo":
                 plans.append(dynamo_json(plan_dynamo(i, w, node)))
@@ -196,12 +243,22 @@ def run(args: argparse.Namespace) -> int:
             err = failed.get(w.id)
             if err is not None and not w.kv_endpoint:
                 raise err  # nothing to watch without it
-            plan = plan_json(plan_worker(i, w, node, found.get(w.id)))
+            wp = plan_worker(i, w, node, found.get(w.id))
+            plan = plan_json(wp)
             if err is not None:  # configured endpoints stand; the collector retries discovery
                 plan["notes"].insert(0, f"{err}; using the configured endpoints")
             plans.append(plan)
+            sglang_vllm.append((plan, wp))
     except (ConfigError, DiscoveryError) as exc:
         return fail("check", exc)
+    bad = 0
+    if args.probe:  # the ZMQ endpoints and URLs of SGLang/vLLM workers (not Dynamo planes)
+        targets = [probe_targets(wp) for _, wp in sglang_vllm]
+        asyncio.run(probe_all([f for t in targets for f in t], args.probe_seconds))
+        for (pj, _), t in zip(sglang_vllm, targets, strict=True):
+            pj["probe"] = [f.json() for f in t]
+            pj["probe_found"], pj["probe_seconds"] = t, args.probe_seconds
+            bad += sum(1 for f in t if not f.ok)
     if args.json:
         c = cfg.collector
         doc = {
@@ -210,8 +267,15 @@ def run(args: argparse.Namespace) -> int:
             "collector": {"id": c.id, "node_rank": c.node_rank, "nnodes": c.nnodes, "host": c.host},
             "workers": plans,
         }
+        for pj in plans:
+            pj.pop("probe_found", None)
+            pj.pop("probe_seconds", None)
         json.dump(doc, sys.stdout, indent=2)
         print()
     else:
         _print_text(cfg, plans)
-    return 0
+        if not args.probe:
+            print("\nendpoints not contacted: `kvobserve check --probe` connects to each")
+        elif bad:
+            print(f"\n{bad} endpoint(s) not as expected (BAD above)")
+    return 1 if bad else 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import time
 
 from kvobserve.aggregator import Aggregator
 from kvobserve.analysis.fleet import FleetState
@@ -51,9 +50,7 @@ async def _collect(cfg: Config, local_http: bool) -> int:
     except NatsConnectError as exc:
         return fail("collect", exc, 1)
     local = Aggregator(FleetState())  # the node's own view: a fleet of one, fed directly
-    collector = Collector(
-        cfg, transport, observers=[lambda snap: local.fleet.update(snap, time.time())]
-    )
+    collector = Collector(cfg, transport, observers=[local.apply])
     stop_http: Stop | None = None
     try:
         await collector.start()

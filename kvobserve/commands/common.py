@@ -77,6 +77,8 @@ async def start_http(
         basic_auth=http.basic_auth,
         per_stream_histograms=per_stream_detail,
         per_stream_counters=per_stream_detail,
+        events=lambda: list(agg.events),
+        runbook_url=http.runbook_url,
     )
     tls = server.make_ssl_context(*http.tls) if http.tls else None
     served = await server.serve(app, http.listen, tls)

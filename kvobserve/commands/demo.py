@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import sys
 import time
 from dataclasses import dataclass
@@ -242,6 +243,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _demo(args: argparse.Namespace, http: HttpConfig, out: TextIO) -> int:
+    # The injected faults would log state changes all over the summary line; the status page
+    # and /api/v1/events show them (with `kvobserve run` they are logged).
+    logging.getLogger("kvobserve.health").setLevel(logging.ERROR)
     stop = stop_event()
     try:
         demo = await start_demo(

@@ -1,4 +1,7 @@
-"""`kvobserve status --url URL`: the aggregator's streams and active conditions as a terminal table."""
+"""`kvobserve status --url URL`: the aggregator's streams and active conditions as a terminal table.
+
+Exit 0 when no critical condition is active, 1 when one is, 2 when the aggregator cannot be read.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import json
 import os
 import ssl
 import sys
+import time
 import urllib.error
 import urllib.request
 from typing import Any, TextIO
@@ -22,13 +26,18 @@ class FetchError(Exception):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `kvobserve status`."""
-    parser.add_argument("--url", default=DEFAULT_URL, help=f"aggregator base URL ({DEFAULT_URL})")
+    parser.add_argument(
+        "--url", default=DEFAULT_URL, help=f"aggregator base URL or host:port ({DEFAULT_URL})"
+    )
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds per request (5)")
     parser.add_argument(
         "--user", default="", help=f"basic-auth user; the password is read from ${PASSWORD_ENV}"
     )
     parser.add_argument("--cacert", default="", help="CA bundle to verify an https aggregator")
     parser.add_argument("--json", action="store_true", help="print the raw JSON instead")
+    parser.add_argument(
+        "--events", action="store_true", help="also print the recent events (newest first)"
+    )
 
 
 def fetch(url: str, timeout: float, user: str = "", cacert: str = "") -> Any:
@@ -51,66 +60,143 @@ def fetch(url: str, timeout: float, user: str = "", cacert: str = "") -> Any:
         raise FetchError(f"{url}: not JSON: {exc}") from None
 
 
-def _usage(v: float | None) -> str:
-    return "-" if v is None else f"{100 * v:.1f}%"
+def base_url(url: str) -> str:
+    """`host:port` -> `http://host:port`; a URL with a scheme stays as it is (no trailing /)."""
+    url = url.strip().rstrip("/")
+    return url if "://" in url else f"http://{url}"
 
 
-def render(streams: list[dict[str, Any]], alerts: list[dict[str, Any]]) -> str:
-    """The terminal table and the conditions below it."""
-    head = ("WORKER", "RANK", "NODE", "OWNER", "UP", "BATCHES", "GAPS", "LOST", "USAGE")
-    rows = [
-        (
-            str(s["worker_id"]),
-            str(s["dp_rank"]),
-            str(s["node_rank"]),
-            str(s["collector"]),
-            "up" if s["up"] else ("down" if s["live"] else "stale"),
-            str(s["batches"]),
-            str(s["gaps"]),
-            str(s["lost"]),
-            _usage(s.get("usage_ratio")),
-        )
-        for s in streams
-    ]
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    numeric = {1, 2, 5, 6, 7, 8}
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.0f}%"
+
+
+def _secs(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{1000 * v:.0f}ms" if v < 1 else f"{v:.1f}s"
+
+
+def _hms(t: float | None) -> str:
+    return time.strftime("%H:%M:%S", time.gmtime(t)) if t else "-"
+
+
+_HEAD = (
+    "WORKER", "RANK", "NODE", "COLLECTOR", "STATE", "BATCHES", "GAPS", "LOST", "RESTARTS",
+    "DUP", "LAG", "AGE", "USAGE", "SCHED", "REASON",
+)  # fmt: skip
+_NUMERIC = {1, 2, 5, 6, 7, 8, 10, 11, 12, 13}
+
+
+def _row(s: dict[str, Any]) -> tuple[str, ...]:
+    state = s.get("state") or ("up" if s["up"] else "down" if s["live"] else "stale")
+    dup = s.get("duplicate_stream")
+    return (
+        str(s["worker_id"]),
+        str(s["dp_rank"]),
+        str(s["node_rank"]),
+        str(s["collector"]),
+        state,
+        str(s["batches"]),
+        str(s["gaps"]),
+        str(s["lost"]),
+        str(s["restarts"]),
+        "-" if dup is None else "yes" if dup else "no",
+        _secs(s.get("lag_seconds")),
+        _secs(s.get("last_message_age_s")),
+        _pct(s.get("usage_ratio")),
+        _pct(s.get("scheduler_usage_ratio")),
+        str(s.get("reason") or ""),
+    )
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in [_HEAD, *rows]) for i in range(len(_HEAD) - 1)]
 
     def line(cells: tuple[str, ...]) -> str:
         parts = [
-            c.rjust(w) if i in numeric else c.ljust(w)
-            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+            c.rjust(w) if i in _NUMERIC else c.ljust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=False))
         ]
-        return "  ".join(parts).rstrip()
+        return ("  ".join(parts) + "  " + cells[-1]).rstrip()
 
-    out = [line(head), *(line(r) for r in rows)]
-    if not rows:
+    return [line(_HEAD), *(line(r) for r in rows)]
+
+
+def render(
+    streams: list[dict[str, Any]],
+    alerts: list[dict[str, Any]],
+    fleet: dict[str, Any] | None = None,
+    events: list[dict[str, Any]] | None = None,
+) -> str:
+    """The terminal table, the collectors, stray publishers, conditions and (opt.) events."""
+    out = _table([_row(s) for s in streams])
+    if not streams:
         out.append("(no streams)")
+    fleet = fleet or {}
+    cols = fleet.get("collectors", [])
+    if cols:
+        out.append("")
+        out.append(
+            "collectors: "
+            + ", ".join(
+                f"{c['collector']} {'up' if c['up'] else 'DOWN'} ({c['age_s']:.1f}s)" for c in cols
+            )
+        )
+    strays = [u for u in fleet.get("unexpected", []) if u["active"]]
+    for u in strays:
+        out.append(
+            f"publisher past the last rank: {u['worker_id']} {u['endpoint']} "
+            f"({u['batches']} batches, would be rank {u['dp_rank']})"
+        )
     up = sum(1 for s in streams if s["up"])
+    crit = sum(1 for a in alerts if a["severity"] == "critical")
     out.append("")
-    out.append(f"{up}/{len(streams)} streams up, {len(alerts)} active conditions")
+    out.append(f"{up}/{len(streams)} streams up, {len(alerts)} active conditions ({crit} critical)")
     for a in alerts:
         labels = " ".join(f"{k}={v}" for k, v in a["labels"].items())
-        out.append(f"  {a['severity'].upper():8} {a['kind']:26} {labels}: {a['description']}")
+        since = f" since {_hms(a.get('since'))}" if a.get("since") else ""
+        out.append(
+            f"  {a['severity'].upper():8} {a['kind']:26} {labels}: {a['description']}{since}"
+        )
+        if a.get("runbook_url"):
+            out.append(f"  {'':8} {'':26} runbook: {a['runbook_url']}")
+    if events is not None:
+        out.append("")
+        out.append(f"recent events ({len(events)}):")
+        for ev in events:
+            where = " ".join(
+                str(x) for x in (ev.get("worker_id"), ev.get("dp_rank")) if x is not None
+            )
+            out.append(f"  {_hms(ev.get('time'))}  {ev['kind']:<13} {where:<16} {ev['message']}")
     return "\n".join(out) + "\n"
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    """Fetch /api/v1/streams and /api/v1/alerts and print them; 2 when unreachable."""
+    """Fetch the API and print it; 1 with a critical condition active, 2 when unreachable."""
     out = out or sys.stdout
-    base = str(args.url).rstrip("/")
+    base = base_url(str(args.url))
+
+    def get(path: str) -> Any:
+        return fetch(f"{base}{path}", args.timeout, args.user, args.cacert)
+
     try:
-        streams = fetch(f"{base}/api/v1/streams", args.timeout, args.user, args.cacert)
-        alerts = fetch(f"{base}/api/v1/alerts", args.timeout, args.user, args.cacert)
+        streams = get("/api/v1/streams")
+        alerts = get("/api/v1/alerts")
+        fleet = get("/api/v1/fleet")
+        events = get("/api/v1/events?limit=20") if args.events else None
     except FetchError as exc:
         print(f"kvobserve status: {exc}", file=sys.stderr)
         return 2
-    if not isinstance(streams, list) or not isinstance(alerts, list):
+    if not (isinstance(streams, list) and isinstance(alerts, list) and isinstance(fleet, dict)):
         print(
             f"kvobserve status: {base} did not answer like a kvobserve aggregator", file=sys.stderr
         )
         return 2
     if args.json:
-        out.write(json.dumps({"streams": streams, "alerts": alerts}, indent=2) + "\n")
+        doc: dict[str, Any] = {"streams": streams, "alerts": alerts, "fleet": fleet}
+        if events is not None:
+            doc["events"] = events
+        out.write(json.dumps(doc, indent=2) + "\n")
     else:
-        out.write(render(streams, alerts))
-    return 0
+        out.write(render(streams, alerts, fleet, events[:20] if events else events))
+    return 1 if any(a.get("severity") == "critical" for a in alerts) else 0

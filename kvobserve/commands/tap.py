@@ -1,4 +1,8 @@
-"""`kvobserve tap`: decode a live KV-event stream (or a recorded frames.jsonl), one JSON line per batch."""
+"""`kvobserve tap`: decode a live KV-event stream (or a recorded frames.jsonl), one JSON line per batch.
+
+Exit 0 when batches were printed (and --count reached), 1 with one line on stderr when nothing
+usable came (and why: commands/tap_live.py), 2 on a bad endpoint, file or flag.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ from typing import IO, Any
 import zmq
 
 from kvobserve.commands import tap_dynamo
+from kvobserve.commands.tap_live import POLL_MS, watch_live
+from kvobserve.sources.link import MONITOR_EVENTS
 from kvobserve.wire.errors import WireError
 from kvobserve.wire.kv_events import DEFAULT_MAX_PAYLOAD, KvBatch, decode_message
 from kvobserve.wire.kv_view import batch_view
@@ -24,7 +30,6 @@ from kvobserve.wire.replay import decode_replay_message, encode_replay_request, 
 
 EXIT_USAGE = 2
 DEFAULT_REPLAY_WAIT_S = 5.0
-_POLL_MS = 100  # how often a waiting loop checks for Ctrl-C / SIGTERM
 
 
 def _positive_int(text: str) -> int:
@@ -57,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--timeout",
         type=_positive_float,
         metavar="S",
-        help="stop after S seconds without a message (exit 1 if --count was not reached)",
+        help="stop after S seconds without a batch (exit 1 if none came or --count was not reached)",
     )
     parser.add_argument(
         "--max-payload", type=_positive_int, default=DEFAULT_MAX_PAYLOAD, help=argparse.SUPPRESS
@@ -100,6 +105,7 @@ class _Tap:
         self.record = record
         self.printed = 0
         self.stop = False
+        self.last_error = ""
 
     @property
     def done(self) -> bool:
@@ -128,6 +134,7 @@ class _Tap:
             view = None if batch is None else batch_view(batch, frames[-1], self.token_ids)
             text = None if view is None else json.dumps(view)
         except WireError as exc:
+            self.last_error = exc.reason
             err = {"error": exc.reason, "detail": str(exc), "source": source, "at": where}
             sys.stderr.write(json.dumps(err) + "\n")
             sys.stderr.flush()
@@ -193,7 +200,7 @@ def _recv(sock: zmq.Socket[bytes], tap: _Tap, wait_s: float | None) -> list[byte
     """The next message, or None on a stop signal or after `wait_s` idle seconds."""
     deadline = None if wait_s is None else time.monotonic() + wait_s
     while not tap.stop:
-        if sock.poll(_POLL_MS):
+        if sock.poll(POLL_MS):
             return sock.recv_multipart()
         if deadline is not None and time.monotonic() >= deadline:
             return None
@@ -207,6 +214,7 @@ def _run_live(args: argparse.Namespace, tap: _Tap) -> int:
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        mon = sub.get_monitor_socket(MONITOR_EVENTS)
         try:
             sub.connect(args.endpoint)
         except zmq.ZMQError as exc:
@@ -232,14 +240,17 @@ def _run_live(args: argparse.Namespace, tap: _Tap) -> int:
                 if is_end_marker(frames):
                     break
             dealer.close(linger=0)
-        while not tap.done:
-            frames = _recv(sub, tap, args.timeout)
-            if frames is None:
-                break
-            tap.handle(frames, "live", topic, args.endpoint)
+        outcome = watch_live(sub, mon, tap, args.endpoint, topic, args.timeout)
     finally:
         ctx.destroy(linger=0)
+    if not outcome.ok:
+        sys.stderr.write(f"kvobserve tap: {outcome.message}\n")
+        return 1
     if args.count is not None and tap.printed < args.count and not tap.stop:
+        sys.stderr.write(
+            f"kvobserve tap: {tap.printed} of {args.count} batches from {args.endpoint}, then "
+            f"nothing for {args.timeout:g} s\n"
+        )
         return 1
     return 0
 

@@ -294,6 +294,7 @@ def _build_http(h: dict[str, Any]) -> HttpConfig:
             raise ConfigError(f"http.listen: expected host:port, got {cfg.listen!r}") from None
     check_pair(h, "user", "password", "http")
     check_pair(h, "tls_cert", "tls_key", "http")
+    check_url(cfg.runbook_url, "http.runbook_url")
     if cfg.tls is not None:
         try:
             ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(*cfg.tls)

@@ -109,6 +109,8 @@ class HttpConfig:
     password: str | None = field(default=None, repr=False)
     tls_cert: str | None = None  # PEM files: serve HTTPS
     tls_key: str | None = None
+    # The runbook (docs/alerts.md) the status page and /api/v1/alerts link each condition to.
+    runbook_url: str = "https://github.com/kvobserve/kvobserve/blob/main/docs/alerts.md"
 
     @property
     def basic_auth(self) -> tuple[str, str] | None:

@@ -2,17 +2,33 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
+from kvobserve.analysis.alerting import DEFAULT_RUNBOOK_URL, KINDS, severity_rank
 from kvobserve.analysis.fleet import Condition, FleetView, StreamView
 
 Json = dict[str, Any]
 
 
-def stream_json(s: StreamView) -> Json:
-    """One stream: labels, liveness, counters and usage (gauges null when stale)."""
+def _t(value: float) -> float | None:
+    """A wall-clock time, null for 0 (never)."""
+    return value or None
+
+
+def _age(now: float, t: float) -> float | None:
+    return round(max(0.0, now - t), 3) if t else None
+
+
+def stream_json(s: StreamView, now: float = 0.0, sched_usage: float | None = None) -> Json:
+    """One stream: labels, state and reason, counters and usage (gauges null when not up)."""
     st = s.stats
     live = s.live
+    if live:
+        state, reason, since = st.state or ("up" if st.up else "down"), st.reason, st.state_since
+    else:
+        state, since = "stale", s.collector_last_seen
+        reason = f"collector {s.collector.collector_id} silent; last known: {st.state or '?'}"
     return {
         "worker_id": st.worker_id,
         "node_rank": s.collector.node_rank,
@@ -39,36 +55,60 @@ def stream_json(s: StreamView) -> Json:
         "blocks": {m.medium: m.blocks for m in st.media} if live else {},
         "tokens": {m.medium: m.tokens for m in st.media} if live else {},
         "capacity_tokens": s.capacity_tokens if live else None,
-        "usage_ratio": s.usage_ratio if live else None,
+        "usage_ratio": s.usage_ratio if s.up else None,  # resident tokens / capacity
+        "scheduler_usage_ratio": sched_usage if live else None,  # tokens of running requests
         # which scheduler sources report this rank (load, metrics, ...); "none": no source does
         "scheduler_source": (s.scheduler_source or "none") if live else None,
         "last_batch_ts": st.last_batch_ts or None,
-        "lag_seconds": st.lag_seconds if live else None,
+        "lag_seconds": st.lag_seconds if s.up else None,
+        "state": state,
+        "reason": reason,
+        "state_since": _t(since),
+        "events_per_s": st.events_per_s if s.up else None,
+        "last_message_time": _t(st.last_message_time),
+        "last_message_age_s": _age(now, st.last_message_time),
+        "last_gap_time": _t(st.last_gap_time),
+        "last_loss_time": _t(st.last_loss_time),
+        "last_restart_time": _t(st.last_restart_time),
+        "last_duplicate_time": _t(st.last_duplicate_time),
+        "last_decode_error_time": _t(st.last_decode_error_time),
+        "last_rank_mismatch_time": _t(st.last_rank_mismatch_time),
+        "incomplete_reason": (st.incomplete_reason or None) if live else None,
     }
 
 
 def streams_json(v: FleetView) -> list[Json]:
     """GET /api/v1/streams."""
-    return [stream_json(s) for s in v.streams]
+    usage = {(s.worker_id, s.dp_rank): s.token_usage_ratio for s, _ in v.scheduler}
+    return [
+        stream_json(s, v.now, usage.get((s.stats.worker_id, s.stats.dp_rank))) for s in v.streams
+    ]
 
 
-def condition_json(c: Condition) -> Json:
-    """One active condition."""
+def condition_json(c: Condition, runbook_url: str = DEFAULT_RUNBOOK_URL) -> Json:
+    """One active condition, with its alert and runbook link (analysis/alerting.py)."""
+    k = KINDS.get(c.kind)
     return {
         "kind": c.kind,
         "severity": c.severity,
         "labels": dict(c.labels),
         "description": c.description,
+        "since": _t(c.since),
+        "alert": k.alert if k else None,
+        "title": k.title if k else c.kind,
+        "runbook_url": k.runbook(runbook_url) if k else None,
     }
 
 
-_SEVERITY = {"critical": 0, "warning": 1, "info": 2}
-
-
-def alerts_json(v: FleetView) -> list[Json]:
+def alerts_json(v: FleetView, runbook_url: str = DEFAULT_RUNBOOK_URL) -> list[Json]:
     """GET /api/v1/alerts: most severe first, in the view's order otherwise."""
-    ordered = sorted(v.conditions, key=lambda c: _SEVERITY.get(c.severity, 9))
-    return [condition_json(c) for c in ordered]
+    ordered = sorted(v.conditions, key=lambda c: severity_rank(c.severity))
+    return [condition_json(c, runbook_url) for c in ordered]
+
+
+def events_json(events: Iterable[Json], limit: int = 100) -> list[Json]:
+    """GET /api/v1/events: the most recent first, at most `limit`."""
+    return sorted(events, key=lambda e: -float(e.get("time", 0.0)))[:limit]
 
 
 def fleet_json(v: FleetView) -> Json:
@@ -97,6 +137,21 @@ def fleet_json(v: FleetView) -> Json:
                 "owners": {str(r): list(v.owners[(w_id, r)]) for r in ranks},
             }
         )
+    sources = [
+        {
+            "collector": c.info.collector_id,
+            "node_rank": c.info.node_rank,
+            "worker_id": src.worker_id,
+            "source": src.source,
+            "endpoint": src.endpoint,
+            "state": src.state if c.up else "stale",
+            "reason": src.reason,
+            "since": _t(src.since),
+            "messages": src.messages_total,
+        }
+        for c in v.collectors
+        for src in c.snapshot.sources
+    ]
     unexpected = [
         {
             "worker_id": u.worker_id,
@@ -108,4 +163,9 @@ def fleet_json(v: FleetView) -> Json:
         }
         for u, info in v.unexpected
     ]
-    return {"collectors": collectors, "workers": workers, "unexpected": unexpected}
+    return {
+        "collectors": collectors,
+        "workers": workers,
+        "unexpected": unexpected,
+        "scheduler_sources": sources,
+    }

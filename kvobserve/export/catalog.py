@@ -11,7 +11,7 @@ WORKER_MEDIUM = ("worker_id", "medium")
 # The reference stream of the series budget (docs/metrics.md): two storage tiers, one replay
 # result and one decode-error reason seen, a worker of 16 ranks, 8 streams per collector.
 REFERENCE = {"medium": 2, "value": 1, "fault": 0, "worker": 16, "collector": 8, "buckets": 15}
-BUDGET = 32  # series per stream by default (DESIGN.md)
+BUDGET = 32  # series per stream by default (the series budget, docs/metrics.md)
 
 
 @dataclass(frozen=True)

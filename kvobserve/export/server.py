@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encoder
 from prometheus_client.metrics_core import Metric
 
+from kvobserve.analysis.alerting import DEFAULT_RUNBOOK_URL
 from kvobserve.config import split_host_port
 from kvobserve.export import api, status_page
 from kvobserve.export.prometheus import ExtraProvider, FleetCollector, ViewProvider
@@ -33,6 +34,8 @@ VIEW = web.AppKey("view", object)  # ViewProvider; AppKey wants a runtime type
 READY = web.AppKey("ready", object)
 AUTH = web.AppKey("auth", object)
 REFRESH = web.AppKey("refresh_s", float)
+EVENTS = web.AppKey("events", object)  # () -> recent events (dicts), or None
+RUNBOOK = web.AppKey("runbook_url", str)
 _OPEN_PATHS = frozenset({"/healthz", "/readyz"})  # probes carry no credentials
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -138,7 +141,21 @@ async def _streams(request: web.Request) -> web.Response:
 
 
 async def _alerts(request: web.Request) -> web.Response:
-    return _json(api.alerts_json(_view(request)))
+    return _json(api.alerts_json(_view(request), request.app[RUNBOOK]))
+
+
+def _recent(request: web.Request, limit: int = 100) -> list[dict[str, Any]]:
+    provider: Callable[[], list[dict[str, Any]]] | None = request.app[EVENTS]  # type: ignore[assignment]
+    return api.events_json(provider() if provider is not None else [], limit)
+
+
+async def _events(request: web.Request) -> web.Response:
+    """GET /api/v1/events[?limit=N]: newest first, N at most 1000 (default 100)."""
+    try:
+        limit = min(1000, max(1, int(request.query.get("limit", "100"))))
+    except ValueError:
+        return web.Response(status=400, text="limit: expected a number\n")
+    return _json(_recent(request, limit))
 
 
 async def _fleet(request: web.Request) -> web.Response:
@@ -150,9 +167,10 @@ async def _index(request: web.Request) -> web.Response:
     page = status_page.render(
         api.fleet_json(v),
         api.streams_json(v),
-        api.alerts_json(v),
+        api.alerts_json(v, request.app[RUNBOOK]),
         generated=time.time(),
         refresh_s=request.app[REFRESH],
+        events=_recent(request),
     )
     return web.Response(text=page, content_type="text/html", charset="utf-8")
 
@@ -204,12 +222,15 @@ def create_app(
     per_stream_histograms: bool = False,
     per_stream_counters: bool = False,
     scrape_cache: bool = True,
+    events: Callable[[], list[dict[str, Any]]] | None = None,
+    runbook_url: str = DEFAULT_RUNBOOK_URL,
 ) -> web.Application:
     """The aiohttp application; `ready` defaults to "at least one collector snapshot".
 
     `per_stream_histograms`/`per_stream_counters` serve block lifetimes and block/event
     counters per stream instead of per worker (docs/metrics.md, series budget);
-    `scrape_cache=False` renders every scrape afresh (the renderer before the cache).
+    `scrape_cache=False` renders every scrape afresh (the renderer before the cache);
+    `events` gives the recent events of /api/v1/events; `runbook_url` is docs/alerts.md's URL.
     """
     middlewares: list[Any] = [_limits]
     if basic_auth is not None:
@@ -229,6 +250,8 @@ def create_app(
     app[VIEW] = view_provider
     app[READY] = ready
     app[REFRESH] = float(refresh_s)
+    app[EVENTS] = events
+    app[RUNBOOK] = runbook_url.rstrip("#")
     app.router.add_get("/", _index)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/healthz", _healthz)
@@ -236,6 +259,7 @@ def create_app(
     app.router.add_get("/api/v1/streams", _streams)
     app.router.add_get("/api/v1/alerts", _alerts)
     app.router.add_get("/api/v1/fleet", _fleet)
+    app.router.add_get("/api/v1/events", _events)
     return app
 
 

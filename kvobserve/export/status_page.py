@@ -1,4 +1,10 @@
-"""The status page: one self-refreshing HTML document, no scripts, no external assets."""
+"""The status page: one self-refreshing HTML document, no scripts, no external assets.
+
+Built from the /api/v1 documents. Colour follows the active conditions only: a cell is tinted
+with the severity of the condition it belongs to (a stream's state with stream_down, its gaps with
+sequence_gap or events_lost, ...), never because a number is large: a warm prefix cache is full
+by design. Every condition links to its runbook section.
+"""
 
 from __future__ import annotations
 
@@ -7,72 +13,269 @@ from collections.abc import Iterable
 from html import escape
 from typing import Any
 
+from kvobserve.analysis.alerting import severity_rank
+
 Json = dict[str, Any]
 
 _CSS = """
-body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;color:#222;background:#fafafa}
-h1{font-size:1.4em;margin:0 0 .2em}h2{font-size:1.1em;margin:1.4em 0 .4em}
-table{border-collapse:collapse;background:#fff}td,th{border:1px solid #ddd;padding:3px 8px}
-th{background:#eee;text-align:left}td.n{text-align:right;font-variant-numeric:tabular-nums}
-.ok{color:#17702a;font-weight:600}.bad{color:#b3141b;font-weight:600}.muted{color:#777}
-.sev-critical{background:#fde2e2}.sev-warning{background:#fff3cd}.sev-info{background:#e7f1ff}
-.grid td{width:7em;text-align:center;vertical-align:top;font-size:12px}
+body{font:13px/1.4 system-ui,sans-serif;margin:1.2em 1.5em;color:#222;background:#fafafa}
+h1{font-size:1.4em;margin:0 0 .2em}h2{font-size:1.1em;margin:1.3em 0 .4em}
+table{border-collapse:collapse;background:#fff}td,th{border:1px solid #ddd;padding:3px 6px;
+vertical-align:top}th{background:#eee;text-align:left;font-weight:600;white-space:nowrap}
+td.n{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
+.muted{color:#777}.small{font-size:11px}.nw{white-space:nowrap}
+.ok{color:#17702a;font-weight:600}.st{font-weight:600}
+.c-critical{background:#fde2e2}.c-warning{background:#fff3cd}.c-info{background:#e7f1ff}
+.sev{display:inline-block;padding:0 6px;border-radius:3px;font-weight:600;font-size:11px}
+.sev-critical{background:#b3141b;color:#fff}.sev-warning{background:#e8a400;color:#222}
+.sev-info{background:#2f6fdf;color:#fff}
+.grid td{width:7em;text-align:center;font-size:12px}
 .own0{background:#f4b4b4}.own1{background:#bfe8c4}.ownN{background:#ffd98a}
-.small{font-size:12px}
 """
+
+# Which stream cell a condition kind tints.
+_CELL = {
+    "stream_down": "state",
+    "duplicate_stream": "dup",
+    "stream_stalled": "state",
+    "sequence_gap": "gaps",
+    "events_lost": "gaps",
+    "publisher_restarted": "restarts",
+    "index_incomplete": "index",
+    "decode_errors": "errors",
+    "rank_mismatch": "errors",
+    "cache_near_full": "sched",
+}
+_UP_STATES = {"up", "waiting", "idle", "duplicate"}
 
 
 def _e(value: object) -> str:
     return escape(str(value), quote=True)
 
 
-def _table(head: Iterable[str], rows: list[str], empty: str) -> str:
+def _table(head: Iterable[str], rows: list[str], empty: str, tid: str = "") -> str:
     if not rows:
         return f'<p class="muted">{_e(empty)}</p>'
     th = "".join(f"<th>{_e(h)}</th>" for h in head)
-    return f"<table><thead><tr>{th}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+    idattr = f' id="{tid}"' if tid else ""
+    return f"<table{idattr}><thead><tr>{th}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
 
 
-def _up(flag: bool | None) -> str:
-    if flag is None:
-        return '<td class="muted">-</td>'
-    return '<td class="ok">up</td>' if flag else '<td class="bad">down</td>'
+class _Clock:
+    """Formats wall-clock times against the page's own time."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def ago(self, t: float | None) -> str:
+        if not t:
+            return "-"
+        d = max(0.0, self.now - t)
+        if d < 90:
+            rel = f"{d:.0f} s ago"
+        elif d < 5400:
+            rel = f"{d / 60:.0f} min ago"
+        else:
+            rel = f"{d / 3600:.1f} h ago"
+        return f"{time.strftime('%H:%M:%S', time.gmtime(t))} ({rel})"
+
+    @staticmethod
+    def hms(t: float | None) -> str:
+        return time.strftime("%H:%M:%S", time.gmtime(t)) if t else "-"
 
 
-def _n(value: object, bad: bool = False) -> str:
-    cls = "n bad" if bad else "n"
-    return f'<td class="{cls}">{_e(value)}</td>'
+def _sev(severity: str) -> str:
+    return f'<span class="sev sev-{_e(severity)}">{_e(severity)}</span>'
 
 
-def _age(seconds: float) -> str:
-    return f"{seconds:.1f} s"
+def _where(labels: Json) -> str:
+    parts = []
+    if "worker_id" in labels:
+        parts.append(str(labels["worker_id"]))
+    if "dp_rank" in labels:
+        parts.append(f"rank {labels['dp_rank']}")
+    if "node_rank" in labels:
+        parts.append(f"node {labels['node_rank']}")
+    for k in ("collector", "endpoint"):
+        if k in labels:
+            parts.append(str(labels[k]))
+    return " · ".join(parts)
 
 
-def _dup(flag: bool | None) -> str:
-    if flag is None:
-        return '<td class="muted">-</td>'
-    return '<td class="bad">yes</td>' if flag else "<td>no</td>"
-
-
-_ACTIVE, _IDLE = '<td class="bad">active</td>', "<td>idle</td>"
-
-
-def _alerts(alerts: list[Json]) -> str:
+def _alerts(alerts: list[Json], clock: _Clock) -> str:
     rows = []
     for a in alerts:
-        labels = ", ".join(f"{k}={v}" for k, v in a["labels"].items())
-        sev = _e(a["severity"])
-        rows.append(
-            f'<tr class="sev-{sev}" data-kind="{_e(a["kind"])}"><td>{sev}</td>'
-            f"<td>{_e(a['kind'])}</td><td>{_e(labels)}</td><td>{_e(a['description'])}</td></tr>"
+        link = (
+            f'<a href="{_e(a["runbook_url"])}">{_e(a["alert"])}</a>' if a.get("runbook_url") else ""
         )
-    return _table(("severity", "condition", "labels", "description"), rows, "No active conditions.")
+        rows.append(
+            f'<tr class="c-{_e(a["severity"])}" data-kind="{_e(a["kind"])}">'
+            f"<td>{_sev(a['severity'])}</td><td><b>{_e(a.get('title', a['kind']))}</b><br>"
+            f'<span class="small muted">{_e(a["kind"])}</span></td>'
+            f'<td class="nw">{_e(_where(a["labels"]))}</td><td>{_e(a["description"])}</td>'
+            f'<td class="nw">{_e(clock.ago(a.get("since")))}</td><td>{link}</td></tr>'
+        )
+    head = ("severity", "condition", "where", "what", "since", "runbook")
+    return _table(head, rows, "No active conditions.", "alerts-table")
+
+
+def _stream_conditions(alerts: list[Json]) -> dict[tuple[str, str, str], dict[str, str]]:
+    """(worker, node, rank) -> cell -> the most severe condition severity tinting it."""
+    out: dict[tuple[str, str, str], dict[str, str]] = {}
+    for a in alerts:
+        lb, cell = a["labels"], _CELL.get(a["kind"])
+        if cell is None or "dp_rank" not in lb:
+            continue
+        key = (str(lb.get("worker_id")), str(lb.get("node_rank")), str(lb.get("dp_rank")))
+        cells = out.setdefault(key, {})
+        if cell not in cells or severity_rank(a["severity"]) < severity_rank(cells[cell]):
+            cells[cell] = a["severity"]
+    return out
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.0f}%"
+
+
+def _secs(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v * 1000:.0f} ms" if v < 1 else f"{v:.1f} s"
+
+
+def _stream_row(s: Json, cond: dict[str, str], clock: _Clock) -> str:
+    def td(cell: str, body: str, num: bool = False) -> str:
+        cls = " ".join(
+            c for c in ("n" if num else "", f"c-{cond[cell]}" if cell in cond else "") if c
+        )
+        return f'<td class="{cls}">{body}</td>' if cls else f"<td>{body}</td>"
+
+    state = s.get("state") or ("up" if s["up"] else "down")
+    cls = "ok" if state == "up" else "st"
+    since = clock.ago(s.get("state_since"))
+    reason = f'{_e(s.get("reason") or "")}<br><span class="small muted">since {_e(since)}</span>'
+    gaps = f"{s['gaps']}"
+    if s["gaps"]:
+        gaps += f'<br><span class="small">{s["recovered"]} recovered, {s["lost"]} lost'
+        gaps += f"<br>last {_e(clock.hms(s.get('last_gap_time')))}</span>"
+    restarts = f"{s['restarts']}"
+    if s["restarts"]:
+        restarts += (
+            f'<br><span class="small">last {_e(clock.hms(s.get("last_restart_time")))}</span>'
+        )
+    if s["duplicate_stream"]:
+        dup = f'yes<br><span class="small">{_e(clock.hms(s.get("last_duplicate_time")))}</span>'
+    elif s.get("last_duplicate_time"):
+        dup = f'no<br><span class="small muted">last {_e(clock.hms(s["last_duplicate_time"]))}'
+        dup += "</span>"
+    else:
+        dup = "-" if s["duplicate_stream"] is None else "no"
+    complete = s["state_complete"] if s["batches"] else None  # no batch yet: nothing to judge
+    if not s["batches"] and not s["duplicate_stream"]:
+        dup = "-"
+    index = "-" if complete is None else "exact" if complete else "lower bound"
+    if complete is False and s.get("incomplete_reason"):
+        index += f'<br><span class="small">{_e(s["incomplete_reason"])}</span>'
+    errs = sum(s["decode_errors"].values())
+    errors = f"{errs}" + (
+        f" / {s['rank_mismatch_batches']} rank" if s["rank_mismatch_batches"] else ""
+    )
+    eps = s.get("events_per_s")
+    state_cell = td("state", f'<span class="{cls}">{_e(state)}</span>')
+    return (
+        f'<tr data-rank="{_e(s["dp_rank"])}" data-state="{_e(state)}">'
+        f"<td>{_e(s['worker_id'])}</td><td class=n>{_e(s['dp_rank'])}</td>"
+        f"<td class=n>{_e(s['node_rank'])}</td>"
+        f"{state_cell}<td>{reason}</td>"
+        f"<td class=n>{_e(s['batches'])}</td>"
+        f"<td class=n>{'-' if eps is None else f'{eps:,.0f}'}</td>"
+        f"<td class=n>{_secs(s.get('lag_seconds'))}</td>"
+        f"<td class=n>{_secs(s.get('last_message_age_s'))}</td>"
+        f"{td('gaps', gaps, True)}{td('restarts', restarts, True)}{td('dup', dup)}"
+        f"{td('index', index)}{td('errors', errors, True)}"
+        f"<td class=n>{_pct(s.get('usage_ratio'))}</td>"
+        f"{td('sched', _pct(s.get('scheduler_usage_ratio')) + _via(s), True)}"
+        f'<td class="small">{_e(s["endpoint"])}<br>{_e(s["collector"])}</td></tr>'
+    )
+
+
+def _via(s: Json) -> str:
+    """Which scheduler sources report the rank; `none` stands out: no usage from the engine."""
+    src = s.get("scheduler_source")
+    if src is None:
+        return ""
+    return f'<br><span class="small{" muted" if src != "none" else ""}">{_e(src)}</span>'
+
+
+def _streams(streams: list[Json], alerts: list[Json], clock: _Clock) -> str:
+    conds = _stream_conditions(alerts)
+    rows = [
+        _stream_row(
+            s, conds.get((str(s["worker_id"]), str(s["node_rank"]), str(s["dp_rank"])), {}), clock
+        )
+        for s in streams
+    ]
+    head = (
+        "worker", "rank", "node", "state", "reason", "batches", "events/s", "lag",
+        "last batch", "gaps", "restarts", "duplicate", "index", "errors",
+        "resident", "scheduler", "endpoint · collector",
+    )  # fmt: skip
+    return _table(head, rows, "No streams.", "streams-table")
+
+
+def _events(events: list[Json], clock: _Clock) -> str:
+    rows = []
+    for ev in events:
+        sev = ev.get("severity")
+        tint = f' class="c-{_e(sev)}"' if sev and ev.get("state") == "firing" else ""
+        where = _where(ev.get("labels") or ev)
+        rows.append(
+            f'<tr{tint} data-kind="{_e(ev["kind"])}"><td class="nw">{_e(clock.ago(ev["time"]))}</td>'
+            f"<td>{_e(ev['kind'])}</td><td class=nw>{_e(where)}</td><td>{_e(ev['message'])}</td></tr>"
+        )
+    return _table(("time (UTC)", "kind", "where", "what"), rows, "No events yet.", "events-table")
+
+
+def _strays(items: list[Json]) -> str:
+    active = [u for u in items if u["active"]]
+    rows = [
+        f'<tr class="c-warning"><td>{_e(u["worker_id"])}</td><td class=n>{_e(u["dp_rank"])}</td>'
+        f"<td class=n>{_e(u['node_rank'])}</td><td>{_e(u['endpoint'])}</td>"
+        f"<td class=n>{_e(u['batches'])}</td></tr>"
+        for u in active
+    ]
+    head = ("worker", "would-be rank", "node", "endpoint", "batches")
+    out = _table(head, rows, "No publisher past the last rank.", "strays-table")
+    idle = [u["endpoint"] for u in items if not u["active"]]
+    if idle:
+        out += (
+            f'<p class="small muted" id="idle-probes">Idle probe ports past the last rank '
+            f"(nothing publishes there, as it should be): {_e(', '.join(idle))}</p>"
+        )
+    return out
+
+
+def _sources(sources: list[Json], clock: _Clock) -> str:
+    rows = [
+        f"<tr><td>{_e(s['worker_id'])}</td><td>{_e(s['source'])}</td>"
+        f'<td class="small">{_e(s["endpoint"])}</td><td>{_e(s["collector"])}</td>'
+        f'<td class="{"ok" if s["state"] == "up" else "st"}">{_e(s["state"])}</td>'
+        f"<td>{_e(s['reason'])}</td><td class=nw>{_e(clock.ago(s.get('since')))}</td>"
+        f"<td class=n>{_e(s['messages'])}</td></tr>"
+        for s in sources
+    ]
+    head = ("worker", "source", "endpoint", "collector", "state", "reason", "since", "messages")
+    return _table(
+        head, rows, "No scheduler sources (no leader with metrics_url, url or a side channel)."
+    )
 
 
 def _collectors(collectors: list[Json]) -> str:
     rows = [
-        f"<tr><td>{_e(c['collector'])}</td>{_n(c['node_rank'])}<td>{_e(c['hostname'])}</td>"
-        f"{_up(c['up'])}{_n(_age(c['age_s']), not c['up'])}"
+        f"<tr{'' if c['up'] else ' class=c-critical'}><td>{_e(c['collector'])}</td>"
+        f"<td class=n>{_e(c['node_rank'])}</td><td>{_e(c['hostname'])}</td>"
+        f'<td class="{"ok" if c["up"] else "st"}">{"up" if c["up"] else "down"}</td>'
+        f"<td class=n>{c['age_s']:.1f} s</td>"
         f"<td>{_e(', '.join(c['workers']))}</td><td>{_e(c['version'])}</td></tr>"
         for c in collectors
     ]
@@ -89,70 +292,35 @@ def _workers(workers: list[Json]) -> str:
             who = "<br>".join(_e(o) for o in owners) or "uncovered"
             cells.append(f'<td class="{cls}"><b>rank {_e(rank)}</b><br>{who}</td>')
         leaders = ", ".join(w["leaders"]) or "none"
-        bad = len(w["leaders"]) != 1
         out.append(
             f'<h3 class="small">{_e(w["worker_id"])} &middot; dp_size {_e(w["dp_size"])} '
-            f'&middot; scheduler leader: <span class="{"bad" if bad else "ok"}">'
-            f"{_e(leaders)}</span></h3>"
+            f"&middot; scheduler leader: {_e(leaders)}</h3>"
             f'<table class="grid"><tr>{"".join(cells)}</tr></table>'
         )
     return "".join(out) or '<p class="muted">No workers declared.</p>'
 
 
-def _usage(s: Json) -> str:
-    u = s["usage_ratio"]
-    if u is None:
-        return '<td class="n muted">-</td>'
-    return _n(f"{100 * u:.1f}%", u >= 0.95)
-
-
-def _sched(source: str | None) -> str:
-    """The rank's scheduler sources; `none` stands out: no capacity or usage from the engine."""
-    if source is None:
-        return '<td class="muted">-</td>'
-    return f'<td class="{"muted" if source == "none" else "small"}">{_e(source)}</td>'
-
-
-def _streams(streams: list[Json]) -> str:
-    rows = []
-    for s in streams:
-        dup = s["duplicate_stream"]
-        rows.append(
-            f"<tr><td>{_e(s['worker_id'])}</td>{_n(s['dp_rank'])}{_n(s['node_rank'])}"
-            f"<td>{_e(s['collector'])}</td>{_up(s['up'])}{_n(s['batches'])}"
-            f"{_n(s['gaps'], s['gaps'] > 0)}{_n(s['lost'], s['lost'] > 0)}"
-            f"{_n(s['restarts'])}"
-            f"{_dup(dup)}"
-            f"{_usage(s)}{_sched(s.get('scheduler_source'))}"
-            f"<td class='small'>{_e(s['endpoint'])}</td></tr>"
-        )
-    head = (
-        "worker rank node collector state batches gaps lost restarts duplicate usage scheduler"
-        " endpoint"
-    )
-    return _table(head.split(), rows, "No streams.")
-
-
-def _unexpected(items: list[Json]) -> str:
-    rows = [
-        f"<tr><td>{_e(u['worker_id'])}</td>{_n(u['dp_rank'])}{_n(u['node_rank'])}"
-        f"<td>{_e(u['endpoint'])}</td>{_n(u['batches'])}"
-        f"{_ACTIVE if u['active'] else _IDLE}</tr>"
-        for u in items
-    ]
-    return _table(("worker", "rank", "node", "endpoint", "batches", "state"), rows, "None.")
-
-
 def render(
-    fleet: Json, streams: list[Json], alerts: list[Json], *, generated: float, refresh_s: float
+    fleet: Json,
+    streams: list[Json],
+    alerts: list[Json],
+    *,
+    generated: float,
+    refresh_s: float,
+    events: list[Json] | None = None,
 ) -> str:
     """The whole page from the /api/v1 documents; every value is HTML-escaped."""
+    clock = _Clock(generated)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(generated))
     up = sum(1 for s in streams if s["up"])
-    crit = sum(1 for a in alerts if a["severity"] == "critical")
+    by_sev = {
+        sev: sum(1 for a in alerts if a["severity"] == sev)
+        for sev in ("critical", "warning", "info")
+    }
+    counts = ", ".join(f"{n} {sev}" for sev, n in by_sev.items() if n) or "none"
     summary = (
         f"{len(fleet['collectors'])} collectors, {len(fleet['workers'])} workers, "
-        f"{up}/{len(streams)} streams up, {len(alerts)} active conditions ({crit} critical)"
+        f"{up}/{len(streams)} streams up, {len(alerts)} active conditions ({counts})"
     )
     return (
         "<!doctype html><html lang=en><head><meta charset=utf-8>"
@@ -160,11 +328,16 @@ def render(
         f"<title>kvobserve fleet</title><style>{_CSS}</style></head><body>"
         f'<h1>kvobserve fleet</h1><p class="muted" id="summary">{_e(summary)} &middot; '
         f"{_e(stamp)} &middot; <a href=/metrics>/metrics</a> &middot; "
-        "<a href=/api/v1/streams>streams</a> &middot; <a href=/api/v1/alerts>alerts</a></p>"
-        f'<h2>Active conditions</h2><div id="alerts">{_alerts(alerts)}</div>'
+        "<a href=/api/v1/streams>streams</a> &middot; <a href=/api/v1/alerts>alerts</a> "
+        "&middot; <a href=/api/v1/events>events</a></p>"
+        f'<h2>Active conditions</h2><div id="alerts">{_alerts(alerts, clock)}</div>'
+        f'<h2>Streams</h2><div id="streams">{_streams(streams, alerts, clock)}</div>'
+        f'<h2>Recent events</h2><div id="events">{_events((events or [])[:25], clock)}</div>'
+        f'<h2>Publishers past the last rank</h2><div id="unexpected">'
+        f"{_strays(fleet['unexpected'])}</div>"
+        f'<h2>Scheduler sources</h2><div id="sources">'
+        f"{_sources(fleet.get('scheduler_sources', []), clock)}</div>"
         f'<h2>Nodes</h2><div id="collectors">{_collectors(fleet["collectors"])}</div>'
         f'<h2>Workers and DP-rank owners</h2><div id="workers">{_workers(fleet["workers"])}</div>'
-        f'<h2>Streams</h2><div id="streams">{_streams(streams)}</div>'
-        f'<h2>Unexpected streams</h2><div id="unexpected">{_unexpected(fleet["unexpected"])}</div>'
         "</body></html>"
     )

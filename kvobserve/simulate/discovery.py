@@ -1,6 +1,7 @@
 """What a simulated engine's HTTP discovery endpoints return, exactly as each version serves them.
 
-Pure functions of a worker's configuration and bound ports (research/engines-2026.md §1-§2):
+Pure functions of a worker's configuration and bound ports (facts from the engines' code: SGLang
+`entrypoints/http_server.py` and `utils/common.py`, vLLM's API server; see docs/simulator.md):
 SGLang `GET /server_info` (flat server args, the `kv_events` block from 0.5.13, the 0.5.22
 attention-DP `dp_size` rewrite, `kv_event_sources` only in gRPC mode) and vLLM
 `GET /kv_event_sources` (from 0.31; configured endpoints per managed rank, wildcards kept).

@@ -1,7 +1,8 @@
 """The engines' KV-event structs, one set per wire format, as msgspec writes them byte for byte.
 
-Each set mirrors the field list and struct flags of that engine version as documented in
-research/wire-formats.md, research/engines-2026.md and the capture README: tagged arrays with
+Each set mirrors the field list and struct flags of that engine version as its wheel defines them
+(SGLang `disaggregation/kv_events.py`, vLLM `vllm/distributed/kv_events.py`; docs/wire.md has the
+table) and as the captures in tests/fixtures/engine-captures show them: tagged arrays with
 trailing nils (array_like ignores omit_defaults), fixmap with omitted None fields (SGLang 0.5.23),
 and map16 headers for vLLM 0.33 (msgspec sizes the header for the 16 declared keys).
 """

@@ -5,7 +5,7 @@ drains each readable SUB without blocking, decodes, and hands the batch to the s
 sequencer. Other threads talk to it only through `call()`, which runs a function in the
 ingest thread at its next wake-up (at most `tick_s` later) and returns a Future.
 ZMQ reconnects by itself with backoff (RECONNECT_IVL .. RECONNECT_IVL_MAX), so an engine that is
-not up yet is simply `up 0` until it is.
+not up yet is simply `up 0` until it is; each SUB's socket monitor says why (sources/link.py).
 """
 
 from __future__ import annotations
@@ -28,9 +28,12 @@ from kvobserve.analysis.sequence import (
     SequencerLimits,
     StreamSequencer,
 )
+from kvobserve.sources.link import DEFAULT_LINK_TIMES, MONITOR_EVENTS, Link, LinkTimes
 from kvobserve.sources.plan import StreamSpec
 from kvobserve.sources.replays import DRAIN_LIMIT, ReplayClient
-from kvobserve.sources.stream_state import WatchedStream, count_bad, stream_stats
+from kvobserve.sources.stream_events import RecentEvents, StreamHistory
+from kvobserve.sources.stream_state import WatchedStream, count_bad, new_link, stream_stats
+from kvobserve.sources.topic_probe import TopicProbes
 from kvobserve.wire.errors import WireError
 from kvobserve.wire.kv_events import DEFAULT_MAX_PAYLOAD, decode_message
 from kvobserve.wire.snapshot import StreamStats, UnexpectedStream
@@ -54,6 +57,7 @@ class IngestOptions:
     tick_s: float = 0.05
     limits: SequencerLimits = DEFAULT_LIMITS
     max_streams: int = 4096  # streams (incl. probes) per collector: a label cardinality cap
+    link: LinkTimes = DEFAULT_LINK_TIMES
 
 
 @dataclass(frozen=True)
@@ -77,9 +81,11 @@ class IngestLoop:
         *,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        events: RecentEvents | None = None,
     ) -> None:
         self.options = options or IngestOptions()
         self._clock, self._wall = clock, wall
+        self.events = events if events is not None else RecentEvents(wall=wall)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._streams: dict[tuple[str, int], WatchedStream] = {}
         self._mirrors: dict[str, MirrorDetector] = {}
@@ -90,6 +96,8 @@ class IngestLoop:
         self.replays = ReplayClient(
             self._ctx, self._poller, o.max_concurrent_replays, o.max_payload, clock
         )
+        self.topic_probes = TopicProbes(self._ctx, self._poller)
+        self._next_tick = 0.0
         self._calls: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvobserve-ingest", daemon=True)
@@ -152,7 +160,9 @@ class IngestLoop:
                     elif (st := self.replays.by_sock.get(sock)) is not None:
                         self.replays.drain(st, sock)
                     elif (st := self._by_monitor.get(sock)) is not None:
-                        self._on_monitor(st, sock)
+                        self._on_monitor(st, sock, now)
+                    elif sock in self.topic_probes.by_sock:
+                        self.topic_probes.drain(sock)
                 self._housekeeping(self._clock())
             except zmq.ContextTerminated:
                 break
@@ -175,6 +185,26 @@ class IngestLoop:
                 if action is not None:
                     self.replays.act(st, action)
         self.replays.start_queued()
+        if now >= self._next_tick:  # connection states: once a second is plenty
+            self._next_tick = now + 1.0
+            self._tick_links(now)
+
+    def _tick_links(self, now: float) -> None:
+        wall = self._wall()
+        self.topic_probes.expire(now, wall)
+        for st in self._streams.values():
+            link = st.link
+            if link is None:
+                continue
+            link.tick(now, wall)
+            if link.wants_probe(now):
+                self.topic_probes.open(link, now)
+            elif link.wants_park(now) and st.sock is not None:
+                self._close(st)
+                link.park(now)
+            elif link.wants_reopen(now):
+                link.reopened()
+                self._open(st)
 
     def _drain(self, st: WatchedStream, sock: zmq.Socket[bytes], now: float) -> None:
         seq, opts = st.seq, self.options
@@ -182,11 +212,13 @@ class IngestLoop:
         # recv_multipart() spends ~20% of its time converting RCVMORE to an Enum per frame:
         # the same loop with the plain int option
         recv, more = sock.recv, sock.get
+        good = bad = 0
+        bad_reason, bad_frames = "", []
         for _ in range(DRAIN_LIMIT):
             try:
                 frames = [recv(zmq.NOBLOCK)]
             except zmq.Again:
-                return
+                break
             while more(_RCVMORE):
                 frames.append(recv(zmq.NOBLOCK))
             self.received_total += 1
@@ -196,7 +228,9 @@ class IngestLoop:
             except WireError as exc:
                 seq_frame = frames[1] if len(frames) == 3 else b""
                 count_bad(st, exc.reason, seq_frame)
+                bad, bad_reason, bad_frames = bad + 1, exc.reason, frames
                 continue
+            good += 1
             if batch.unknown_events:
                 st.decode_errors["unknown_event"] = (
                     st.decode_errors.get("unknown_event", 0) + batch.unknown_events
@@ -216,19 +250,20 @@ class IngestLoop:
             action = seq.on_batch(batch, payload, now)
             if action is not None:
                 self.replays.act(st, action)
+        if st.link is not None and (good or bad):
+            st.link.on_data(good, bad, bad_reason, bad_frames, now, wall)
 
     # --- sockets ------------------------------------------------------------------------------
 
-    def _on_monitor(self, st: WatchedStream, mon: zmq.Socket[bytes]) -> None:
+    def _on_monitor(self, st: WatchedStream, mon: zmq.Socket[bytes], now: float) -> None:
+        wall = self._wall()
         while True:
             try:
                 msg = parse_monitor_message(mon.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 return
-            if msg["event"] == zmq.EVENT_CONNECTED:
-                st.connected = True
-            elif msg["event"] in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
-                st.connected = False
+            if st.link is not None:
+                st.link.on_monitor(int(msg["event"]), int(msg["value"]), now, wall)
 
     def _open(self, st: WatchedStream) -> None:
         o = self.options
@@ -238,9 +273,7 @@ class IngestLoop:
         sock.setsockopt(zmq.RECONNECT_IVL, o.reconnect_ivl_ms)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, o.reconnect_ivl_max_ms)
         sock.setsockopt(zmq.SUBSCRIBE, st.spec.topic.encode())
-        mon = sock.get_monitor_socket(
-            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
-        )
+        mon = sock.get_monitor_socket(MONITOR_EVENTS)
         sock.connect(st.spec.endpoint)
         st.sock, st.monitor = sock, mon
         self._by_sock[sock] = st
@@ -260,12 +293,13 @@ class IngestLoop:
         if st.monitor is not None:
             st.monitor.close(linger=0)
         st.sock = st.monitor = None
-        st.connected = False
 
     def _apply_specs(self, specs: Sequence[StreamSpec]) -> None:
         wanted = {s.key: s for s in specs}
         for key in [k for k in self._streams if k not in wanted]:
             self._close(self._streams.pop(key))
+        live_links = {id(st.link) for st in self._streams.values()}
+        self.topic_probes.close_for(lambda link: id(link) in live_links)
         before, self._refused_streams = self._refused_streams, set()
         for key, spec in wanted.items():
             st = self._streams.get(key)
@@ -279,6 +313,10 @@ class IngestLoop:
                 st.spec = spec
                 if st.seq is not None:
                     st.seq.replay_enabled = spec.replay_endpoint is not None
+                if st.link is not None:
+                    health = st.link.health
+                    st.link = Link(spec.endpoint, spec.topic, health, self.options.link)
+                    health.set("connecting", f"endpoint changed to {spec.endpoint}", self._wall())
             else:
                 seq = None
                 if not spec.probe:
@@ -290,11 +328,15 @@ class IngestLoop:
                 st = self._streams[key] = WatchedStream(spec, seq)
                 if seq is not None:
                     st.mirror = self._mirrors.setdefault(spec.worker_id, MirrorDetector())
+                    st.link = new_link(spec, self.options.link, self.events, self._wall())
+                    st.history = StreamHistory(*key, self.events)
             try:
                 self._open(st)
             except zmq.ZMQError as exc:  # a bad endpoint must not take the others down
                 st.decode_errors["connect"] = st.decode_errors.get("connect", 0) + 1
                 log.warning("cannot connect %s: %s", spec.endpoint, exc)
+                if st.link is not None:
+                    st.link.health.set("connecting", f"cannot connect: {exc}", self._wall())
         self.refused_streams_total += len(self._refused_streams - before)  # newly refused
         if self._refused_streams and not self._warned_refused:
             self._warned_refused = True  # once: the count is in kvobserve_collector_refused_total
@@ -307,6 +349,7 @@ class IngestLoop:
     def _close_all(self) -> None:
         for st in self._streams.values():
             self._close(st)
+        self.topic_probes.close_all()
         self.replays.clear()
         while self._calls:
             _, fut = self._calls.popleft()
@@ -316,7 +359,7 @@ class IngestLoop:
     # --- snapshot -----------------------------------------------------------------------------
 
     def _build_stats(self) -> IngestStats:
-        now = self._clock()
+        now, wall = self._clock(), self._wall()
         streams: list[StreamStats] = []
         unexpected: list[UnexpectedStream] = []
         refused = {"streams": self.refused_streams_total, "medium_events": 0}
@@ -330,7 +373,11 @@ class IngestLoop:
                     )
                 )
                 continue
-            streams.append(stream_stats(st, st.seq, now))
+            if st.link is not None:
+                st.link.observe_duplicate(st.seq.duplicate_stream(now), wall)
+            if st.history is not None:
+                st.history.update(st.seq, st.decode_errors, now, wall)
+            streams.append(stream_stats(st, st.seq, now, wall))
             refused["medium_events"] += st.seq.index.media_refused_events
         refused = {k: v for k, v in refused.items() if v}
         return IngestStats(streams, unexpected, refused, self.received_total, self.loop_errors)

@@ -1,4 +1,5 @@
-"""A background task that polls an HTTP endpoint every interval, with one reused session."""
+"""A background task that polls an HTTP endpoint every interval, with one reused session; why a
+poll failed, in one line."""
 
 from __future__ import annotations
 
@@ -42,3 +43,20 @@ class PeriodicPoll:
         session, self._session = self._session, None
         if session is not None:
             await session.close()
+
+
+def http_status_reason(status: int, text: str | None) -> str:
+    """`HTTP 404 Not Found (...)`: the status line, with a hint where there is one."""
+    hint = " (SGLang serves /metrics only with --enable-metrics)" if status == 404 else ""
+    return f"HTTP {status} {text or ''}".rstrip() + hint
+
+
+def http_failure_reason(exc: BaseException, timeout_s: float) -> str:
+    """One line for a failed scrape: refused, no answer, not text."""
+    if isinstance(exc, TimeoutError):
+        return f"no answer in {timeout_s:g} s"
+    if isinstance(exc, UnicodeDecodeError):
+        return "the answer is not text"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return f"cannot connect: {exc.os_error.strerror or exc.os_error}"
+    return f"request failed: {exc.__class__.__name__}: {exc}".rstrip(": ")

@@ -118,12 +118,15 @@ def scheduler_specs(
 
     Per-rank channels (load, fpm) of this node's own `ranks` on every node, wildcard hosts at
     `host`; a `metrics_url` with a wildcard host is this node's own engine (every node); an
-    explicit `metrics_url` and the KvMetrics PULL belong to the leader.
+    explicit `metrics_url` and the KvMetrics PULL belong to the leader. Without `metrics_url`,
+    the engine's (first) `url` + /metrics is scraped by the leader: SGLang and vLLM serve their
+    Prometheus metrics on the same HTTP port as /server_info and /kv_event_sources.
     """
     out: list[SchedulerSpec] = []
-    local = node_url(w.metrics_url, host) if w.metrics_url else None
-    if w.metrics_url and local is None and leader:
-        out.append(SchedulerSpec("metrics", (w.metrics_url,)))
+    metrics_url = w.metrics_url or (f"{w.urls[0].rstrip('/')}/metrics" if w.urls else None)
+    local = node_url(metrics_url, host) if metrics_url else None
+    if metrics_url and local is None and leader:
+        out.append(SchedulerSpec("metrics", (metrics_url,)))
     if local is not None:
         out.append(SchedulerSpec("metrics", (local,), scope="node"))
     ranks = tuple(ranks)

@@ -1,7 +1,8 @@
 """Scheduler metrics per DP rank: engine /metrics scrape, SGLang load PUB, KvMetrics PULL, FPM SUB.
 
 Each source keeps the latest normalized values per dp_rank; `SchedulerSources` merges the sources
-of one worker field by field, the freshest value winning. Bad input is counted by reason.
+of one worker field by field, the freshest value winning. Bad input is counted by reason; each
+source's `health` says why it does (not) deliver, logged once per change.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import zmq.asyncio
 from prometheus_client.metrics_core import Metric
 
 from kvobserve.aio import cancel_and_wait
+from kvobserve.sources.health import Health
 from kvobserve.sources.passthrough import parse_engine_metrics
-from kvobserve.sources.periodic import PeriodicPoll
+from kvobserve.sources.periodic import PeriodicPoll, http_failure_reason, http_status_reason
 from kvobserve.sources.plan import SchedulerSpec
 from kvobserve.wire.errors import WireError
 from kvobserve.wire.scheduler import (
@@ -58,6 +60,7 @@ class _Source:
         self.endpoints: list[str] = []  # what this source connects to, binds or scrapes
         self.messages_total = 0
         self.errors: Counter[str] = Counter()  # by reason
+        self.health = Health("", "waiting", "no message yet", clock())  # named by SchedulerSources
 
     def _set(self, rank: int, now: float, **vals: float | None) -> None:
         v = self._values.get(rank)
@@ -108,8 +111,10 @@ class MetricsScrape(_Source):
         except ValueError:
             self.errors["parse"] += 1
             self.up = False
+            self.health.set("down", "the answer is not Prometheus text", now)
             return
         self.families, self.messages_total, self.up = scrape.families, self.messages_total + 1, True
+        self.health.set("up", "scraping", now)
         if scrape.bad_rank_labels:
             self.errors["rank_label"] += scrape.bad_rank_labels
         found: dict[int, dict[str, float | None]] = {r: dict(v) for r, v in scrape.values.items()}
@@ -130,11 +135,15 @@ class MetricsScrape(_Source):
                 if resp.status != 200:
                     self.errors["status"] += 1
                     self.up = False
+                    self.health.set(
+                        "down", http_status_reason(resp.status, resp.reason), self._clock()
+                    )
                     return
                 text = await resp.text()
-        except (aiohttp.ClientError, TimeoutError, OSError, UnicodeDecodeError):
+        except (aiohttp.ClientError, TimeoutError, OSError, UnicodeDecodeError) as exc:
             self.errors["connection"] += 1
             self.up = False
+            self.health.set("down", http_failure_reason(exc, self.timeout_s), self._clock())
             return
         self.ingest(text)
 
@@ -172,12 +181,17 @@ class _ZmqSource(_Source):
             except zmq.ZMQError:
                 return  # socket closed under us
             self.messages_total += 1
+            now = self._clock()
             try:
-                self._handle(frames, rank, self._clock())
+                self._handle(frames, rank, now)
             except WireError as exc:
                 self.errors[exc.reason] += 1
+                self.health.set("undecodable", f"messages do not decode ({exc.reason})", now)
             except (ValueError, TypeError, ArithmeticError):  # decodable but nonsensical values
                 self.errors["schema"] += 1
+                self.health.set("undecodable", "messages do not decode (schema)", now)
+            else:
+                self.health.set("up", "receiving", now)
 
     async def start(self) -> None:
         """Open the sockets and start receiving."""
@@ -330,6 +344,7 @@ class SchedulerSources:
         interval_s: float = 1.0,
         ctx: zmq.asyncio.Context | None = None,
         clock: Clock = time.time,
+        worker_id: str = "",
     ) -> None:
         self.sources: list[_Source] = []
         self.scrape: MetricsScrape | None = None
@@ -354,6 +369,9 @@ class SchedulerSources:
                 self.sources.append(pull)
             elif spec.source == "fpm":
                 self.sources.append(FpmSubscriber(spec.endpoints, spec.ranks, ctx=ctx, clock=clock))
+        for src in self.sources:  # named: their changes are logged
+            where = ", ".join(src.endpoints[:2]) + (", ..." if len(src.endpoints) > 2 else "")
+            src.health.name = f"worker {worker_id} scheduler source {src.name} ({where})"
 
     def errors(self) -> dict[tuple[str, str], int]:
         """(source, reason) -> count."""

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import zmq
 
 from kvobserve.analysis.mirror import MirrorDetector
 from kvobserve.analysis.sequence import StreamSequencer
+from kvobserve.sources.health import UP_STATES, Health
+from kvobserve.sources.link import Link, LinkTimes
 from kvobserve.sources.plan import StreamSpec
+from kvobserve.sources.stream_events import RecentEvents, StreamHistory
 from kvobserve.wire.snapshot import Histogram, MediumStats, StreamStats
+
+RATE_WINDOW_S = 1.0  # events/s is measured over at least this long
 
 
 class WatchedStream:
@@ -20,10 +26,14 @@ class WatchedStream:
         "batches",
         "connected",
         "decode_errors",
+        "history",
         "last_lag",
         "last_seen",
+        "link",
         "mirror",
         "monitor",
+        "rate",
+        "rate_prev",
         "replay",
         "seq",
         "sock",
@@ -37,12 +47,33 @@ class WatchedStream:
         self.monitor: zmq.Socket[bytes] | None = None
         self.replay: tuple[int, zmq.Socket[bytes]] | None = None
         self.mirror: MirrorDetector | None = None
-        self.connected = False
         self.decode_errors: dict[str, int] = {}
         self.bad_seqs: deque[int] = deque(maxlen=64)  # seqs that did not decode, live or replay
         self.batches = 0  # probe ports: KV batches seen
         self.last_seen = 0.0  # monotonic time of the last message
         self.last_lag: float | None = None
+        self.connected = False  # streams without a Link (Dynamo planes) say so themselves
+        self.link: Link | None = None  # None for probe ports
+        self.history: StreamHistory | None = None
+        self.rate_prev: tuple[float, int] | None = None  # (now, events) when `rate` was taken
+        self.rate: float | None = None  # events/s over the last RATE_WINDOW_S or more
+
+
+def new_link(spec: StreamSpec, times: LinkTimes, events: RecentEvents, wall: float) -> Link:
+    """A stream's Link; its state changes are logged once each and become events."""
+
+    startup = [True]  # until the first change: connecting -> waiting -> up is no news
+
+    def changed(h: Health, before: str) -> None:
+        if h.state in UP_STATES and (before in UP_STATES or startup[0]):
+            return  # logged, but only a move into or out of trouble is an event
+        startup[0] = False
+        msg = f"{before} -> {h.state}: {h.reason}"
+        events.add("state", msg, worker_id=spec.worker_id, dp_rank=spec.dp_rank, at=h.since)
+
+    name = f"stream {spec.worker_id} rank {spec.dp_rank} ({spec.endpoint})"
+    health = Health(name, "starting", "connecting", wall, changed)
+    return Link(spec.endpoint, spec.topic, health, times)
 
 
 def count_bad(st: WatchedStream, reason: str, seq_frame: bytes) -> None:
@@ -58,7 +89,11 @@ def count_bad(st: WatchedStream, reason: str, seq_frame: bytes) -> None:
     st.decode_errors[reason] = st.decode_errors.get(reason, 0) + 1
 
 
-def stream_stats(st: WatchedStream, sq: StreamSequencer, now: float) -> StreamStats:
+def stream_stats(
+    st: WatchedStream, sq: StreamSequencer, now: float, wall: float | None = None
+) -> StreamStats:
+    """The snapshot form of one stream (`now` monotonic, `wall` the same instant, default now)."""
+    wall = time.time() if wall is None else wall
     idx = sq.index
     blocks, tokens = idx.blocks, idx.tokens
     stored, removed, lifetimes = idx.stored_total, idx.removed_total, idx.lifetime
@@ -77,13 +112,21 @@ def stream_stats(st: WatchedStream, sq: StreamSequencer, now: float) -> StreamSt
             )
         )
     spec = st.spec
+    events_total = sum(idx.events_total.values())
+    if st.rate_prev is None:
+        st.rate_prev = (now, events_total)
+    elif now - st.rate_prev[0] >= RATE_WINDOW_S:  # snapshots may come faster than this
+        st.rate = (events_total - st.rate_prev[1]) / (now - st.rate_prev[0])
+        st.rate_prev = (now, events_total)
+    link, hist = st.link, st.history
+    last = hist.last if hist is not None else {}
     return StreamStats(
         spec.worker_id,
         spec.dp_rank,
         engine=spec.engine,
         endpoint=spec.endpoint,
         topic=spec.topic,
-        up=st.connected,
+        up=link.health.up if link is not None else st.connected,
         batches_total=sq.batches_applied,
         events=idx.events_total,
         media=media,
@@ -103,4 +146,17 @@ def stream_stats(st: WatchedStream, sq: StreamSequencer, now: float) -> StreamSt
         state_complete=sq.state_complete,
         last_batch_ts=sq.last_ts or 0.0,
         lag_seconds=st.last_lag,
+        state=link.health.state if link is not None else "",
+        reason=link.reason_now(now) if link is not None else "",
+        state_since=link.health.since if link is not None else 0.0,
+        events_per_s=st.rate,
+        last_message_time=wall - (now - st.last_seen) if st.last_seen else 0.0,
+        last_gap_time=last.get("gap", 0.0),
+        last_loss_time=last.get("loss", 0.0),
+        last_restart_time=last.get("restart", 0.0),
+        last_duplicate_time=last.get("duplicate", 0.0),
+        last_decode_error_time=last.get("decode_error", 0.0),
+        last_rank_mismatch_time=last.get("rank_mismatch", 0.0),
+        incomplete_reason=hist.incomplete_reason if hist is not None else "",
+        replaying=sq.replay_in_flight is not None,
     )

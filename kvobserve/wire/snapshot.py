@@ -14,6 +14,7 @@ from kvobserve.wire.errors import WireError, decode
 
 SNAPSHOT_VERSION = 1
 MAX_SNAPSHOT_BYTES = 64 * 1024 * 1024
+MAX_EVENTS = 64  # recent events carried in every snapshot
 
 
 class Histogram(Struct, array_like=True, gc=False):
@@ -64,6 +65,21 @@ class StreamStats(Struct, omit_defaults=True, gc=False):
     state_complete: bool = False
     last_batch_ts: float = 0.0  # engine timestamp of the last applied batch; 0 = none yet
     lag_seconds: float | None = None  # receive time - engine timestamp of the last batch
+    # Why the stream is (not) up: docs/collector.md "Stream states". Times are the collector's
+    # wall clock; 0 = never.
+    state: str = ""  # connecting, not_publisher, undecodable, wrong_topic, waiting, up, idle, ...
+    reason: str = ""  # one line for a person: "connection refused", "no batch for 12 s", ...
+    state_since: float = 0.0
+    events_per_s: float | None = None  # over the last snapshot interval
+    last_message_time: float = 0.0
+    last_gap_time: float = 0.0
+    last_loss_time: float = 0.0
+    last_restart_time: float = 0.0
+    last_duplicate_time: float = 0.0  # last evidence of a second publisher
+    last_decode_error_time: float = 0.0
+    last_rank_mismatch_time: float = 0.0
+    incomplete_reason: str = ""  # why state_complete is False, when known
+    replaying: bool = False  # a replay is in flight: whether the index will be complete is open
 
 
 class UnexpectedStream(Struct, omit_defaults=True, gc=False):
@@ -97,6 +113,31 @@ class SourceErrors(Struct, array_like=True, gc=False):
     source: str  # metrics, load, kv_metrics, fpm
     reason: str  # a WireError reason, or connection/http/parse for the /metrics scrape
     count: int
+
+
+class SourceState(Struct, omit_defaults=True, gc=False):
+    """The health of one scheduler source of a worker (state words as for streams)."""
+
+    worker_id: str
+    source: str  # metrics, load, kv_metrics, fpm
+    endpoint: str = ""
+    state: str = ""  # waiting, up, idle, down, undecodable
+    reason: str = ""
+    since: float = 0.0  # wall-clock time the state began
+    messages_total: int = 0
+
+
+class Event(Struct, omit_defaults=True, gc=False):
+    """One recent happening on a stream or source, as the collector saw it."""
+
+    seq: int  # per collector process, from 1: the aggregator keeps each event once
+    time: float  # the collector's wall clock
+    kind: str  # state, gap, join, restart, duplicate, decode_errors, rank_mismatch, source
+    worker_id: str = ""
+    dp_rank: int | None = None
+    message: str = ""
+    first_seq: int | None = None  # gaps: the seq range missed
+    last_seq: int | None = None
 
 
 class WorkerInfo(Struct, omit_defaults=True, gc=False):
@@ -224,6 +265,8 @@ class Snapshot(Struct, omit_defaults=True, gc=False):
     drift: list[DriftStats] = []
     drift_sources: list[DriftSource] = []
     counters: CollectorCounters | None = None
+    sources: list[SourceState] = []
+    events: list[Event] = []  # the collector's most recent events (at most MAX_EVENTS)
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -95,7 +95,7 @@ def _map(line: str, env: Env) -> tuple[list[str], dict[str, str], str | None]:
         (r"\$\{KVOBSERVE_PROFILE:-(\w+)\}", r"\1"),
         (r"nats://(broker|nats|10\.0\.0\.\d+|127\.0\.0\.1):4222", env.nats),
         (r"--nats URL", f"--nats {env.nats}"),
-        (r"--url (URL|http://(localhost|<aggregator>|127\.0\.0\.1):947[78])", f"--url {env.aggregator}"),
+        (r"--url (URL|(http://)?(localhost|<aggregator>|127\.0\.0\.1):947[78])", f"--url {env.aggregator}"),
         (r"--cluster NAME", "--cluster prod-a"),
         (r"(0\.0\.0\.0):9477", listen),
         (r"tcp://(10\.0\.0\.5|127\.0\.0\.1):5657", env.replay),

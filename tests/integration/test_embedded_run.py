@@ -286,6 +286,15 @@ def _expected(t: dict[str, Any], faults: FaultConfig, kv_base: int) -> dict[str,
         ("duplicate_stream", r) for r, s in streams.items() if s["duplicate_stream"]
     }
     conditions |= {("index_incomplete", r) for r, s in streams.items() if not s["state_complete"]}
+    # event conditions: they hold for 15 minutes after the stream's last such event
+    for kind, happened in (
+        ("sequence_gap", lambda s: s["gaps"] > 0),
+        ("events_lost", lambda s: s["lost"] > 0),
+        ("publisher_restarted", lambda s: s["restarts"] > 0),
+        ("decode_errors", lambda s: bool(s["decode_errors"])),
+        ("rank_mismatch", lambda s: s["rank_mismatch_batches"] > 0),
+    ):
+        conditions |= {(kind, r) for r, s in streams.items() if happened(s)}
     if stray:
         conditions.add(("unexpected_stream", f"tcp://127.0.0.1:{kv_base + 2}"))
     return {

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kvobserve.analysis.alerting import DEFAULT_RUNBOOK_URL as RUNBOOK
 from kvobserve.export.server import create_app, serve
 from tests.unit.test_export_fleet import NOW, rich_state
 
@@ -74,7 +75,13 @@ async def test_status_page_in_headless_chromium(tmp_path: Path) -> None:
     assert "sglang-a" in dom and "vllm-b" in dom
     assert 'class="ownN"><b>rank 1</b><br>node-0<br>node-1' in dom
     assert 'class="own0"><b>rank 3</b><br>uncovered' in dom
-    # The injected duplicate-stream condition is listed as critical.
-    assert '<tr class="sev-critical" data-kind="duplicate_stream">' in dom
+    # The injected duplicate-stream condition is listed as a warning (the severity of its alert,
+    # KVEventDuplicateStream), with a link to its runbook section.
+    assert '<tr class="c-warning" data-kind="duplicate_stream">' in dom
     assert "two publishers (interleaved or mirrored)" in dom
+    assert f'href="{RUNBOOK}#kveventduplicatestream">KVEventDuplicateStream</a>' in dom
     assert "3 collectors, 2 workers" in dom
+    # A down stream shows no usage ("-", not 0%); the stale node's stream is "stale".
+    assert 'data-rank="1" data-state="down"' in dom and 'data-state="stale"' in dom
+    # The idle probe is not a stray publisher; the active one is.
+    assert 'id="strays-table"' in dom and "tcp://10.0.0.5:5561" in dom

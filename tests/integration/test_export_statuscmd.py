@@ -9,8 +9,18 @@ import socket
 
 import pytest
 
+from kvobserve.aggregator import Aggregator
+from kvobserve.analysis.fleet import FleetState
 from kvobserve.commands import status as statuscmd
 from kvobserve.export.server import create_app, serve
+from kvobserve.wire.snapshot import (
+    CollectorInfo,
+    Event,
+    Snapshot,
+    StreamStats,
+    WorkerInfo,
+    encode_snapshot,
+)
 from tests.unit.test_export_fleet import NOW, rich_state
 
 pytestmark = pytest.mark.integration
@@ -36,25 +46,57 @@ async def test_status_table_and_conditions() -> None:
         rc, text = await _run(_args("--url", srv.url + "/"))
     finally:
         await srv.close()
-    assert rc == 0
+    assert rc == 1  # critical conditions are active (a collector is down, a rank uncovered)
     lines = text.splitlines()
     assert lines[0].split() == [
-        "WORKER",
-        "RANK",
-        "NODE",
-        "OWNER",
-        "UP",
-        "BATCHES",
-        "GAPS",
-        "LOST",
-        "USAGE",
-    ]
-    rows = [ln.split() for ln in lines]
-    assert ["sglang-a", "0", "0", "node-0", "up", "100", "2", "2", "25.0%"] in rows
-    assert ["sglang-a", "3", "2", "node-2", "stale", "50", "1", "4", "-"] in rows
-    assert "5/7 streams up, 8 active conditions" in text
+        "WORKER", "RANK", "NODE", "COLLECTOR", "STATE", "BATCHES", "GAPS", "LOST", "RESTARTS",
+        "DUP", "LAG", "AGE", "USAGE", "SCHED", "REASON",
+    ]  # fmt: skip
+    rows = [ln.split()[:14] for ln in lines]  # REASON is free text
+    # restarts 1, a duplicate, 250 ms lag, resident 25% next to the scheduler's 30%
+    sg0 = "sglang-a 0 0 node-0 up 100 2 2 1 yes 250ms - 25% 30%"
+    # a stale stream (its collector is down) and a down one: no usage, not 0%
+    sg3 = "sglang-a 3 2 node-2 stale 50 1 4 0 - - - - -"
+    vl1 = "vllm-b 1 0 node-0 down 0 0 0 0 no - - - -"
+    for row in (sg0, sg3, vl1):
+        assert row.split() in rows, row
+    assert "collectors: node-0 up (0.5s), node-1 up (0.2s), node-2 DOWN (10.0s)" in text
+    assert "publisher past the last rank: sglang-a tcp://10.0.0.5:5561 (7 batches" in text
     dup = [ln for ln in lines if "duplicate_stream" in ln]
-    assert dup and dup[0].split()[0] == "CRITICAL" and "dp_rank=0" in dup[0]
+    assert dup and dup[0].split()[0] == "WARNING" and "dp_rank=0" in dup[0]
+    down = [ln for ln in lines if "collector_down" in ln]
+    assert down and down[0].split()[0] == "CRITICAL"
+    assert (
+        "runbook: https://github.com/kvobserve/kvobserve/blob/main/docs/alerts.md#kvobservecollectordown"
+        in text
+    )
+
+
+async def test_status_exits_0_without_critical_conditions_and_takes_host_port() -> None:
+    clean = FleetState()
+    snap = Snapshot(
+        CollectorInfo("node-0", 0, "gpu-0", 1000.0),
+        seq=1,
+        time=NOW - 0.5,
+        workers=[WorkerInfo("w", "sglang", 1, [0], True)],
+        streams=[
+            StreamStats("w", 0, up=True, batches_total=5, state="up", reason="receiving",
+                        state_complete=True)
+        ],
+        events=[Event(1, NOW - 30, "gap", "w", 0, "gap: seq 3-4 missed (2); recovered by replay")],
+    )  # fmt: skip
+    agg = Aggregator(clean, clock=lambda: NOW)
+    agg.on_snapshot(encode_snapshot(snap), NOW - 0.5)
+    srv = await serve(create_app(agg.view, events=lambda: list(agg.events)), "127.0.0.1:0")
+    try:
+        bare = srv.url.removeprefix("http://")  # 127.0.0.1:PORT, as a user types it
+        rc, text = await _run(_args("--url", bare, "--events"))
+    finally:
+        await srv.close()
+    assert rc == 0, text
+    assert "1/1 streams up, 0 active conditions (0 critical)" in text
+    assert "recent events (1):" in text
+    assert "gap           w 0              gap: seq 3-4 missed (2); recovered by replay" in text
 
 
 async def test_status_with_basic_auth(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -65,7 +107,7 @@ async def test_status_with_basic_auth(monkeypatch: pytest.MonkeyPatch) -> None:
         assert rc == 2  # 401 without credentials
         monkeypatch.setenv(statuscmd.PASSWORD_ENV, "pw")
         rc, text = await _run(_args("--url", srv.url, "--user", "ops", "--json"))
-        assert rc == 0 and '"worker_id": "vllm-b"' in text
+        assert rc == 1 and '"worker_id": "vllm-b"' in text  # 1: critical conditions
     finally:
         await srv.close()
 

@@ -10,12 +10,15 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import zmq
 
+from kvobserve.simulate import SimConfig, SimulatedWorker
+from tests.integration.conftest import free_port
 from tests.unit.test_captures import CAPTURES, KV_FOLDERS, expected_batch, load_lines
 
 pytestmark = pytest.mark.integration
@@ -171,3 +174,75 @@ def test_live_tap_stops_on_sigterm() -> None:
             proc.kill()
             proc.wait()
         ctx.destroy(linger=0)
+
+
+# --- why nothing comes: one line and a non-zero exit instead of silence --------------------------
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[SimulatedWorker]:
+    """A simulated SGLang engine publishing under topic 'kv-events', with its HTTP port."""
+    sim = SimulatedWorker(
+        SimConfig(worker_id="tap", format="sglang-0.5.23", dp_size=1, topic="kv-events", rate=20)
+    ).start()
+    yield sim
+    sim.stop()
+
+
+def _timed(*args: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    start = time.monotonic()
+    proc = run_tap(*args, timeout=30)
+    return proc, time.monotonic() - start
+
+
+def test_nothing_listening_exits_1_with_the_reason() -> None:
+    ep = f"tcp://127.0.0.1:{free_port()}"
+    for extra in ([], ["--count", "1"]):
+        proc, took = _timed(ep, "--timeout", "3", *extra)
+        assert proc.returncode == 1 and proc.stdout == ""
+        assert proc.stderr == (
+            f"kvobserve tap: nothing received in 3 s from {ep}: connection refused: nothing "
+            "listens there (is the engine publishing? check its --kv-events-config)\n"
+        )
+        assert took < 10
+
+
+def test_http_port_stops_with_a_summary(engine: SimulatedWorker) -> None:
+    ep = f"tcp://127.0.0.1:{engine.http_port}"
+    proc, took = _timed(ep, "--timeout", "3")
+    assert proc.returncode == 1 and proc.stdout == ""
+    last = proc.stderr.splitlines()[-1]
+    assert last.startswith(f"kvobserve tap: 10 messages in a row from {ep} did not decode")
+    assert "these look like HTTP: is this the engine's HTTP port?" in last
+    assert took < 10  # it stopped by itself
+
+
+def test_wrong_topic_names_the_topic_seen(engine: SimulatedWorker) -> None:
+    ep = f"tcp://127.0.0.1:{engine.kv_base}"
+    proc, _ = _timed(ep, "--topic", "foo", "--timeout", "3")
+    assert proc.returncode == 1 and proc.stdout == ""
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(f"kvobserve tap: nothing under topic 'foo' in 3 s from {ep}, but ")
+    assert line.endswith("under 'kv-events': use --topic 'kv-events', or leave --topic out")
+
+
+def test_without_timeout_it_says_why_once_and_keeps_waiting() -> None:
+    ep = f"tcp://127.0.0.1:{free_port()}"
+    proc = subprocess.Popen([*TAP, ep], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        ready, _, _ = select.select([proc.stderr], [], [], 20)
+        assert ready, "no hint within 20 s"
+        line = proc.stderr.readline()
+        assert line == (
+            f"kvobserve tap: nothing received yet from {ep}: connection refused: nothing listens "
+            "there (is the engine publishing? check its --kv-events-config); still waiting "
+            "(Ctrl-C stops)\n"
+        )
+        assert proc.poll() is None  # still waiting
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=5) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -34,3 +34,26 @@ def test_help_lists_every_command() -> None:
     )
     for name in COMMANDS:
         assert name in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "hint"),
+    [
+        (["tap", "--tiemout", "3", "tcp://127.0.0.1:1"], "did you mean --timeout?"),
+        (["status", "--urll", "x"], "did you mean --url?"),
+        (["check", "--prob"], ""),  # an ambiguous abbreviation: argparse names the candidates
+        (["check", "--no-discovry"], "did you mean --no-discovery?"),
+        (["stauts"], "did you mean 'status'?"),
+    ],
+)
+def test_unknown_flags_and_commands_get_a_suggestion(argv: list[str], hint: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvobserve", *argv], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    last = proc.stderr.splitlines()[-1]
+    assert last.startswith("kvobserve") and ": error: " in last
+    if hint:
+        assert last.endswith(hint), last
+    else:
+        assert "could match --probe-extra-ports, --probe, --probe-seconds" in last

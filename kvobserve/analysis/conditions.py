@@ -1,0 +1,185 @@
+"""The conditions of a fleet view: what is wrong now, each with its cause and since when.
+
+One condition per row kind of analysis/alerting.py that the aggregator can see. Event kinds (gap,
+loss, restart, decode errors, rank mismatch) hold for RECENT_S after their last occurrence, as the
+alert rules' `increase(...[15m]) > 0` do. Pure: `now` is the view's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvobserve.analysis.alerting import KINDS, RECENT_S
+
+if TYPE_CHECKING:
+    from kvobserve.analysis.fleet import FleetView, StreamView
+
+Labels = tuple[tuple[str, str], ...]
+NEAR_FULL = 0.95  # scheduler token usage above this: cache_near_full (the rule's threshold)
+# A stream counts as down after this long: a publisher restart's second of silence is no outage
+# (the alert waits 5 minutes; the page shows the stream's state at once either way).
+DOWN_AFTER_S = 5.0
+
+
+@dataclass(frozen=True)
+class Condition:
+    """An active problem, as shown on the status page and in /api/v1/alerts.
+
+    `kind` is a row of analysis/alerting.py, which gives the severity, the alert and the runbook.
+    """
+
+    kind: str  # duplicate_stream, unexpected_stream, dp_rank_uncovered, ...
+    severity: str  # critical, warning, info
+    labels: Labels
+    description: str
+    since: float = field(default=0.0, compare=False)  # when its cause began (0: unknown)
+
+    @classmethod
+    def of(cls, kind: str, labels: Labels, description: str, since: float = 0.0) -> Condition:
+        """A condition of `kind` with the table's severity (KeyError for a kind not in it)."""
+        return cls(kind, KINDS[kind].severity, labels, description, since)
+
+    @property
+    def key(self) -> tuple[str, Labels]:
+        """Identity of the condition across views (for transitions)."""
+        return (self.kind, self.labels)
+
+
+def labels(**kw: object) -> Labels:
+    """Label pairs in the given order, values as strings."""
+    return tuple((k, str(val)) for k, val in kw.items())
+
+
+def conditions(v: FleetView) -> Iterable[Condition]:
+    """Every active condition of the view, fleet-wide ones first."""
+    for c in v.collectors:
+        if not c.up:
+            yield Condition.of(
+                "collector_down",
+                labels(collector=c.info.collector_id, node_rank=c.info.node_rank),
+                f"collector {c.info.collector_id} ({c.info.hostname or '?'}) silent for "
+                f"{c.age_s:.0f} s",
+                c.snapshot.time,
+            )
+    for (w, r), ids in sorted(v.owners.items()):
+        if not ids:
+            yield Condition.of(
+                "dp_rank_uncovered",
+                labels(worker_id=w, dp_rank=r),
+                f"{w} rank {r} is watched by no live collector",
+            )
+        elif len(ids) > 1:
+            yield Condition.of(
+                "dp_rank_multiple_owners",
+                labels(worker_id=w, dp_rank=r),
+                f"{w} rank {r} is owned by {len(ids)} collectors: {', '.join(ids)}",
+            )
+    for w, ids in sorted(v.leaders.items()):
+        if len(ids) > 1:
+            yield Condition.of(
+                "multiple_scheduler_leaders",
+                labels(worker_id=w),
+                f"{w} has {len(ids)} scheduler-metrics leaders: {', '.join(ids)}",
+            )
+    running = {(s.worker_id, s.dp_rank): s.running_requests for s, _ in v.scheduler}
+    for s in v.streams:
+        yield from _stream(s, v.now, running.get((s.stats.worker_id, s.stats.dp_rank)))
+    for u, info in v.unexpected:
+        if u.active:
+            yield Condition.of(
+                "unexpected_stream",
+                labels(worker_id=u.worker_id, node_rank=info.node_rank, endpoint=u.endpoint),
+                f"{u.worker_id}: KV events on {u.endpoint}, past the last rank (dp_size too small?)",
+            )
+    for sch, info in v.scheduler:
+        if sch.token_usage_ratio is not None and sch.token_usage_ratio > NEAR_FULL:
+            yield Condition.of(
+                "cache_near_full",
+                labels(worker_id=sch.worker_id, node_rank=info.node_rank, dp_rank=sch.dp_rank),
+                f"{sch.worker_id} rank {sch.dp_rank}: running requests hold "
+                f"{100 * sch.token_usage_ratio:.0f}% of the KV cache",
+                sch.updated,
+            )
+
+
+def _stream(s: StreamView, now: float, running: float | None) -> Iterable[Condition]:
+    st = s.stats
+    where = labels(worker_id=st.worker_id, node_rank=s.collector.node_rank, dp_rank=st.dp_rank)
+    name = f"{st.worker_id} rank {st.dp_rank}"
+    if not s.live:
+        why = f"its collector {s.collector.collector_id} is silent"
+        yield Condition.of("stream_down", where, f"{name} is down: {why}", st.state_since)
+        return  # nothing newer is known
+    # its first connect under way, or it just went (a restart): not down yet
+    settling = st.state == "starting" or now - st.state_since < DOWN_AFTER_S
+    if not s.up and not settling:
+        why = f"{st.state or 'down'}: {st.reason}" if st.reason else st.state or "not connected"
+        yield Condition.of("stream_down", where, f"{name} is down: {why}", st.state_since)
+    if st.duplicate_stream:
+        yield Condition.of(
+            "duplicate_stream",
+            where,
+            f"{name}: two publishers (interleaved or mirrored)",
+            st.last_duplicate_time,
+        )
+    # before any batch the index is simply empty; during a replay its outcome is not known yet
+    if s.up and not st.state_complete and st.batches_total and not st.replaying:
+        why = st.incomplete_reason or "joined mid-stream or lost batches"
+        yield Condition.of("index_incomplete", where, f"{name}: block index incomplete: {why}")
+
+    def recent(t: float) -> bool:
+        return t > 0 and now - t <= RECENT_S
+
+    if recent(st.last_loss_time):
+        yield Condition.of(
+            "events_lost",
+            where,
+            f"{name}: batches lost for good ({st.lost} in total, not recovered by replay)",
+            st.last_loss_time,
+        )
+    if recent(st.last_gap_time):
+        yield Condition.of(
+            "sequence_gap",
+            where,
+            f"{name}: sequence gap ({st.gaps} in total: {st.missed} batches missed, "
+            f"{st.recovered} recovered, {st.lost} lost)",
+            st.last_gap_time,
+        )
+    if recent(st.last_restart_time):
+        yield Condition.of(
+            "publisher_restarted",
+            where,
+            f"{name}: publisher restarted ({st.restarts} in total); block index reset",
+            st.last_restart_time,
+        )
+    if recent(st.last_decode_error_time):
+        reasons = ", ".join(f"{k} {n}" for k, n in sorted(st.decode_errors.items()))
+        yield Condition.of(
+            "decode_errors",
+            where,
+            f"{name}: messages that do not decode, skipped ({reasons or 'see counters'})",
+            st.last_decode_error_time,
+        )
+    if recent(st.last_rank_mismatch_time):
+        yield Condition.of(
+            "rank_mismatch",
+            where,
+            f"{name}: {st.rank_mismatch_batches} batches name another DP rank (port rule?)",
+            st.last_rank_mismatch_time,
+        )
+    quiet_since = st.last_message_time or st.state_since
+    if (
+        st.state in ("waiting", "idle")
+        and quiet_since
+        and now - quiet_since >= RECENT_S
+        and running != 0
+    ):
+        yield Condition.of(
+            "stream_stalled",
+            where,
+            f"{name}: connected, no batch for {(now - quiet_since) / 60:.0f} min "
+            "and the rank is not known to be idle",
+            quiet_since,
+        )
