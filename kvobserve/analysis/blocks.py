@@ -24,9 +24,12 @@ from collections import Counter
 from collections.abc import Sequence
 from itertools import compress, repeat
 from operator import is_not
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
-from kvobserve.wire.kv_events import BlockHash, KvBatch
+from kvobserve.wire.kv_events import BlockHash, BlockStored, KvBatch
+
+if TYPE_CHECKING:
+    from kvobserve.analysis.analytics import CacheAnalytics
 
 DEFAULT_MEDIUM = "GPU"
 DEFAULT_MAX_MEDIA = 8  # storage tiers per stream; engines have 1-4 (GPU, CPU_PINNED, DISK, ...)
@@ -68,9 +71,10 @@ class LifetimeHistogram:
 class _Tier:
     """State of one medium (storage tier)."""
 
-    __slots__ = ("lifetime", "odd", "removed", "resident", "stored", "tokens")
+    __slots__ = ("lifetime", "name", "odd", "removed", "resident", "stored", "tokens")
 
-    def __init__(self, buckets: Sequence[float]) -> None:
+    def __init__(self, buckets: Sequence[float], name: str = DEFAULT_MEDIUM) -> None:
+        self.name = name
         self.resident: dict[BlockHash, float] = {}
         self.odd: dict[BlockHash, int] = {}  # token counts that differ from the usual block size
         self.tokens = 0
@@ -109,6 +113,8 @@ class BlockIndex:
         self.stored_events_total = 0
         self.removed_events_total = 0
         self.other_group_events_total = 0  # vLLM side KV-cache groups: set aside by the decoder
+        # analysis/analytics.py: None = residency only, no per-event work beyond it
+        self.analytics: CacheAnalytics | None = None
 
     def _tier(self, medium: str | None) -> _Tier | None:
         name = medium or DEFAULT_MEDIUM
@@ -117,13 +123,14 @@ class BlockIndex:
             if len(self._tiers) >= self.max_media:  # `medium` comes off the wire: bound it
                 self.media_refused_events += 1
                 return None
-            tier = self._tiers[name] = _Tier(self._buckets)
+            tier = self._tiers[name] = _Tier(self._buckets, name)
         return tier
 
     def apply_batch(self, batch: KvBatch) -> None:
         """Apply all events of `batch` in order; the batch ts is the time of every event."""
         ts = batch.ts  # one float object, shared by every block this batch stores
         tiers = self._tiers
+        analytics = self.analytics
         if batch.other_group_events:
             self.other_group_events_total += batch.other_group_events
         for ev in batch.events:
@@ -133,10 +140,12 @@ class BlockIndex:
                 tier = tiers.get(ev.medium or DEFAULT_MEDIUM)  # type: ignore[attr-defined]
                 size = ev.block_size  # type: ignore[attr-defined]
                 if tier is None or size != self._usual_size:
-                    self._store(ev.block_hashes, size, ev.medium, ts)  # type: ignore[attr-defined]
+                    self._store(ev, ts)  # type: ignore[arg-type]
                     continue
                 # the usual case, inlined: a known tier and the usual block size
                 self.stored_events_total += 1
+                if analytics is not None:
+                    analytics.on_store(tiers, tier, ev, ts)
                 hashes = ev.block_hashes  # type: ignore[attr-defined]
                 resident = tier.resident
                 before = len(resident)
@@ -157,11 +166,14 @@ class BlockIndex:
             elif kind == "TierCleared":
                 self._clear_medium(ev.medium, ts)  # type: ignore[attr-defined]
 
-    def _store(self, hashes: list[BlockHash], size: int, medium: str | None, ts: float) -> None:
-        tier = self._tier(medium)
+    def _store(self, ev: BlockStored, ts: float) -> None:
+        hashes, size = ev.block_hashes, ev.block_size
+        tier = self._tier(ev.medium)
         if tier is None:
             return
         self.stored_events_total += 1
+        if self.analytics is not None:
+            self.analytics.on_store(self._tiers, tier, ev, ts)
         resident = tier.resident
         usual = self._usual_size
         if usual is None or size > usual:
@@ -213,9 +225,13 @@ class BlockIndex:
             tier.tokens -= sum(map(tier.odd.pop, hashes, repeat(usual))) if tier.odd else n * usual
             tier.lifetime.observe(ts - first, n)
             tier.removed += n
+            if self.analytics is not None:
+                self.analytics.on_remove(tier, hashes, stored, 0, ts)
             return
         unknown = stored.count(None)
         self.remove_of_unknown_total += unknown
+        if self.analytics is not None:
+            self.analytics.on_remove(tier, hashes, stored, unknown, ts)
         removed = n - unknown
         if not removed:
             return
@@ -233,18 +249,24 @@ class BlockIndex:
 
     def _clear(self, ts: float) -> None:
         self.clears_total += 1
+        if self.analytics is not None:
+            self.analytics.on_clear(None)
         for tier in self._tiers.values():
             tier.clear(ts)
 
     def _clear_medium(self, medium: str, ts: float) -> None:
         """Drop every block of one medium (a medium never seen has nothing to drop)."""
         self.tier_clears_total += 1
+        if self.analytics is not None:
+            self.analytics.on_clear(medium)
         tier = self._tiers.get(medium)
         if tier is not None:
             tier.clear(ts)
 
     def reset(self) -> None:
         """Forget every resident block (publisher restart); counters and histograms are kept."""
+        if self.analytics is not None:
+            self.analytics.on_clear(None)
         for tier in self._tiers.values():
             tier.resident.clear()
             tier.odd.clear()

@@ -120,10 +120,18 @@ class _StoredArrBase(BlockStored, array_like=True, gc=False):
     extra_keys: Raw = Raw(b"")
 
     def lora(self) -> str | None:
-        first = memoryview(self.slot7)[:1].tobytes()
-        if first and (0xA0 <= first[0] <= 0xBF or first[0] in (0xD9, 0xDA, 0xDB)):
-            return str(_lazy(_dec_str, self.slot7, "lora_name"))
+        slot = self.slot7
+        if len(slot) < 2:  # absent, nil or "": no allocation on the usual path
+            return None
+        first = memoryview(slot)[:1].tobytes()
+        if 0xA0 <= first[0] <= 0xBF or first[0] in (0xD9, 0xDA, 0xDB):
+            return str(_lazy(_dec_str, slot, "lora_name"))
         return None
+
+    @property
+    def lora_name(self) -> str | None:
+        """Position 7 when it is a string (vLLM 0.15-0.23), as the map form's field."""
+        return self.lora()
 
 
 class _StoredArr(_StoredArrBase, tag="BlockStored", gc=False):
