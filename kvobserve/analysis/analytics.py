@@ -12,8 +12,10 @@ Python work happens only for what is found (a restore, a tier move, a LoRA block
 - tier moves: a store on medium B of a hash resident on, or recently removed from, medium A
   (`moves[(A, B)]`); top-tier stores of hashes resident on a lower tier mark them read back, and
   lower-tier blocks removed without being read back are counted (`unread_removed`);
-- resident blocks per LoRA adapter (capped names), hot prefixes (analysis/hot.py), and stores of
-  blocks resident on another rank of the same worker in this collector (`recomputed_elsewhere`).
+- stores of blocks resident on another rank of the same worker in this collector
+  (`recomputed_elsewhere`), resident blocks per LoRA adapter (capped names), and hot prefixes
+  (analysis/hot.py): the blocks most often computed again although the worker had held them (a
+  top-tier restore or a recompute elsewhere counts the first such block of the event).
 """
 
 from __future__ import annotations
@@ -86,25 +88,24 @@ class CacheAnalytics:
     def on_store(self, tiers: dict[str, Any], tier: Any, ev: Any, ts: float) -> None:
         """Before `ev` (a BlockStored) is applied to `tier`."""
         hashes = ev.block_hashes
-        if not hashes:
-            return
         name = tier.name
-        resident = tier.resident
-        if name in TOP_MEDIA:
-            parent = ev.parent_block_hash
-            if parent is not None and parent not in resident:
-                self._orphan(parent, name)
-            self.hot.add(hashes[0])
-            if self.peers:
-                self._elsewhere(name, resident, hashes)
+        top = name in TOP_MEDIA
         rec = self.recent.get(name)
-        if rec is not None and rec.removed and not rec.removed.keys().isdisjoint(hashes):
-            rec.restore(hashes, ts)
+        if rec is not None and not rec.removed.keys().isdisjoint(hashes):
+            first = rec.restore(hashes, ts)
+            if first is not None and top:
+                self.hot.add(first)  # where the recomputation began
+        if top:
+            parent = ev.parent_block_hash
+            if parent is not None and parent not in tier.resident:
+                self._orphan(parent, name)
+            if self.peers:
+                self._elsewhere(name, tier.resident, hashes)
         if len(tiers) > 1:
             self._moves(tiers, tier, hashes)
         lora = getattr(ev, "lora_name", None)
         if lora:
-            self._lora_store(name, resident, hashes, lora)
+            self._lora_store(name, tier.resident, hashes, lora)
 
     def on_remove(
         self,
@@ -116,7 +117,7 @@ class CacheAnalytics:
     ) -> None:
         """After `hashes` were popped from `tier` (`stored[i]` None: it was not resident)."""
         name = tier.name
-        rec = self._recent(name)
+        rec = self.recent.get(name) or self._recent(name)
         gone = hashes
         if unknown:
             gone = [h for h, s in zip(hashes, stored, strict=True) if s is not None]
@@ -125,19 +126,23 @@ class CacheAnalytics:
                 self.silent_loss[REMOVE_UNKNOWN] += sum(
                     1 for h, s in zip(hashes, stored, strict=True) if s is None and h not in known
                 )
-        if not gone:
-            return
+            if not gone:
+                return
         rec.add(gone, ts)
-        lo = self.lora_of.get(name)
-        if lo:
-            self._lora_remove(name, lo, gone)
+        if self.lora_of:
+            lo = self.lora_of.get(name)
+            if lo:
+                self._lora_remove(name, lo, gone)
         if name not in TOP_MEDIA:
-            rb = self.read_back.get(name)
-            read = 0
-            if rb:
-                read = sum(1 for h in gone if h in rb)
-                rb.difference_update(gone)
-            self.unread_removed[name] = self.unread_removed.get(name, 0) + len(gone) - read
+            self._lower_removed(name, gone)
+
+    def _lower_removed(self, medium: str, gone: list[BlockHash]) -> None:
+        rb = self.read_back.get(medium)
+        read = 0
+        if rb:
+            read = sum(1 for h in gone if h in rb)
+            rb.difference_update(gone)
+        self.unread_removed[medium] = self.unread_removed.get(medium, 0) + len(gone) - read
 
     def on_clear(self, medium: str | None) -> None:
         """Every block of `medium` (None: of every medium) left by a clear or a reset."""
@@ -163,9 +168,10 @@ class CacheAnalytics:
     def _elsewhere(self, medium: str, resident: dict[BlockHash, float], hashes: list[Any]) -> None:
         others = [t.resident for p in self.peers if (t := p.get(medium)) is not None and t.resident]
         if others and not all(o.keys().isdisjoint(hashes) for o in others):
-            self.recomputed_elsewhere += sum(
-                1 for h in hashes if h not in resident and any(h in o for o in others)
-            )
+            again = [h for h in hashes if h not in resident and any(h in o for o in others)]
+            if again:
+                self.recomputed_elsewhere += len(again)
+                self.hot.add(again[0])
 
     def _moves(self, tiers: dict[str, Any], tier: Any, hashes: list[BlockHash]) -> None:
         name = tier.name

@@ -1,9 +1,10 @@
 """Hot prefixes: the block hashes stored most often, by a bounded frequent-items summary.
 
-A block hash names its whole prefix (the engines chain hashes), so the blocks stored most often
-are the prefixes (re)computed most often. One `HotBlocks` per stream counts the first block of
-every top-tier `BlockStored` (SGLang: every page; vLLM: the block where a computed run began),
-in at most `capacity` counters. When full, the batch decrement of Misra-Gries runs: the median
+A block hash names its whole prefix (the engines chain hashes). One `HotBlocks` per stream counts
+the prefixes computed again although the worker had held them: per top-tier store that restores
+blocks removed within the window, or stores blocks another rank of the worker holds, the first
+such block (SGLang: the page; vLLM: where the recomputed run began). It keeps at most `capacity`
+counters. When full, the batch decrement of Misra-Gries runs: the third-quartile
 count is subtracted from every counter and the ones at or below it are dropped, so each count
 is a lower bound and the true count is at most `count + offset` (docs/cache-analytics.md).
 """
@@ -46,7 +47,7 @@ class HotBlocks:
 
     def _decrement(self) -> None:
         counts = self.counts
-        cut = sorted(counts.values())[len(counts) // 2]
+        cut = sorted(counts.values())[len(counts) * 3 // 4]  # keep the top quarter
         for h, n in list(counts.items()):
             if n <= cut:
                 del counts[h]

@@ -9,15 +9,14 @@ much of the window went untracked (docs/cache-analytics.md).
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
-from itertools import islice, repeat
+from itertools import islice
 
 from kvobserve.analysis.blocks import LifetimeHistogram
 from kvobserve.wire.kv_events import BlockHash
 
 DEFAULT_WINDOW_S = 300.0
-DEFAULT_CAP = 16_384  # per stream and medium: ~80 B each (entry + the hash kept alive)
+DEFAULT_CAP = 4_096  # per stream and medium: ~80 B each (entry + the hash kept alive)
 # seconds from removal to restore: thrash shows at the low end
 RESTORE_BUCKETS: tuple[float, ...] = (
     0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0,
@@ -27,7 +26,7 @@ RESTORE_BUCKETS: tuple[float, ...] = (
 class RecentRemovals:
     """Removals of one medium within `window_s` (engine time), at most `cap` of them."""
 
-    __slots__ = ("cap", "gaps", "refused", "removed", "restored", "window_s")
+    __slots__ = ("_next_expiry", "cap", "gaps", "refused", "removed", "restored", "window_s")
 
     def __init__(self, window_s: float = DEFAULT_WINDOW_S, cap: int = DEFAULT_CAP) -> None:
         self.window_s = window_s
@@ -36,6 +35,9 @@ class RecentRemovals:
         self.refused = 0  # removals not tracked because the cap was reached
         self.restored = 0  # blocks stored again within the window
         self.gaps = LifetimeHistogram(RESTORE_BUCKETS)  # removal -> restore seconds
+        # nothing can expire before this engine time: a full window is not walked per batch
+        # (a dict that restores pop from the middle is slow to walk from its front)
+        self._next_expiry = 0.0
 
     def add(self, hashes: Sequence[BlockHash], ts: float) -> None:
         """Remember that `hashes` left at `ts` (the batch's ts object, shared by all)."""
@@ -43,41 +45,53 @@ class RecentRemovals:
         n = len(hashes)
         room = self.cap - len(removed)
         if room < n:
-            room += self.expire(ts)
+            if ts >= self._next_expiry:
+                room += self.expire(ts)
             if room <= 0:
                 self.refused += n
                 return
             if room < n:
                 self.refused += n - room
                 hashes = hashes[:room]
-        removed.update(zip(hashes, repeat(ts)))
+        for h in hashes:  # a plain loop beats update(zip(...)) on 3.11's specialised opcodes
+            removed[h] = ts
 
-    def restore(self, hashes: Sequence[BlockHash], ts: float) -> int:
-        """`hashes` are stored again at `ts`: count those removed within the window; how many."""
-        gone = list(map(self.removed.pop, hashes, repeat(None)))
-        n = len(gone)
-        first = gone[0] if n else None
-        if first is not None and gone.count(first) == n:  # one removal batch: one update
-            if ts - first > self.window_s:
-                return 0
-            self.gaps.observe(ts - first, n)
-            self.restored += n
-            return n
+    def restore(self, hashes: Sequence[BlockHash], ts: float) -> BlockHash | None:
+        """`hashes` are stored again at `ts`: count those removed within the window; the first
+        of them (None if none)."""
+        pop = self.removed.pop
+        first: BlockHash | None = None
+        last: float | None = None
+        run = found = 0
         limit = ts - self.window_s
-        found = 0
-        for at, k in Counter(t for t in gone if t is not None and t >= limit).items():
-            self.gaps.observe(ts - at, k)
-            found += k
+        gaps = self.gaps
+        for h in hashes:
+            at = pop(h, None)
+            if at is None or at < limit:
+                continue
+            found += 1
+            if first is None:
+                first = h
+            if at is last:  # removed by the same batch (one ts object): one update per run
+                run += 1
+                continue
+            if run:
+                gaps.observe(ts - last, run)  # type: ignore[operator]
+            last, run = at, 1
+        if run:
+            gaps.observe(ts - last, run)  # type: ignore[operator]
         self.restored += found
-        return found
+        return first
 
     def expire(self, now: float) -> int:
         """Drop removals older than the window; how many were dropped."""
         removed = self.removed
         limit = now - self.window_s
         old = 0
+        self._next_expiry = now + self.window_s  # empty: the next removal starts the clock
         for at in removed.values():
             if at >= limit:
+                self._next_expiry = at + self.window_s
                 break
             old += 1
         for h in list(islice(removed, old)):
@@ -87,3 +101,4 @@ class RecentRemovals:
     def clear(self) -> None:
         """Forget every removal (a clear or a restart: what follows is no restore)."""
         self.removed.clear()
+        self._next_expiry = 0.0
