@@ -43,6 +43,7 @@ class AnalyticsOptions:
 
     restore_window_s: float = DEFAULT_WINDOW_S
     restore_cap: int = DEFAULT_CAP
+    move_window_s: float = 1.0  # a removal this recent on another medium makes a store a move
     max_lora_names: int = 16
     hot_capacity: int = DEFAULT_CAPACITY
     hot_top: int = DEFAULT_TOP
@@ -53,8 +54,11 @@ class AnalyticsOptions:
         for name in ("restore_cap", "max_lora_names", "hot_capacity", "hot_top", "sketch_k"):
             if getattr(self, name) < 1:
                 raise ValueError(f"analytics.{name}={getattr(self, name)}: must be >= 1")
-        if self.restore_window_s <= 0 or self.placement_interval_s < 0:
-            raise ValueError("analytics.restore_window_s must be > 0, placement_interval_s >= 0")
+        if self.restore_window_s <= 0 or self.placement_interval_s < 0 or self.move_window_s < 0:
+            raise ValueError(
+                "analytics: restore_window_s must be > 0, placement_interval_s and "
+                "move_window_s >= 0"
+            )
 
 
 class CacheAnalytics:
@@ -102,7 +106,7 @@ class CacheAnalytics:
             if self.peers:
                 self._elsewhere(name, tier.resident, hashes)
         if len(tiers) > 1:
-            self._moves(tiers, tier, hashes)
+            self._moves(tiers, tier, hashes, ts)
         lora = getattr(ev, "lora_name", None)
         if lora:
             self._lora_store(name, tier.resident, hashes, lora)
@@ -173,17 +177,21 @@ class CacheAnalytics:
                 self.recomputed_elsewhere += len(again)
                 self.hot.add(again[0])
 
-    def _moves(self, tiers: dict[str, Any], tier: Any, hashes: list[BlockHash]) -> None:
+    def _moves(self, tiers: dict[str, Any], tier: Any, hashes: list[BlockHash], ts: float) -> None:
         name = tier.name
+        window = self.options.move_window_s
         for src in tiers.values():
             if src is tier:
                 continue
             res = src.resident
-            rec = self.recent.get(src.name)
+            rec = self.recent.get(src.name) if window > 0 else None
             gone = rec.removed if rec is not None else {}
             if res.keys().isdisjoint(hashes) and (not gone or gone.keys().isdisjoint(hashes)):
                 continue
-            moved = [h for h in hashes if h in res or h in gone]
+            since = ts - window
+            moved = [h for h in hashes if h in res or gone.get(h, since - 1) >= since]
+            if not moved:
+                continue
             key = (src.name, name)
             self.moves[key] = self.moves.get(key, 0) + len(moved)
             if name in TOP_MEDIA and src.name not in TOP_MEDIA:  # loaded back up
