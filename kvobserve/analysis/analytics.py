@@ -24,12 +24,12 @@ from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
 
+from kvobserve.analysis.blocks import TOP_MEDIA
 from kvobserve.analysis.hot import DEFAULT_CAPACITY, DEFAULT_TOP, HotBlocks
 from kvobserve.analysis.thrash import DEFAULT_CAP, DEFAULT_WINDOW_S, RecentRemovals
 from kvobserve.analysis.trust import Trust
 from kvobserve.wire.kv_events import BlockHash
 
-TOP_MEDIA = frozenset({"GPU", "DEVICE"})
 # parents that name the radix root, not a block: SGLang 0.4 sends hash(()) of the root's empty key
 ROOT_PARENTS = frozenset({5740354900026072187})
 LORA_OTHER = "_other"  # adapters past the name cap share this bucket
@@ -87,6 +87,10 @@ class CacheAnalytics:
             rec = self.recent[medium] = RecentRemovals(o.restore_window_s, o.restore_cap)
         return rec
 
+    def recent_for(self, medium: str) -> RecentRemovals:
+        """The recent removals of `medium` (BlockIndex keeps them on the tier: one slot read)."""
+        return self._recent(medium)
+
     # --- hooks (BlockIndex calls these; `tier` is blocks._Tier) -------------------------------
 
     def on_store(self, tiers: dict[str, Any], tier: Any, ev: Any, ts: float) -> None:
@@ -121,7 +125,7 @@ class CacheAnalytics:
     ) -> None:
         """After `hashes` were popped from `tier` (`stored[i]` None: it was not resident)."""
         name = tier.name
-        rec = self.recent.get(name) or self._recent(name)
+        rec = self._recent(name)
         gone = hashes
         if unknown:
             gone = [h for h, s in zip(hashes, stored, strict=True) if s is not None]

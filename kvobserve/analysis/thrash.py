@@ -26,7 +26,7 @@ RESTORE_BUCKETS: tuple[float, ...] = (
 class RecentRemovals:
     """Removals of one medium within `window_s` (engine time), at most `cap` of them."""
 
-    __slots__ = ("_next_expiry", "cap", "gaps", "refused", "removed", "restored", "window_s")
+    __slots__ = ("cap", "gaps", "next_expiry", "refused", "removed", "restored", "window_s")
 
     def __init__(self, window_s: float = DEFAULT_WINDOW_S, cap: int = DEFAULT_CAP) -> None:
         self.window_s = window_s
@@ -37,7 +37,7 @@ class RecentRemovals:
         self.gaps = LifetimeHistogram(RESTORE_BUCKETS)  # removal -> restore seconds
         # nothing can expire before this engine time: a full window is not walked per batch
         # (a dict that restores pop from the middle is slow to walk from its front)
-        self._next_expiry = 0.0
+        self.next_expiry = 0.0
 
     def add(self, hashes: Sequence[BlockHash], ts: float) -> None:
         """Remember that `hashes` left at `ts` (the batch's ts object, shared by all)."""
@@ -45,7 +45,7 @@ class RecentRemovals:
         n = len(hashes)
         room = self.cap - len(removed)
         if room < n:
-            if ts >= self._next_expiry:
+            if ts >= self.next_expiry:
                 room += self.expire(ts)
             if room <= 0:
                 self.refused += n
@@ -88,10 +88,10 @@ class RecentRemovals:
         removed = self.removed
         limit = now - self.window_s
         old = 0
-        self._next_expiry = now + self.window_s  # empty: the next removal starts the clock
+        self.next_expiry = now + self.window_s  # empty: the next removal starts the clock
         for at in removed.values():
             if at >= limit:
-                self._next_expiry = at + self.window_s
+                self.next_expiry = at + self.window_s
                 break
             old += 1
         for h in list(islice(removed, old)):
@@ -101,4 +101,4 @@ class RecentRemovals:
     def clear(self) -> None:
         """Forget every removal (a clear or a restart: what follows is no restore)."""
         self.removed.clear()
-        self._next_expiry = 0.0
+        self.next_expiry = 0.0
