@@ -69,6 +69,8 @@ def fill_stream(s: StreamStats, seq: StreamSequencer, holders: Sequence[BlockInd
             m.restore_gap = _histogram(rec.gaps)
         m.moved_in = {src: n for (src, dst), n in a.moves.items() if dst == m.medium and n}
         m.unread_removed_total = a.unread_removed.get(m.medium, 0)
+        if m.medium not in TOP_MEDIA:  # read-back hashes leave the set when they leave the tier
+            m.unread_blocks = m.blocks - len(a.read_back.get(m.medium, ()))
         m.lora_blocks = dict(a.lora_blocks.get(m.medium, {}))
 
 

@@ -38,6 +38,7 @@ class MediumStats(Struct, omit_defaults=True, gc=False):
     restore_gap: Histogram | None = None  # removal -> restore seconds
     moved_in: dict[str, int] = {}  # source medium -> blocks stored here that it held or dropped
     unread_removed_total: int = 0  # lower tiers: blocks that left without being read back
+    unread_blocks: int = 0  # lower tiers: resident blocks not read back (yet)
     lora_blocks: dict[str, int] = {}  # LoRA adapter -> resident blocks (capped names)
 
 

@@ -155,3 +155,40 @@ async def test_hot_prefixes_and_placement_are_served_as_json(sims: Sims) -> None
     (p,) = snap.placement
     assert w["placement"]["blocks_sum"] == p.blocks_sum
     assert w["placement"]["exact"] is True
+
+
+async def test_placement_across_two_collectors_merges_at_the_aggregator(sims: Sims) -> None:
+    # one 4-rank worker, two collectors of two ranks each (as on two nodes): each ships a sketch
+    sim = sims.start(sim_config("vllm-0.33", dp_size=4, max_batches=150, capacity_tokens=1024))
+    ingest = IngestOptions(analytics=dataclasses.replace(EXACT, sketch_k=4096))
+    cfgs = [
+        sim_collector_config(sim, collector_id=f"c{node}", node_rank=node, nnodes=2)
+        for node in (0, 1)
+    ]
+    async with (
+        running_collector(cfgs[0], ingest=ingest) as c0,
+        running_collector(cfgs[1], ingest=ingest) as c1,
+    ):
+        for col in (c0, c1):
+            await wait_connected(col, sim)
+        done = all_streams(lambda s: s.batches_total == 150)
+        snaps = [await wait_snapshot(col, done, what="every batch") for col in (c0, c1)]
+        snaps = [await col.snapshot() for col in (c0, c1)]  # placement of the final state
+    truth = sim.truth()
+    fleet = FleetState()
+    for s in snaps:
+        fleet.update(s, s.time)
+    est = fleet.view(max(s.time for s in snaps)).placement["w"]
+    gpu = [{h for h in truth_instance(truth, r)["resident"]["GPU"]} for r in range(4)]
+    union = set().union(*gpu)
+    assert all(p.sketch_k == 4096 and p.sketch for s in snaps for p in s.placement)
+    assert est.ranks == [0, 1, 2, 3] and est.exact  # every set fits the sketch: exact
+    assert est.blocks_sum == sum(len(g) for g in gpu)
+    assert est.blocks_distinct == len(union)
+    want = {}
+    for h in union:
+        m = sum(h in g for g in gpu)
+        if m > 1:
+            want[m] = want.get(m, 0) + 1
+    assert est.replicated == {m: float(n) for m, n in sorted(want.items())}
+    assert want  # popular prefixes sit on several ranks

@@ -219,3 +219,39 @@ def test_small_sets_merge_exactly() -> None:
     est = merge_placement(parts)
     assert est.exact and est.blocks_distinct == 4 and est.replicated == {2: 1.0}
     assert est.redundancy == 5 / 4
+
+
+# --- over capacity (aggregator) ------------------------------------------------------------------
+
+
+def test_resident_tokens_above_capacity_are_flagged_where_the_capacity_is_known() -> None:
+    from kvobserve.analysis.fleet import FleetState
+    from kvobserve.export.api import streams_json
+    from kvobserve.wire.snapshot import (
+        CollectorInfo,
+        MediumStats,
+        Snapshot,
+        StreamStats,
+        WorkerInfo,
+    )
+
+    def snap(gpu_tokens: int, seq: int) -> Snapshot:
+        return Snapshot(
+            CollectorInfo("c", start_time=1.0),
+            seq=seq,
+            time=100.0,
+            workers=[WorkerInfo("w", dp_size=2, ranks_owned=[0, 1], capacity_tokens=1000)],
+            streams=[
+                StreamStats("w", 0, up=True, media=[MediumStats("GPU", tokens=gpu_tokens),
+                                                    MediumStats("CPU", tokens=5000)]),
+                StreamStats("w", 1, up=True, media=[MediumStats("GPU", tokens=1000)]),
+            ],
+        )  # fmt: skip
+
+    fs = FleetState()
+    fs.update(snap(1001, 1), 100.0)
+    v = fs.view(100.0)
+    assert [s.over_capacity for s in v.streams] == [True, False]  # at capacity is fine
+    assert [s["over_capacity"] for s in streams_json(v)] == [True, False]
+    fs.update(snap(999, 2), 100.0)
+    assert [s.over_capacity for s in fs.view(100.0).streams] == [False, False]
