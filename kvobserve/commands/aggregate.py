@@ -58,7 +58,11 @@ async def serve(cfg: Config) -> int:
     try:
         try:
             stop_http = await start_http(
-                agg, cfg.http, otlp_endpoint=cfg.aggregator.otlp_endpoint, transport=transport
+                agg,
+                cfg.http,
+                otlp_endpoint=cfg.aggregator.otlp_endpoint,
+                transport=transport,
+                per_stream_detail=cfg.aggregator.per_stream_detail,
             )
         except OSError as exc:
             return fail("aggregate", f"http.listen {cfg.http.listen}: {exc.strerror or exc}", 1)

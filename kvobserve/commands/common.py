@@ -61,6 +61,7 @@ async def start_http(
     otlp_endpoint: str | None = None,
     otlp_interval_s: float = 10.0,
     transport: Transport | None = None,
+    per_stream_detail: bool = False,
 ) -> Stop:
     """Serve `agg` on [http] listen (and push OTLP when asked); returns the function that stops both."""
     from kvobserve.export import server
@@ -70,7 +71,13 @@ async def start_http(
     def extra() -> list[Metric]:
         return aggregator_metrics(agg.fleet, agg.decode_errors, transport)
 
-    app = server.create_app(agg.view, extra_metrics=extra, basic_auth=http.basic_auth)
+    app = server.create_app(
+        agg.view,
+        extra_metrics=extra,
+        basic_auth=http.basic_auth,
+        per_stream_histograms=per_stream_detail,
+        per_stream_counters=per_stream_detail,
+    )
     tls = server.make_ssl_context(*http.tls) if http.tls else None
     served = await server.serve(app, http.listen, tls)
     log.info("serving %s/metrics", served.url)

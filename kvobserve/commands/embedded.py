@@ -47,7 +47,10 @@ async def start_embedded(
         for c in emb.collectors:
             await c.start()
         if http is not None and http.listen:
-            emb.stop_http = await start_http(agg, http, otlp_endpoint=otlp_endpoint)
+            detail = any(c.aggregator.per_stream_detail for c in configs)
+            emb.stop_http = await start_http(
+                agg, http, otlp_endpoint=otlp_endpoint, per_stream_detail=detail
+            )
     except BaseException:
         await emb.close()
         raise

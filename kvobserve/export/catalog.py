@@ -113,6 +113,11 @@ CATALOG: tuple[MetricDef, ...] = (
     _d("kvobserve_kv_blocks_removed_total", "counter", WORKER_MEDIUM,
        "Blocks removed (BlockRemoved hashes); summed over the worker's ranks.",
        per="worker_medium", detail="per_stream_counters"),
+    _d("kvobserve_kv_blocks_unchanged_total", "counter", ("worker_id", "kind"),
+       "Block hashes in events that changed nothing, summed over the worker's ranks: "
+       "already_resident (stored while resident; the first store time is kept), not_resident "
+       "(removed while not resident).",
+       per="worker_type", n=2, detail="per_stream_counters"),
     _d("kvobserve_kv_capacity_tokens", "gauge", STREAM,
        "KV capacity in tokens, from the worker config or the leader's scheduler metrics."),
     _d("kvobserve_kv_cache_usage_ratio", "gauge", STREAM,
@@ -135,6 +140,9 @@ CATALOG: tuple[MetricDef, ...] = (
        "1 while interleaved or mirrored publishers are seen on the stream."),
     _d("kvobserve_kv_rank_mismatch_batches_total", "counter", STREAM,
        "Batches whose dp rank differs from the rank the port belongs to."),
+    _d("kvobserve_kv_interleaved_batches_total", "counter", STREAM,
+       "Batches of a second publisher interleaved on the stream, dropped (served once seen).",
+       per="fault"),
     _d("kvobserve_kv_unexpected_stream", "gauge", (*STREAM, "endpoint"),
        "1 while a probed port past the worker's last rank carries events (dp_rank of that port).",
        per="fault"),
@@ -163,6 +171,14 @@ CATALOG: tuple[MetricDef, ...] = (
     _d("kvobserve_collector_refused_total", "counter", ("collector", "what"),
        "What a cardinality cap refused: streams (max_streams), medium_events (events of a "
        "storage tier past the per-stream cap), passthrough_samples.", per="fault"),
+    _d("kvobserve_collector_messages_received_total", "counter", ("collector",),
+       "KV-event messages the collector read from its streams and probe ports.", per="collector"),
+    _d("kvobserve_collector_ingest_errors_total", "counter", ("collector",),
+       "Turns of the collector's ingest loop that failed (logged; the loop goes on).",
+       per="collector"),
+    _d("kvobserve_collector_publish_dropped_total", "counter", ("collector", "reason"),
+       "Snapshots the collector could not publish, by reason (closed, buffer_full, too_large, "
+       "error); reported with its next snapshot that arrives.", per="fault"),
     # leader scheduler metrics
     _d("kvobserve_scheduler_running_requests", "gauge", STREAM, "Running requests of the rank."),
     _d("kvobserve_scheduler_queued_requests", "gauge", STREAM, "Queued requests of the rank."),
@@ -236,12 +252,13 @@ regenerate it with `KVOBSERVE_UPDATE_GOLDEN=1 .venv/bin/pytest tests/unit/test_e
 _BUDGET = """
 ## Series budget
 
-At most {budget} series per stream by default (DESIGN.md). Block counters, event counters and
+At most {budget} series per stream by default. Block counters, event counters and
 block-lifetime histograms are the bulk of a stream's series and are rarely read per rank, so they
-are summed over the worker's ranks by default (labels `worker_id` plus `medium` or `type`;
-stale streams' values included, a clash counted once). The aggregator's options
-`per_stream_histograms` and `per_stream_counters` (`create_app`/`FleetCollector` keyword
-arguments) serve them per stream instead, with the stream's labels. A per-worker sum drops when
+are summed over the worker's ranks by default (labels `worker_id` plus `medium`, `type` or `kind`;
+stale streams' values included, a clash counted once). `[aggregator] per_stream_detail = true`
+(`--per-stream-detail`) serves them per stream instead, with the stream's labels (in the table:
+"with `per_stream_counters`" / "`per_stream_histograms`", the two keyword arguments of
+`create_app` that the setting turns on). A per-worker sum drops when
 one of its streams' collectors restarts; `rate()` reads that as a counter reset, as for any
 restarted exporter.
 

@@ -7,6 +7,7 @@ that. A collector whose own label sets repeat is left to the reference writer (N
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from prometheus_client.utils import floatToGoString
@@ -30,17 +31,9 @@ class Chunk:
     gz: dict[str, bytes] = field(default_factory=dict)  # family -> deflate segment, when asked
 
 
-_ESC: dict[str, str] = {}
-
-
-def _e(value: str) -> str:
-    """`_escape`, memoised: the same few worker ids, media and reasons come back every scrape."""
-    out = _ESC.get(value)
-    if out is None:
-        if len(_ESC) > 100_000:
-            _ESC.clear()
-        out = _ESC[value] = _escape(value)
-    return out
+# Memoised: the same few worker ids, media, reasons and bucket bounds come back every scrape.
+_e = functools.lru_cache(maxsize=100_000)(_escape)
+_le = functools.lru_cache(maxsize=10_000)(floatToGoString)
 
 
 def claims(c: CollectorView, g: Group) -> tuple[Claims, bool]:
@@ -96,6 +89,14 @@ def render(c: CollectorView, g: Group, detail: Detail) -> Chunk | None:
         add("kvobserve_scheduler_source_errors_total", ls, fv(e.count))
     for what, n in sorted(c.snapshot.refused.items()):
         add("kvobserve_collector_refused_total", f'{{collector="{cid}",what="{_e(what)}"}} ', fv(n))
+    k = c.snapshot.counters
+    if k is not None:
+        cl_ = f'{{collector="{cid}"}} '
+        add("kvobserve_collector_messages_received_total", cl_, fv(k.messages_received))
+        add("kvobserve_collector_ingest_errors_total", cl_, fv(k.ingest_errors))
+        for reason, n in sorted(k.publish_dropped.items()):
+            ls = f'{{collector="{cid}",reason="{_e(reason)}"}} '
+            add("kvobserve_collector_publish_dropped_total", ls, fv(n))
     sums = WorkerSums()
     hist = TextFamilies() if detail.histograms else None
     rows = [_stream(s, node, sums, detail, hist) for s in g.streams]
@@ -135,6 +136,8 @@ STREAM_FAMILIES = (
     "kvobserve_kv_publisher_restarts_total",
     "kvobserve_kv_duplicate_batches_total",
     "kvobserve_kv_rank_mismatch_batches_total",
+    "kvobserve_kv_interleaved_batches_total",
+    "kvobserve_kv_blocks_unchanged_total",
     "kvobserve_kv_decode_errors_total",
     "kvobserve_kv_blocks_stored_total",
     "kvobserve_kv_blocks_removed_total",
@@ -178,6 +181,17 @@ def _stream(
     else:
         for t in types:
             sums.counter("kvobserve_kv_events_total", w, t, events.get(t, 0))
+    kinds = (("already_resident", st.already_resident), ("not_resident", st.unknown_removed))
+    unchanged = ""
+    if detail.counters:
+        unchanged = "".join(
+            f'kvobserve_kv_blocks_unchanged_total{{dp_rank="{r}",kind="{k}",node_rank="{node}",'
+            f'worker_id="{ew}"}} {fv(n)}\n'
+            for k, n in kinds
+        )
+    else:
+        for k, n in kinds:
+            sums.counter("kvobserve_kv_blocks_unchanged_total", w, k, n)
     replay = "".join(
         f'kvobserve_kv_replay_requests_total{{dp_rank="{r}",node_rank="{node}",'
         f'result="{_e(k)}",worker_id="{ew}"}} {fv(n)}\n'
@@ -223,6 +237,10 @@ def _stream(
         f"kvobserve_kv_publisher_restarts_total{ls}{fv(st.restarts)}\n",
         f"kvobserve_kv_duplicate_batches_total{ls}{fv(st.duplicate_batches)}\n",
         f"kvobserve_kv_rank_mismatch_batches_total{ls}{fv(st.rank_mismatch_batches)}\n",
+        f"kvobserve_kv_interleaved_batches_total{ls}{fv(st.interleaved_batches)}\n"
+        if st.interleaved_batches
+        else "",
+        unchanged,
         decode,
         stored,
         removed,
@@ -277,16 +295,4 @@ def fleet_level(v: FleetView, order: list[CollectorView], sums: WorkerSums) -> d
         hist.append(f"{LIFETIME}_count{ls}{top}\n{LIFETIME}_sum{ls}{fv(h.sum)}\n")
     if hist:
         out[LIFETIME] = "".join(hist).encode()
-    return out
-
-
-_LE: dict[float, str] = {}
-
-
-def _le(bound: float) -> str:
-    out = _LE.get(bound)
-    if out is None:
-        if len(_LE) > 10_000:
-            _LE.clear()
-        out = _LE[bound] = floatToGoString(bound)
     return out

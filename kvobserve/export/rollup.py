@@ -17,6 +17,7 @@ COUNTER_LABEL = {
     "kvobserve_kv_events_total": "type",
     "kvobserve_kv_blocks_stored_total": "medium",
     "kvobserve_kv_blocks_removed_total": "medium",
+    "kvobserve_kv_blocks_unchanged_total": "kind",
 }
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from kvobserve import __version__
 from kvobserve.analysis.fleet import CollectorView, FleetView, StreamView
 from kvobserve.export.exposition import Sink
-from kvobserve.export.rollup import LIFETIME, WorkerSums
+from kvobserve.export.rollup import COUNTER_LABEL, LIFETIME, WorkerSums
 from kvobserve.wire.snapshot import SchedulerStats, UnexpectedStream
 
 EVENT_TYPES = ("stored", "removed", "cleared")
@@ -111,6 +111,12 @@ def collector(f: Sink, c: CollectorView, g: Group, sums: WorkerSums, detail: Det
         f.add("kvobserve_scheduler_source_errors_total", labels, e.count)
     for what, n in sorted(c.snapshot.refused.items()):
         f.add("kvobserve_collector_refused_total", {**cl, "what": what}, n)
+    k = c.snapshot.counters
+    if k is not None:
+        f.add("kvobserve_collector_messages_received_total", cl, k.messages_received)
+        f.add("kvobserve_collector_ingest_errors_total", cl, k.ingest_errors)
+        for reason, n in sorted(k.publish_dropped.items()):
+            f.add("kvobserve_collector_publish_dropped_total", {**cl, "reason": reason}, n)
     for s in g.streams:
         stream(f, s, sums, detail)
     node = str(i.node_rank)
@@ -129,7 +135,7 @@ def _counter(
     f: Sink, sums: WorkerSums, detail: Detail, name: str, lb: dict[str, str], lv: str, v: float
 ) -> None:
     """A per-stream counter, or its share of the worker's sum (once per stream series)."""
-    label = "type" if name == "kvobserve_kv_events_total" else "medium"
+    label = COUNTER_LABEL[name]
     if detail.counters:
         f.add(name, {**lb, label: lv}, v)
     elif f.fresh((FOLD, name, lb["worker_id"], lb["node_rank"], lb["dp_rank"], lv)):
@@ -170,6 +176,11 @@ def stream(f: Sink, s: StreamView, sums: WorkerSums, detail: Detail) -> None:
     f.add("kvobserve_kv_publisher_restarts_total", lb, st.restarts)
     f.add("kvobserve_kv_duplicate_batches_total", lb, st.duplicate_batches)
     f.add("kvobserve_kv_rank_mismatch_batches_total", lb, st.rank_mismatch_batches)
+    if st.interleaved_batches:
+        f.add("kvobserve_kv_interleaved_batches_total", lb, st.interleaved_batches)
+    unchanged = "kvobserve_kv_blocks_unchanged_total"
+    _counter(f, sums, detail, unchanged, lb, "already_resident", st.already_resident)
+    _counter(f, sums, detail, unchanged, lb, "not_resident", st.unknown_removed)
     for reason, n in sorted(st.decode_errors.items()):
         f.add("kvobserve_kv_decode_errors_total", {**lb, "reason": reason}, n)
     for m in st.media:

@@ -67,6 +67,8 @@ class IngestStats:
     streams: list[StreamStats]
     unexpected: list[UnexpectedStream]
     refused: dict[str, int]  # what a cardinality cap refused: streams, medium_events
+    messages_received: int = 0
+    loop_errors: int = 0
     placement: list[WorkerPlacement] = field(default_factory=list)
 
 
@@ -361,4 +363,7 @@ class IngestLoop:
                 whole,
                 now,
             )
-        return IngestStats(streams, unexpected, {k: v for k, v in refused.items() if v}, placement)
+        refused = {k: v for k, v in refused.items() if v}
+        return IngestStats(
+            streams, unexpected, refused, self.received_total, self.loop_errors, placement
+        )

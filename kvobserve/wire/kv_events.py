@@ -195,34 +195,21 @@ _MapEventAny = _StoredMapAny | _RemovedMapAny | _ClearedMap
 KNOWN_TAGS = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
 
 
-class _BatchArr(Struct, array_like=True, gc=False):
-    ts: float
-    events: list[_ArrEvent]
-    dp_rank: int | None = None
+def _batch(name: str, event: Any) -> Any:
+    """The batch layout `[ts, events, dp_rank]` with events decoded as `event`."""
+    fields: list[tuple[str, Any] | tuple[str, Any, Any]] = [
+        ("ts", float),
+        ("events", list[event]),
+        ("dp_rank", int | None, None),
+    ]
+    return msgspec.defstruct(name, fields, array_like=True, gc=False)
 
 
-class _BatchMap(Struct, array_like=True, gc=False):
-    ts: float
-    events: list[_MapEvent]
-    dp_rank: int | None = None
-
-
-class _BatchArrAny(Struct, array_like=True, gc=False):
-    ts: float
-    events: list[_ArrEventAny]
-    dp_rank: int | None = None
-
-
-class _BatchMapAny(Struct, array_like=True, gc=False):
-    ts: float
-    events: list[_MapEventAny]
-    dp_rank: int | None = None
-
-
-class _BatchRaw(Struct, array_like=True, gc=False):
-    ts: float
-    events: list[Raw]
-    dp_rank: int | None = None
+_BatchArr = _batch("_BatchArr", _ArrEvent)
+_BatchMap = _batch("_BatchMap", _MapEvent)
+_BatchArrAny = _batch("_BatchArrAny", _ArrEventAny)
+_BatchMapAny = _batch("_BatchMapAny", _MapEventAny)
+_BatchRaw = _batch("_BatchRaw", Raw)
 
 
 class _TagArr(Struct, array_like=True):

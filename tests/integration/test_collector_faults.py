@@ -83,6 +83,15 @@ async def test_two_publishers_on_one_endpoint_are_a_duplicate_stream(sims: Sims)
         assert time.monotonic() - t0 < 5.0
         assert stream(snap, 0).duplicate_stream is False
         assert stream(snap, 1).restarts == 0
+        # the second publisher's batches are dropped and counted, the first's are applied
+        snap = await wait_snapshot(
+            col, lambda s: stream(s, 1).interleaved_batches >= 20, timeout_s=5.0, what="interleaved"
+        )
+        assert stream(snap, 0).interleaved_batches == 0
+        assert snap.counters is not None
+        received = snap.counters.messages_received
+        applied = sum(s.batches_total + s.interleaved_batches for s in snap.streams)
+        assert received >= applied > 0 and snap.counters.ingest_errors == 0
 
 
 # rank 1 claims to be rank 5, or rank 0: the latter must not be taken for a mirror of rank 0

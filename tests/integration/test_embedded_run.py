@@ -172,6 +172,45 @@ async def test_run_honours_aggregator_stale_intervals() -> None:
         await emb.close()
 
 
+@pytest.mark.parametrize("detail", [False, True])
+async def test_per_stream_detail_serves_block_counters_per_rank(detail: bool) -> None:
+    sim = SimulatedWorker(SimConfig(format="vllm-0.33", dp_size=2, rate=200.0, http_port=None))
+    sim.start()
+    port = free_port()
+    env = {"KVOBSERVE_AGGREGATOR_PER_STREAM_DETAIL": str(detail).lower()}
+    cfg = load_config(
+        None,
+        {"worker.id": "w", "worker.engine": "vllm", "worker.dp_size": 2,
+         "worker.kv_endpoint": f"tcp://127.0.0.1:{sim.kv_base}", "collector.interval_s": 0.2,
+         "http.listen": f"127.0.0.1:{port}"},
+        env,
+    )  # fmt: skip
+    emb = await start_embedded([cfg], cfg.http)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        served: list[dict[str, str]] = []
+        end = time.monotonic() + 10.0
+        while True:  # the scrape runs in a thread: this loop must keep serving HTTP
+            got = await asyncio.to_thread(scrape, base)
+            active = (
+                {lb["dp_rank"] for lb, v in got.get("kvobserve_kv_event_batches_total") if v}
+                if got
+                else set()
+            )
+            served = (
+                [lb for lb, v in got.get("kvobserve_kv_blocks_stored_total") if v] if got else []
+            )
+            if active == {"0", "1"} and len(served) == (2 if detail else 1):
+                break  # both streams applied batches: every series they feed is served
+            assert time.monotonic() < end, f"not served in 10 s: {active} {served}"
+            await asyncio.sleep(0.1)  # the next poll, not a synchronisation
+        ranks = {lb.get("dp_rank") for lb in served}
+        assert ranks == ({"0", "1"} if detail else {None}), ranks  # per rank only when asked
+    finally:
+        await emb.close()
+        await asyncio.get_running_loop().run_in_executor(None, sim.stop)
+
+
 # --- every simulator fault profile, end to end through the embedded aggregator --------------------
 
 PROFILE_FORMATS = ("sglang-0.5.23", "vllm-0.33")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvobserve.analysis.fleet import FleetState, FleetView
 from kvobserve.wire.snapshot import (
+    CollectorCounters,
     CollectorInfo,
     Family,
     Histogram,
@@ -44,6 +45,9 @@ def _node0() -> Snapshot:
         duplicate_stream=True,
         rank_mismatch_batches=1,
         decode_errors={"msgpack": 3},
+        interleaved_batches=6,
+        already_resident=4,
+        unknown_removed=9,
         state_complete=False,
         last_batch_ts=1999.5,
         lag_seconds=0.25,
@@ -72,6 +76,7 @@ def _node0() -> Snapshot:
         streams=[r0, r1, v0, v1],
         unexpected=[UnexpectedStream("sglang-a", 4, "tcp://10.0.0.5:5561", 7, True)],
         refused={"medium_events": 3},
+        counters=CollectorCounters(12345, 1, 5, {"buffer_full": 2}),
         scheduler_errors=[SourceErrors("sglang-a", "kv_metrics", "pickle_refused", 2)],
         scheduler=[
             SchedulerStats("sglang-a", 0, "metrics", 3, 1, 0.3, 0.5, 640),

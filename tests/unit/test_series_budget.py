@@ -10,6 +10,7 @@ from kvobserve.analysis.fleet import FleetState
 from kvobserve.export.catalog import BUDGET, BY_FAMILY, CATALOG, REFERENCE, reference_total
 from kvobserve.export.prometheus import FleetCollector
 from kvobserve.wire.snapshot import (
+    CollectorCounters,
     CollectorInfo,
     Histogram,
     MediumStats,
@@ -54,6 +55,7 @@ def _snapshot(w: int, node: int) -> Snapshot:
         workers=[WorkerInfo(worker, "sglang", DP, list(range(first, first + PER_NODE)), node == 0)],
         streams=streams,
         scheduler=sched,
+        counters=CollectorCounters(10_000, 0, 100),
     )
 
 
