@@ -96,10 +96,18 @@ class CacheAnalytics:
     def on_store(self, tiers: dict[str, Any], tier: Any, ev: Any, ts: float) -> None:
         """Before `ev` (a BlockStored) is applied to `tier`."""
         hashes = ev.block_hashes
+        if not hashes:
+            return
         name = tier.name
         top = name in TOP_MEDIA
         rec = self.recent.get(name)
-        if rec is not None and not rec.removed.keys().isdisjoint(hashes):
+        # Both engines evict the top tier leaf-first (SGLang radix leaves, vLLM a request's tail
+        # blocks first; an ancestor is freed no earlier than its descendants), so a run whose
+        # first block was not removed recently restores nothing: one lookup instead of one per
+        # block. Lower tiers evict by their own order (LRU pages): every block is looked up.
+        if rec is not None and (
+            hashes[0] in rec.removed if top else not rec.removed.keys().isdisjoint(hashes)
+        ):
             first = rec.restore(hashes, ts)
             if first is not None and top:
                 self.hot.add(first)  # where the recomputation began

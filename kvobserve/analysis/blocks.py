@@ -171,7 +171,7 @@ class BlockIndex:
                     recent = tier.recent
                     parent = ev.parent_block_hash  # type: ignore[attr-defined]
                     if (
-                        (recent and not recent.keys().isdisjoint(hashes))
+                        (recent and hashes and hashes[0] in recent)  # see CacheAnalytics.on_store
                         or (tier.top and parent is not None and parent not in resident)
                         or len(tiers) > 1
                         or analytics.peers
