@@ -24,8 +24,18 @@ import msgspec
 import zmq
 from msgspec import Struct
 
-from benchmarks._common import HASHES_PER_EVENT, TOPIC, Publisher, cpu_seconds, median
+from benchmarks._common import (
+    HASHES_PER_EVENT,
+    TOPIC,
+    Publisher,
+    build_cycle,
+    cpu_seconds,
+    median,
+)
+from kvobserve.analysis.analytics import AnalyticsOptions, CacheAnalytics
+from kvobserve.analysis.sequence import StreamSequencer
 from kvobserve.sources.kv_stream import IngestLoop, IngestOptions, StreamSpec
+from kvobserve.wire.kv_events import decode_payload
 
 RECV_TIMEOUT_MS = 5_000  # no batch for this long: the rest were dropped
 
@@ -228,6 +238,33 @@ def measure(events_per_batch: int, count: int, which: str) -> Run:
     return run
 
 
+def inprocess(events_per_batch: int, rounds: int = 9) -> dict[str, float]:
+    """Decode + sequencer + block index per event, analytics off and on, in this thread's CPU
+    time (the least of `rounds` interleaved passes over the cycle): steadier than the ZMQ runs
+    on a shared machine, and the analytics' cost without the receive path around it."""
+    cycle = build_cycle(events_per_batch)
+    seqs = {}
+    for name, opts in (("off", None), ("on", AnalyticsOptions())):
+        sq = StreamSequencer(0, replay=False)
+        if opts is not None:
+            sq.index.analytics = CacheAnalytics(opts, sq.trust)
+        seqs[name] = sq
+    best = dict.fromkeys(seqs, float("inf"))
+    seq = dict.fromkeys(seqs, 0)
+    for r in range(rounds + 1):  # the first round fills the index
+        for name, sq in seqs.items():
+            t0 = time.thread_time()
+            n = seq[name]
+            for payload in cycle:
+                sq.on_batch(decode_payload("kv-events", n, payload), payload, 0.0)
+                n += 1
+            seq[name] = n
+            if r:
+                took = (time.thread_time() - t0) / (len(cycle) * events_per_batch) * 1e6
+                best[name] = min(best[name], took)
+    return best
+
+
 def sustain(seconds: float, rate: float) -> dict[str, float]:
     """A paced publisher (SNDHWM 100k, vLLM's default) into IngestLoop with default options."""
     count = int(seconds * rate)
@@ -280,6 +317,11 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{n_ev:>6} ratios: kvobserve/bare {on:.2f} (analytics off: {off:.2f}, "
             f"drop {off - on:+.2f})  kvobserve/naive {rates['kvobserve'] / rates['naive']:.2f}"
+        )
+        cpu = inprocess(n_ev)
+        print(
+            f"{n_ev:>6} in-process CPU per event (decode + sequence + index): analytics off "
+            f"{cpu['off']:.2f} us, on {cpu['on']:.2f} us ({cpu['on'] / cpu['off'] - 1:+.1%})"
         )
     if args.sustain > 0:
         s = sustain(args.sustain, args.rate)

@@ -149,3 +149,8 @@ def test_sketch_benchmark_runs_on_a_tiny_input(capsys: pytest.CaptureFixture[str
 def test_ingest_without_analytics_runs_the_same_loop() -> None:
     off = ingest.measure(32, 300, "kvobserve-off")
     assert (off.batches, off.gaps) == (300, 0)
+
+
+def test_ingest_inprocess_comparison_runs_both_ways() -> None:
+    cpu = ingest.inprocess(32, rounds=1)
+    assert set(cpu) == {"off", "on"} and all(v > 0 for v in cpu.values())
