@@ -243,10 +243,5 @@ class CacheAnalytics:
         """Removals the restore window could not track (its cap), all media."""
         return sum(r.refused for r in self.recent.values())
 
-    def expire(self, now_ts: float) -> None:
-        """Drop removals older than the window (engine time of the last batch)."""
-        for r in self.recent.values():
-            r.expire(now_ts)
-
 
 DEFAULT_ANALYTICS = AnalyticsOptions()

@@ -32,20 +32,17 @@ SECOND_PUBLISHER: Final = "second_publisher"  # partial: two publishers' batches
 
 
 class Trust:
-    """The trust state of one stream and why; `changes` counts transitions (cumulative)."""
+    """The trust state of one stream and why."""
 
-    __slots__ = ("changes", "reason", "state")
+    __slots__ = ("reason", "state")
 
     def __init__(self) -> None:
         self.state: str = PARTIAL
         self.reason: str = WAITING
-        self.changes = 0
 
     def set(self, state: str, reason: str) -> None:
         """Enter `state` for `reason`."""
-        if (state, reason) != (self.state, self.reason):
-            self.state, self.reason = state, reason
-            self.changes += 1
+        self.state, self.reason = state, reason
 
     def lose(self, reason: str) -> None:
         """Batches are missing: partial."""
