@@ -131,6 +131,7 @@ class BlockIndex:
         self.other_group_events_total = 0  # vLLM side KV-cache groups: set aside by the decoder
         # analysis/analytics.py: None = residency only, no per-event work beyond it
         self._analytics: CacheAnalytics | None = None
+        self._wide = False  # several tiers (with analytics: every store may be a move)
 
     def _tier(self, medium: str | None) -> _Tier | None:
         name = medium or DEFAULT_MEDIUM
@@ -143,6 +144,7 @@ class BlockIndex:
             if self._analytics is not None:
                 tier.thrash = self._analytics.recent_for(name)
                 tier.recent = tier.thrash.removed
+            self._wide = len(self._tiers) > 1
         return tier
 
     def apply_batch(self, batch: KvBatch) -> None:
@@ -173,9 +175,9 @@ class BlockIndex:
                     if (
                         (recent and hashes and hashes[0] in recent)  # see CacheAnalytics.on_store
                         or (tier.top and parent is not None and parent not in resident)
-                        or len(tiers) > 1
-                        or analytics.peers
-                        or getattr(ev, "lora_name", None)
+                        or self._wide  # several tiers: every store may be a move
+                        or analytics.peers  # sibling ranks to check
+                        or ev.lora_name  # type: ignore[attr-defined]
                     ):
                         analytics.on_store(tiers, tier, ev, ts)
                 before = len(resident)
@@ -256,7 +258,19 @@ class BlockIndex:
             tier.lifetime.observe(ts - first, n)
             tier.removed += n
             if self._analytics is not None:
-                self._removed(tier, hashes, stored, 0, ts)
+                rec = tier.thrash
+                recent = tier.recent
+                if (  # the usual removal inlined: top tier, room in the window, no adapters
+                    rec is not None
+                    and recent is not None
+                    and tier.top
+                    and len(recent) + n <= rec.cap
+                    and not self._analytics.lora_of
+                ):
+                    for h in hashes:  # a plain loop beats update(zip(...)) on 3.11
+                        recent[h] = ts
+                else:
+                    self._removed(tier, hashes, stored, 0, ts)
             return
         unknown = stored.count(None)
         self.remove_of_unknown_total += unknown

@@ -84,7 +84,12 @@ class BlockStored(KvEvent, gc=False):
 
     def lora(self) -> str | None:
         """The LoRA adapter name, when the version carries one."""
-        raise NotImplementedError
+        return None
+
+    @property
+    def lora_name(self) -> str | None:
+        """As `lora()`; the map forms shadow it with their field (a plain attribute read)."""
+        return self.lora()
 
     def decoded_token_ids(self) -> list[Any]:
         """The token ids (or bigram pairs); decoded only on request. Raises WireError only."""
@@ -127,11 +132,6 @@ class _StoredArrBase(BlockStored, array_like=True, gc=False):
         if 0xA0 <= first[0] <= 0xBF or first[0] in (0xD9, 0xDA, 0xDB):
             return str(_lazy(_dec_str, slot, "lora_name"))
         return None
-
-    @property
-    def lora_name(self) -> str | None:
-        """Position 7 when it is a string (vLLM 0.15-0.23), as the map form's field."""
-        return self.lora()
 
 
 class _StoredArr(_StoredArrBase, tag="BlockStored", gc=False):
