@@ -136,14 +136,18 @@ class CacheAnalytics:
         rec = self._recent(name)
         gone = hashes
         if unknown:
-            gone = [h for h, s in zip(hashes, stored, strict=True) if s is not None]
             if self.trust.trusted:
                 known = rec.removed  # a second removal of a hash (vLLM keeps duplicate copies)
-                self.silent_loss[REMOVE_UNKNOWN] += sum(
-                    1 for h, s in zip(hashes, stored, strict=True) if s is None and h not in known
-                )
-            if not gone:
-                return
+                if known and not known.keys().isdisjoint(hashes):
+                    unknown = sum(
+                        1
+                        for h, s in zip(hashes, stored, strict=True)
+                        if s is None and h not in known
+                    )
+                self.silent_loss[REMOVE_UNKNOWN] += unknown
+            if len(stored) == stored.count(None):
+                return  # nothing was resident: nothing left
+            gone = [h for h, s in zip(hashes, stored, strict=True) if s is not None]
         rec.add(gone, ts)
         if self.lora_of:
             lo = self.lora_of.get(name)
