@@ -4,7 +4,8 @@ Run: `python -m benchmarks.ingest [--sustain 60]`. A publisher process sends pre
 SGLang 0.5.23-style batches (tagged-map events; 1 or 32 events per batch; BlockStored with 16
 hashes + 256 token ids alternating with BlockRemoved of 16 hashes) as fast as it can to
 (a) a bare consumer: recv of the frames + a msgspec decode that skips token_ids + a set update,
-(b) kvobserve's IngestLoop: sequence tracking, block index, lifetimes, counters,
+(b) kvobserve's IngestLoop: sequence tracking, block index, lifetimes, counters, and the cache
+    analytics (docs/cache-analytics.md); `kvobserve-off` is the same loop with the analytics off,
 (c) a naive consumer: everything decoded into typed structs, a Python loop per event and hash.
 Consumer time runs from the first to the last batch; seq gaps are counted by every consumer.
 Then a paced publisher at 50k batches/s (1 event each) for `--sustain` seconds into IngestLoop
@@ -17,14 +18,24 @@ import argparse
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import msgspec
 import zmq
 from msgspec import Struct
 
-from benchmarks._common import HASHES_PER_EVENT, TOPIC, Publisher, cpu_seconds, median
+from benchmarks._common import (
+    HASHES_PER_EVENT,
+    TOPIC,
+    Publisher,
+    build_cycle,
+    cpu_seconds,
+    median,
+)
+from kvobserve.analysis.analytics import AnalyticsOptions, CacheAnalytics
+from kvobserve.analysis.sequence import StreamSequencer
 from kvobserve.sources.kv_stream import IngestLoop, IngestOptions, StreamSpec
+from kvobserve.wire.kv_events import decode_payload
 
 RECV_TIMEOUT_MS = 5_000  # no batch for this long: the rest were dropped
 
@@ -213,8 +224,11 @@ def measure(events_per_batch: int, count: int, which: str) -> Run:
     pub = Publisher(events_per_batch, count)
     pub.start()
     try:
-        if which == "kvobserve":
-            run, _ = run_ingest(pub.endpoint, count, IngestOptions(rcvhwm=0))
+        if which in ("kvobserve", "kvobserve-off"):
+            opts = IngestOptions(rcvhwm=0)
+            if which == "kvobserve-off":
+                opts = replace(opts, analytics=None)
+            run, _ = run_ingest(pub.endpoint, count, opts)
         else:
             handler = bare_handler()[0] if which == "bare" else naive_handler()[0]
             run = _consume(pub.endpoint, count, handler)
@@ -222,6 +236,33 @@ def measure(events_per_batch: int, count: int, which: str) -> Run:
     finally:
         pub.stop()
     return run
+
+
+def inprocess(events_per_batch: int, rounds: int = 9) -> dict[str, float]:
+    """Decode + sequencer + block index per event, analytics off and on, in this thread's CPU
+    time (the least of `rounds` interleaved passes over the cycle): steadier than the ZMQ runs
+    on a shared machine, and the analytics' cost without the receive path around it."""
+    cycle = build_cycle(events_per_batch)
+    seqs = {}
+    for name, opts in (("off", None), ("on", AnalyticsOptions())):
+        sq = StreamSequencer(0, replay=False)
+        if opts is not None:
+            sq.index.analytics = CacheAnalytics(opts, sq.trust)
+        seqs[name] = sq
+    best = dict.fromkeys(seqs, float("inf"))
+    seq = dict.fromkeys(seqs, 0)
+    for r in range(rounds + 1):  # the first round fills the index
+        for name, sq in seqs.items():
+            t0 = time.thread_time()
+            n = seq[name]
+            for payload in cycle:
+                sq.on_batch(decode_payload("kv-events", n, payload), payload, 0.0)
+                n += 1
+            seq[name] = n
+            if r:
+                took = (time.thread_time() - t0) / (len(cycle) * events_per_batch) * 1e6
+                best[name] = min(best[name], took)
+    return best
 
 
 def sustain(seconds: float, rate: float) -> dict[str, float]:
@@ -257,11 +298,11 @@ def main(argv: list[str] | None = None) -> int:
         f"SGLang 0.5.23 map events, {HASHES_PER_EVENT} hashes each (stores + 256 token ids, "
         f"alternating with removes); median of {args.repeats}; msgspec {msgspec.__version__}"
     )
-    head = f"{'events':>6} {'consumer':<10} {'batch/s':>10} {'hash/s':>12} {'gaps':>5}"
+    head = f"{'events':>6} {'consumer':<13} {'batch/s':>10} {'hash/s':>12} {'gaps':>5}"
     print(head)
     print("-" * len(head))
     for n_ev, count in ((1, args.batches_1), (32, args.batches_32)):
-        runs: dict[str, list[Run]] = {"bare": [], "kvobserve": [], "naive": []}
+        runs: dict[str, list[Run]] = {"bare": [], "kvobserve": [], "kvobserve-off": [], "naive": []}
         for _ in range(args.repeats):  # interleaved, so drift of the machine hits all alike
             for which in runs:
                 runs[which].append(measure(n_ev, count, which))
@@ -269,12 +310,18 @@ def main(argv: list[str] | None = None) -> int:
         for w, rs in runs.items():
             gaps = sum(r.gaps for r in rs)
             print(
-                f"{n_ev:>6} {w:<10} {rates[w]:>10,.0f} "
+                f"{n_ev:>6} {w:<13} {rates[w]:>10,.0f} "
                 f"{rates[w] * n_ev * HASHES_PER_EVENT:>12,.0f} {gaps:>5}"
             )
+        on, off = rates["kvobserve"] / rates["bare"], rates["kvobserve-off"] / rates["bare"]
         print(
-            f"{n_ev:>6} ratios: kvobserve/bare {rates['kvobserve'] / rates['bare']:.2f}"
-            f"  kvobserve/naive {rates['kvobserve'] / rates['naive']:.2f}"
+            f"{n_ev:>6} ratios: kvobserve/bare {on:.2f} (analytics off: {off:.2f}, "
+            f"drop {off - on:+.2f})  kvobserve/naive {rates['kvobserve'] / rates['naive']:.2f}"
+        )
+        cpu = inprocess(n_ev)
+        print(
+            f"{n_ev:>6} in-process CPU per event (decode + sequence + index): analytics off "
+            f"{cpu['off']:.2f} us, on {cpu['on']:.2f} us ({cpu['on'] / cpu['off'] - 1:+.1%})"
         )
     if args.sustain > 0:
         s = sustain(args.sustain, args.rate)

@@ -229,7 +229,10 @@ class Collector:
     async def snapshot(self) -> Snapshot:
         """The collector's state now."""
         assert self.ingest is not None, "start() first"
-        ingest = await asyncio.wrap_future(self.ingest.stats())
+        whole = frozenset(
+            p.worker.id for p in self.plans if p.dp_size and len(p.watched_ranks) >= p.dp_size
+        )
+        ingest = await asyncio.wrap_future(self.ingest.stats(whole))
         refused = dict(ingest.refused)
         sched: list[SchedulerStats] = []
         passthrough: list[Family] = []
@@ -294,6 +297,7 @@ class Collector:
             scheduler_errors=errors,
             passthrough=passthrough,
             refused=refused,
+            placement=ingest.placement,
             counters=CollectorCounters(
                 ingest.messages_received,
                 ingest.loop_errors,

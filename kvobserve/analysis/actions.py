@@ -1,10 +1,13 @@
-"""What a StreamSequencer asks of its I/O (replay requests), the replay results it counts, and
-its limits."""
+"""What a StreamSequencer asks of its I/O (replay requests), the replay results it counts, its
+limits, and the replay in flight."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Final
+
+from kvobserve.wire.kv_events import KvBatch
 
 REPLAY_RESULTS: Final = ("ok", "partial", "timeout", "error", "overflow", "aborted")
 
@@ -45,3 +48,19 @@ class CancelReplay:
 
 
 Action = RequestReplay | CancelReplay
+
+
+@dataclass(slots=True)
+class ReplayInFlight:
+    """One replay in flight and the live batches held meanwhile."""
+
+    replay_id: int
+    missed_from: int  # seqs below were never counted missed (joined mid-stream)
+    started: float
+    join: bool
+    held: deque[tuple[KvBatch, bytes]] = field(default_factory=deque)  # ascending seq
+    lost: bool = False
+    # The engine answers with its ring as of the request, so every seq <= `covered` that the
+    # reply did not carry is not in the ring; a later hole may simply be younger than the reply.
+    covered: int = -1
+    ahead: dict[int, KvBatch] = field(default_factory=dict)  # replayed seqs live had not reached

@@ -24,11 +24,16 @@ from collections import Counter
 from collections.abc import Sequence
 from itertools import compress, repeat
 from operator import is_not
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
-from kvobserve.wire.kv_events import BlockHash, KvBatch
+from kvobserve.wire.kv_events import BlockHash, BlockStored, KvBatch
+
+if TYPE_CHECKING:
+    from kvobserve.analysis.analytics import CacheAnalytics
+    from kvobserve.analysis.thrash import RecentRemovals
 
 DEFAULT_MEDIUM = "GPU"
+TOP_MEDIA = frozenset({"GPU", "DEVICE"})  # the compute tier; the others are offload tiers
 DEFAULT_MAX_MEDIA = 8  # storage tiers per stream; engines have 1-4 (GPU, CPU_PINNED, DISK, ...)
 # seconds: prefix-cache blocks live from sub-second (evicted under pressure) to hours (system prompts)
 DEFAULT_LIFETIME_BUCKETS: tuple[float, ...] = (
@@ -68,9 +73,24 @@ class LifetimeHistogram:
 class _Tier:
     """State of one medium (storage tier)."""
 
-    __slots__ = ("lifetime", "odd", "removed", "resident", "stored", "tokens")
+    __slots__ = (
+        "lifetime",
+        "name",
+        "odd",
+        "recent",
+        "removed",
+        "resident",
+        "stored",
+        "thrash",
+        "tokens",
+        "top",
+    )
 
-    def __init__(self, buckets: Sequence[float]) -> None:
+    def __init__(self, buckets: Sequence[float], name: str = DEFAULT_MEDIUM) -> None:
+        self.name = name
+        self.top = name in TOP_MEDIA
+        self.thrash: RecentRemovals | None = None  # the analytics' recent removals ...
+        self.recent: dict[BlockHash, float] | None = None  # ... and their dict (one slot read)
         self.resident: dict[BlockHash, float] = {}
         self.odd: dict[BlockHash, int] = {}  # token counts that differ from the usual block size
         self.tokens = 0
@@ -109,6 +129,9 @@ class BlockIndex:
         self.stored_events_total = 0
         self.removed_events_total = 0
         self.other_group_events_total = 0  # vLLM side KV-cache groups: set aside by the decoder
+        # analysis/analytics.py: None = residency only, no per-event work beyond it
+        self._analytics: CacheAnalytics | None = None
+        self._wide = False  # several tiers (with analytics: every store may be a move)
 
     def _tier(self, medium: str | None) -> _Tier | None:
         name = medium or DEFAULT_MEDIUM
@@ -117,13 +140,18 @@ class BlockIndex:
             if len(self._tiers) >= self.max_media:  # `medium` comes off the wire: bound it
                 self.media_refused_events += 1
                 return None
-            tier = self._tiers[name] = _Tier(self._buckets)
+            tier = self._tiers[name] = _Tier(self._buckets, name)
+            if self._analytics is not None:
+                tier.thrash = self._analytics.recent_for(name)
+                tier.recent = tier.thrash.removed
+            self._wide = len(self._tiers) > 1
         return tier
 
     def apply_batch(self, batch: KvBatch) -> None:
         """Apply all events of `batch` in order; the batch ts is the time of every event."""
         ts = batch.ts  # one float object, shared by every block this batch stores
         tiers = self._tiers
+        analytics = self._analytics
         if batch.other_group_events:
             self.other_group_events_total += batch.other_group_events
         for ev in batch.events:
@@ -133,12 +161,25 @@ class BlockIndex:
                 tier = tiers.get(ev.medium or DEFAULT_MEDIUM)  # type: ignore[attr-defined]
                 size = ev.block_size  # type: ignore[attr-defined]
                 if tier is None or size != self._usual_size:
-                    self._store(ev.block_hashes, size, ev.medium, ts)  # type: ignore[attr-defined]
+                    self._store(ev, ts)  # type: ignore[arg-type]
                     continue
                 # the usual case, inlined: a known tier and the usual block size
                 self.stored_events_total += 1
                 hashes = ev.block_hashes  # type: ignore[attr-defined]
                 resident = tier.resident
+                if analytics is not None:
+                    # the analytics' usual case inlined: nothing restored, moved, orphaned,
+                    # attributed or held by a sibling rank means nothing to do
+                    recent = tier.recent
+                    parent = ev.parent_block_hash  # type: ignore[attr-defined]
+                    if (
+                        (recent and hashes and hashes[0] in recent)  # see CacheAnalytics.on_store
+                        or (tier.top and parent is not None and parent not in resident)
+                        or self._wide  # several tiers: every store may be a move
+                        or analytics.peers  # sibling ranks to check
+                        or ev.lora_name  # type: ignore[attr-defined]
+                    ):
+                        analytics.on_store(tiers, tier, ev, ts)
                 before = len(resident)
                 # a resident hash keeps its first store time (3.11's specialised dict opcodes
                 # make this loop faster than map(resident.setdefault, ...))
@@ -157,11 +198,14 @@ class BlockIndex:
             elif kind == "TierCleared":
                 self._clear_medium(ev.medium, ts)  # type: ignore[attr-defined]
 
-    def _store(self, hashes: list[BlockHash], size: int, medium: str | None, ts: float) -> None:
-        tier = self._tier(medium)
+    def _store(self, ev: BlockStored, ts: float) -> None:
+        hashes, size = ev.block_hashes, ev.block_size
+        tier = self._tier(ev.medium)
         if tier is None:
             return
         self.stored_events_total += 1
+        if self._analytics is not None:
+            self._analytics.on_store(self._tiers, tier, ev, ts)
         resident = tier.resident
         usual = self._usual_size
         if usual is None or size > usual:
@@ -213,9 +257,25 @@ class BlockIndex:
             tier.tokens -= sum(map(tier.odd.pop, hashes, repeat(usual))) if tier.odd else n * usual
             tier.lifetime.observe(ts - first, n)
             tier.removed += n
+            if self._analytics is not None:
+                rec = tier.thrash
+                recent = tier.recent
+                if (  # the usual removal inlined: top tier, room in the window, no adapters
+                    rec is not None
+                    and recent is not None
+                    and tier.top
+                    and len(recent) + n <= rec.cap
+                    and not self._analytics.lora_of
+                ):
+                    for h in hashes:  # a plain loop beats update(zip(...)) on 3.11
+                        recent[h] = ts
+                else:
+                    self._removed(tier, hashes, stored, 0, ts)
             return
         unknown = stored.count(None)
         self.remove_of_unknown_total += unknown
+        if self._analytics is not None:
+            self._removed(tier, hashes, stored, unknown, ts)
         removed = n - unknown
         if not removed:
             return
@@ -231,25 +291,63 @@ class BlockIndex:
             observe(ts - stored_at, k)
         tier.removed += removed
 
+    def _removed(
+        self, tier: _Tier, hashes: list[BlockHash], stored: list[float | None], unknown: int,
+        ts: float,
+    ) -> None:  # fmt: skip
+        """Tell the analytics; the usual removal (all resident, room in the window) inlined."""
+        a = self._analytics
+        assert a is not None
+        rec = tier.thrash
+        if unknown or rec is None or not tier.top or a.lora_of:
+            a.on_remove(tier, hashes, stored, unknown, ts)
+            return
+        recent = rec.removed
+        if len(recent) + len(hashes) <= rec.cap:
+            for h in hashes:  # a plain loop beats update(zip(...)) on 3.11's specialised opcodes
+                recent[h] = ts
+        elif ts < rec.next_expiry:  # full, and nothing can expire yet
+            rec.refused += len(hashes)
+        else:
+            rec.add(hashes, ts)
+
     def _clear(self, ts: float) -> None:
         self.clears_total += 1
+        if self._analytics is not None:
+            self._analytics.on_clear(None)
         for tier in self._tiers.values():
             tier.clear(ts)
 
     def _clear_medium(self, medium: str, ts: float) -> None:
         """Drop every block of one medium (a medium never seen has nothing to drop)."""
         self.tier_clears_total += 1
+        if self._analytics is not None:
+            self._analytics.on_clear(medium)
         tier = self._tiers.get(medium)
         if tier is not None:
             tier.clear(ts)
 
     def reset(self) -> None:
         """Forget every resident block (publisher restart); counters and histograms are kept."""
+        if self._analytics is not None:
+            self._analytics.on_clear(None)
         for tier in self._tiers.values():
             tier.resident.clear()
             tier.odd.clear()
             tier.tokens = 0
         self._usual_size = None
+
+    @property
+    def analytics(self) -> CacheAnalytics | None:
+        """The attached cache analytics (None: residency only)."""
+        return self._analytics
+
+    @analytics.setter
+    def analytics(self, a: CacheAnalytics | None) -> None:
+        self._analytics = a
+        for name, tier in self._tiers.items():
+            tier.thrash = a.recent_for(name) if a is not None else None
+            tier.recent = tier.thrash.removed if tier.thrash is not None else None
 
     def resident_hashes(self) -> dict[str, set[BlockHash]]:
         """Medium -> resident hashes (a copy; for tests and ground-truth checks)."""

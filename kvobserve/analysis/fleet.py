@@ -10,12 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvobserve.analysis.conditions import Condition, conditions
+from kvobserve.analysis.placement import PlacementEstimate, merge_placement
 from kvobserve.wire.snapshot import (
     CollectorInfo,
     SchedulerStats,
     Snapshot,
     StreamStats,
     UnexpectedStream,
+    WorkerPlacement,
 )
 
 GPU_MEDIA = frozenset({"GPU", "DEVICE"})
@@ -55,6 +57,12 @@ class StreamView:
             return None
         return self.gpu_tokens / self.capacity_tokens
 
+    @property
+    def over_capacity(self) -> bool:
+        """More GPU tokens resident than the rank can hold: evidence of lost removals (the
+        check lives here, where the scheduler's capacity is known; docs/cache-analytics.md)."""
+        return bool(self.capacity_tokens) and self.gpu_tokens > (self.capacity_tokens or 0)
+
 
 @dataclass
 class FleetView:
@@ -69,6 +77,7 @@ class FleetView:
     leaders: dict[str, list[str]] = field(default_factory=dict)
     conditions: list[Condition] = field(default_factory=list)
     now: float = 0.0  # the time the view is as of
+    placement: dict[str, PlacementEstimate] = field(default_factory=dict)  # per worker
 
 
 @dataclass
@@ -154,6 +163,12 @@ class FleetState:
             if up:
                 v.unexpected.extend((u, info) for u in snap.unexpected)
         v.streams.sort(key=lambda s: (s.stats.worker_id, s.stats.dp_rank, s.collector.collector_id))
+        placements: dict[str, list[WorkerPlacement]] = {}
+        for e in entries:
+            if self._is_up(e, now):
+                for p in e.snapshot.placement:
+                    placements.setdefault(p.worker_id, []).append(p)
+        v.placement = {w: merge_placement(ps) for w, ps in sorted(placements.items())}
         v.conditions = list(conditions(v))
         return v
 

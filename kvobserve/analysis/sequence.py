@@ -11,13 +11,14 @@ in docs/stream-semantics.md.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
+from kvobserve.analysis import trust as t
 from kvobserve.analysis.actions import (
     DEFAULT_LIMITS,
     REPLAY_RESULTS,
     Action,
     CancelReplay,
+    ReplayInFlight,
     RequestReplay,
     SequencerLimits,
 )
@@ -27,22 +28,6 @@ from kvobserve.wire.kv_events import KvBatch
 _RECENT = 8  # payloads kept (by reference) to recognise duplicate deliveries
 _OTHER_WINDOW = 64  # how far a known second head may jump and still be recognised as itself
 _OTHER_RUN_LIMIT = 16  # "other" batches in a row with this head silent: the other one is live
-
-
-@dataclass(slots=True)
-class _Replay:
-    """One replay in flight and the live batches held meanwhile."""
-
-    replay_id: int
-    missed_from: int  # seqs below were never counted missed (joined mid-stream)
-    started: float
-    join: bool
-    held: deque[tuple[KvBatch, bytes]] = field(default_factory=deque)  # ascending seq
-    lost: bool = False
-    # The engine answers with its ring as of the request, so every seq <= `covered` that the
-    # reply did not carry is not in the ring; a later hole may simply be younger than the reply.
-    covered: int = -1
-    ahead: dict[int, KvBatch] = field(default_factory=dict)  # replayed seqs live had not reached
 
 
 class StreamSequencer:
@@ -64,14 +49,14 @@ class StreamSequencer:
         self.replay_requests: dict[str, int] = dict.fromkeys(REPLAY_RESULTS, 0)
         self.restarts = self.duplicate_batches = self.rank_mismatch_batches = 0
         self.interleaved_batches = 0  # dropped: they belong to a second publisher
-        self.state_complete = False
+        self.trust = t.Trust()  # complete / replay_filled / partial, with the reason
         self.last_seq: int | None = None
         self.last_ts: float | None = None
         self.duplicate_stream_seen: float | None = None
         # rare happenings for the event log (sources/stream_events.py): (kind, seq, seq, now)
         self.notes: deque[tuple[str, int, int, float]] = deque(maxlen=32)
         self._recent: deque[tuple[int, bytes]] = deque(maxlen=_RECENT)
-        self._replay: _Replay | None = None
+        self._replay: ReplayInFlight | None = None
         self._replay_ids = 0
         self._high = -1  # highest live seq accepted (== last_seq when no replay is in flight)
         self._pending: list[tuple[KvBatch, bytes]] = []  # candidate head after a fallback
@@ -146,7 +131,7 @@ class StreamSequencer:
         self._replay_ids += 1
         ahead = {q: b for q, b in rp.ahead.items() if q > self._high}
         started = rp.started if now is None else now  # every held batch is older than this ask
-        self._replay = _Replay(
+        self._replay = ReplayInFlight(
             self._replay_ids, hole, started, False, rp.held, False, self._high, ahead
         )
         return RequestReplay(self._replay_ids, hole)
@@ -174,6 +159,11 @@ class StreamSequencer:
         return seen is not None and now - seen < self.limits.quiet_s
 
     @property
+    def state_complete(self) -> bool:
+        """Not partial (the boolean of older snapshots, derived from `trust`)."""
+        return self.trust.trusted
+
+    @property
     def replay_in_flight(self) -> int | None:
         """The id of the replay in flight, if any."""
         return self._replay.replay_id if self._replay is not None else None
@@ -199,8 +189,10 @@ class StreamSequencer:
     def _join(self, batch: KvBatch, payload: bytes, now: float) -> Action | None:
         """First batch of a publisher (start or confirmed restart)."""
         seq = batch.seq
-        self.state_complete = seq == 0
-        if seq:
+        if seq == 0:
+            self.trust.set(t.COMPLETE, t.FROM_START)
+        else:
+            self.trust.lose(t.JOINED_MIDSTREAM)  # a replay from 0 may still make it whole
             self.notes.append(("join", seq, 0, now))
         if seq == 0 or not self.replay_enabled:
             self._accept(batch, payload)
@@ -215,7 +207,7 @@ class StreamSequencer:
         self.notes.append(("gap", last + 1, batch.seq - 1, now))
         if not self.replay_enabled:
             self.lost += n
-            self.state_complete = False
+            self.trust.lose(t.LOST_BATCHES)
             self._accept(batch, payload)
             return None
         self._high = batch.seq
@@ -225,7 +217,9 @@ class StreamSequencer:
         self, start: int, missed_from: int, now: float, batch: KvBatch, payload: bytes, join: bool
     ) -> RequestReplay:
         self._replay_ids += 1
-        rp = self._replay = _Replay(self._replay_ids, missed_from, now, join, covered=batch.seq)
+        rp = self._replay = ReplayInFlight(
+            self._replay_ids, missed_from, now, join, covered=batch.seq
+        )
         rp.held.append((batch, payload))
         self._recent.append((batch.seq, payload))
         return RequestReplay(rp.replay_id, start)
@@ -272,7 +266,8 @@ class StreamSequencer:
             self._pending.clear()
             self._other, self._other_seen = cand, now
             self._other_confirmed, self._other_run = True, 0
-            self.duplicate_stream_seen, self.state_complete = now, False
+            self.duplicate_stream_seen = now
+            self.trust.lose(t.SECOND_PUBLISHER)
             return self._route(batch, payload, now)
         if d_cand > 0:
             self._pending.append((batch, payload))
@@ -292,6 +287,7 @@ class StreamSequencer:
             self._finish_replay("aborted")
         self.restarts += 1
         self.notes.append(("restart", self._high, pending[0][0].seq if pending else 0, now))
+        self.trust.lose(t.WAITING)  # the new publisher's first batch decides
         self._other = self.last_seq  # the retired head; if it goes on, it was interleaving
         self._other_seen, self._other_confirmed, self._other_run = now, False, 0
         self.index.reset()
@@ -326,7 +322,8 @@ class StreamSequencer:
         self._other, self._other_seen, self._other_confirmed = seq, now, True
         self.interleaved_batches += 1
         # two publishers' events in one index: it is not trustworthy any more
-        self.duplicate_stream_seen, self.state_complete = now, False
+        self.duplicate_stream_seen = now
+        self.trust.lose(t.SECOND_PUBLISHER)
         return True
 
     def _swap_heads(self, seq: int, now: float) -> None:
@@ -334,7 +331,7 @@ class StreamSequencer:
         if self._replay is not None:
             self._finish_replay("aborted")
         self._other, self._other_seen, self._other_run = self._high, now, 0
-        self.state_complete = False  # the batches dropped as "other" belonged to this stream
+        self.trust.lose(t.SECOND_PUBLISHER)  # the batches dropped as "other" belonged here
         self.last_seq = self._high = seq - 1
 
     def _accept(self, batch: KvBatch, payload: bytes) -> None:
@@ -347,12 +344,12 @@ class StreamSequencer:
         clears = self.index.clears_total
         self.index.apply_batch(batch)
         if self.index.clears_total != clears:
-            self.state_complete = True  # everything before the clear no longer matters
+            self.trust.set(t.COMPLETE, t.CLEARED)  # what came before no longer matters
         self.batches_applied += 1
         self.last_seq = batch.seq
         self.last_ts = batch.ts
 
-    def _advance_to(self, rp: _Replay, seq: int) -> None:
+    def _advance_to(self, rp: ReplayInFlight, seq: int) -> None:
         """Apply held batches below `seq`; count what is neither held nor replayed below it."""
         prev = self.last_seq if self.last_seq is not None else -1
         held = rp.held
@@ -363,7 +360,7 @@ class StreamSequencer:
             prev = batch.seq
         self._fill(rp, prev + 1, seq)
 
-    def _fill(self, rp: _Replay, start: int, end: int) -> None:
+    def _fill(self, rp: ReplayInFlight, start: int, end: int) -> None:
         """Seqs [start, end) are not held: apply those the reply sent ahead, lose the rest."""
         if rp.ahead and end > start:
             for seq in sorted(q for q in rp.ahead if start <= q < end):
@@ -372,18 +369,18 @@ class StreamSequencer:
                 start = seq + 1
         self._skip(rp, start, end)
 
-    def _recover(self, rp: _Replay, batch: KvBatch) -> None:
+    def _recover(self, rp: ReplayInFlight, batch: KvBatch) -> None:
         """Apply a replayed batch that live did not deliver."""
         if batch.seq >= rp.missed_from:
             self.recovered += 1
         self._apply(batch)
 
-    def _skip(self, rp: _Replay, start: int, end: int) -> None:
+    def _skip(self, rp: ReplayInFlight, start: int, end: int) -> None:
         """Seqs [start, end) will never be applied."""
         if end <= start:
             return
         rp.lost = True
-        self.state_complete = False
+        self.trust.lose(t.JOINED_MIDSTREAM if end <= rp.missed_from else t.LOST_BATCHES)
         if end > rp.missed_from:
             self.lost += end - max(start, rp.missed_from)
         self.last_seq = end - 1
@@ -395,6 +392,8 @@ class StreamSequencer:
         if result == "ok" and rp.lost:
             result = "partial"
         elif result == "ok" and rp.join:
-            self.state_complete = True  # replayed from 0: the index saw everything
+            self.trust.set(t.COMPLETE, t.REPLAYED_FROM_START)  # the index saw everything
+        elif result == "ok":
+            self.trust.gap_filled()
         self.replay_requests[result] = self.replay_requests.get(result, 0) + 1
         self._replay = None

@@ -51,6 +51,11 @@ _WORKER_FLAGS: dict[str, tuple[str, type, str]] = {
     ),
     "buffer_steps": ("--buffer-steps", int, "replay ring size in batches (default 10000)"),
     "capacity_tokens": ("--capacity-tokens", int, "KV capacity per rank in tokens"),
+    "cpu_tier_tokens": (
+        "--cpu-tier-tokens",
+        int,
+        "a CPU tier of N tokens per rank: offload on eviction, onboard on a hit (0 = none)",
+    ),
     "page_size": ("--page-size", int, "tokens per page / block (default 16)"),
     "prompts": ("--prompts", int, "prompt library size"),
     "zipf_s": ("--zipf-s", float, "Zipf exponent of prompt popularity"),
@@ -90,6 +95,11 @@ _FAULT_FLAGS: dict[str, tuple[str, str]] = {
     "second_publisher": ("--second-publisher", "ranks with a second, interleaved publisher"),
     "mirror": ("--mirror", "SRC:DST: DST's port carries SRC's batches"),
     "wrong_rank": ("--wrong-rank", "RANK:LABEL: RANK writes LABEL at batch position 2"),
+    "unnumbered_drops": (
+        "--unnumbered-drops",
+        "batches (counting every batch made) dropped before numbering: no seq gap shows",
+    ),
+    "unnumbered_drop_rate": ("--unnumbered-drop-rate", "probability of a drop before numbering"),
     "drop_event_ids": ("--drop-event-ids", "Dynamo mode: lose the messages carrying these ids"),
 }
 
@@ -137,7 +147,13 @@ def _fault_overrides(args: argparse.Namespace) -> dict[str, Any]:
         raw = getattr(args, f"fault_{dest}")
         if raw is None:
             continue
-        if dest in ("drop_seqs", "ring_drop_seqs", "malformed_seqs", "drop_event_ids"):
+        if dest in (
+            "drop_seqs",
+            "ring_drop_seqs",
+            "malformed_seqs",
+            "drop_event_ids",
+            "unnumbered_drops",
+        ):
             out[dest] = frozenset(parse_int_list(flag, raw))
         elif dest in ("ranks", "second_publisher"):
             out[dest] = parse_int_list(flag, raw)

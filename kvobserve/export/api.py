@@ -7,6 +7,8 @@ from typing import Any
 
 from kvobserve.analysis.alerting import DEFAULT_RUNBOOK_URL, KINDS, severity_rank
 from kvobserve.analysis.fleet import Condition, FleetView, StreamView
+from kvobserve.analysis.hot import merge_top
+from kvobserve.analysis.placement import PlacementEstimate
 
 Json = dict[str, Any]
 
@@ -74,6 +76,11 @@ def stream_json(s: StreamView, now: float = 0.0, sched_usage: float | None = Non
         "last_decode_error_time": _t(st.last_decode_error_time),
         "last_rank_mismatch_time": _t(st.last_rank_mismatch_time),
         "incomplete_reason": (st.incomplete_reason or None) if live else None,
+        # docs/cache-analytics.md
+        "trust": st.trust or None,
+        "trust_reason": st.trust_reason or None,
+        "silent_loss": dict(st.silent_loss),
+        "over_capacity": s.over_capacity if live else None,
     }
 
 
@@ -169,3 +176,57 @@ def fleet_json(v: FleetView) -> Json:
         "unexpected": unexpected,
         "scheduler_sources": sources,
     }
+
+
+HOT_TOP = 32  # hot prefixes listed per worker
+
+
+def _hash_str(h: int | bytes) -> str:
+    """A block hash as text: decimal for ints (JSON numbers lose 64-bit precision), hex for bytes."""
+    return h.hex() if isinstance(h, bytes) else str(h)
+
+
+def placement_json(p: PlacementEstimate) -> Json:
+    """A worker's placement across its ranks (exact, or a sketch estimate with its error)."""
+    return {
+        "ranks": list(p.ranks),
+        "blocks_sum": p.blocks_sum,
+        "blocks_distinct": round(p.blocks_distinct, 1),
+        "redundancy": round(p.redundancy, 4) if p.redundancy is not None else None,
+        "replicated": {str(m): round(n, 1) for m, n in p.replicated.items()},
+        "recomputed_elsewhere": p.recomputed_elsewhere,
+        "exact": p.exact,
+        "relative_error": round(p.relative_error, 4),
+    }
+
+
+def hot_json(v: FleetView, top: int = HOT_TOP) -> Json:
+    """GET /api/v1/hot: per worker, the prefixes computed again most often (hashes, never
+    tokens) with store counts and the ranks holding them now, and the worker's placement."""
+    by_worker: dict[str, list[StreamView]] = {}
+    for s in v.streams:
+        if s.live:
+            by_worker.setdefault(s.stats.worker_id, []).append(s)
+    workers = []
+    for w_id in sorted(by_worker.keys() | v.placement.keys()):
+        streams = by_worker.get(w_id, [])
+        blocks, bound = merge_top(
+            (
+                ([(b.hash, b.stores, b.holders) for b in s.stats.hot], s.stats.hot_error)
+                for s in streams
+            ),
+            top,
+        )
+        p = v.placement.get(w_id)
+        workers.append(
+            {
+                "worker_id": w_id,
+                "error_bound": bound,  # each count may fall short by at most this many stores
+                "blocks": [
+                    {"hash": _hash_str(h), "stores": n, "stores_max": n + bound, "holders": held}
+                    for h, n, held in blocks
+                ],
+                "placement": placement_json(p) if p is not None else None,
+            }
+        )
+    return {"workers": workers}

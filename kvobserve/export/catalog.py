@@ -231,7 +231,8 @@ only. A collector that stays silent for an hour is forgotten altogether.
 
 **Endpoints.** `/metrics` (text format 0.0.4, or OpenMetrics when the `Accept` header asks for
 `application/openmetrics-text`), `/healthz`, `/readyz` (503 until the first snapshot),
-`/api/v1/streams`, `/api/v1/alerts`, `/api/v1/fleet` (JSON) and the status page `/`.
+`/api/v1/streams`, `/api/v1/alerts`, `/api/v1/fleet`, `/api/v1/hot` (JSON; docs/cache-analytics.md)
+and the status page `/`.
 
 **Passthrough.** Engine metric families a collector forwards (for example the leader's scheduler
 metrics) are served with their own type, labels and values, from live collectors only; `:` in

@@ -162,6 +162,10 @@ async def _fleet(request: web.Request) -> web.Response:
     return _json(api.fleet_json(_view(request)))
 
 
+async def _hot(request: web.Request) -> web.Response:
+    return _json(api.hot_json(_view(request)))
+
+
 async def _index(request: web.Request) -> web.Response:
     v = _view(request)
     page = status_page.render(
@@ -260,6 +264,7 @@ def create_app(
     app.router.add_get("/api/v1/alerts", _alerts)
     app.router.add_get("/api/v1/fleet", _fleet)
     app.router.add_get("/api/v1/events", _events)
+    app.router.add_get("/api/v1/hot", _hot)
     return app
 
 

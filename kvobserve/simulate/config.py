@@ -41,6 +41,7 @@ class SimConfig:
     buffer_steps: int = 10_000
     hwm: int = 100_000
     capacity_tokens: int = 16_384
+    cpu_tier_tokens: int = 0  # a host tier (offload on eviction, onboard on a hit); 0 = none
     page_size: int = 16
     max_running_requests: int = 48
     prompts: int = 200
@@ -95,9 +96,13 @@ class SimConfig:
                 raise ValueError(f"{name}: {v!r} is not a port")
         if self.kv_port and self.kv_port + self.dp_size > 65535:
             raise ValueError(f"kv_port: {self.kv_port} + dp_size {self.dp_size} passes 65535")
-        for name in ("max_batches", "flush_every", "output_tokens"):
+        for name in ("max_batches", "flush_every", "output_tokens", "cpu_tier_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: {getattr(self, name)!r} must be >= 0")
+        if self.cpu_tier_tokens and not self.wire.has_medium:
+            raise ValueError(
+                f"cpu_tier_tokens: format {self.format} has no medium field to name a CPU tier"
+            )
         if self.load_port is not None and not self.has_load_pub:
             raise ValueError(
                 f"load_port: format {self.format} has no load publisher (SGLang >= 0.5.19)"

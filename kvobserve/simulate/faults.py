@@ -50,6 +50,10 @@ class FaultConfig:
     period: int = 0  # batches; seq-based faults and the stall repeat with it; 0 = once
     # Dynamo mode: the message carrying each of these event_ids is lost on the event plane
     drop_event_ids: frozenset[int] = frozenset()
+    # batches the engine made but dropped before numbering them (vLLM's open non-blocking queue:
+    # seq is assigned on send), counted over every batch made: no seq gap ever shows
+    unnumbered_drops: frozenset[int] = frozenset()
+    unnumbered_drop_rate: float = 0.0
 
     def applies(self, rank: int) -> bool:
         """Whether the seq/rate/restart/stall faults hit this rank."""
@@ -64,7 +68,7 @@ class FaultConfig:
 
     def validate(self, dp_size: int) -> None:
         """ValueError naming the field and value when a setting cannot apply to dp_size ranks."""
-        for name in ("drop_rate", "ring_drop_rate", "malformed_rate"):
+        for name in ("drop_rate", "ring_drop_rate", "malformed_rate", "unnumbered_drop_rate"):
             v = getattr(self, name)
             if not 0.0 <= v <= 1.0:
                 raise ValueError(f"faults.{name}: {v!r} is not a probability in [0, 1]")
@@ -72,7 +76,7 @@ class FaultConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"faults.{name}: {getattr(self, name)!r} must be >= 0")
         if self.period:
-            for name in ("drop_seqs", "ring_drop_seqs", "malformed_seqs"):
+            for name in ("drop_seqs", "ring_drop_seqs", "malformed_seqs", "unnumbered_drops"):
                 late = [s for s in getattr(self, name) if s >= self.period]
                 if late:
                     raise ValueError(
@@ -104,7 +108,7 @@ class FaultConfig:
 class FaultPlan:
     """Per-instance fault decisions; deterministic for a given seed."""
 
-    __slots__ = ("_active", "_cfg", "_period", "_rates", "_rng")
+    __slots__ = ("_active", "_cfg", "_period", "_rates", "_rng", "_silent", "_silent_rng")
 
     def __init__(self, cfg: FaultConfig, rank: int, seed: int) -> None:
         self._cfg = cfg
@@ -119,6 +123,17 @@ class FaultPlan:
         self._rates = cfg.drop_rate or cfg.ring_drop_rate or cfg.malformed_rate
         self._period = cfg.period
         self._rng = random.Random(seed)
+        self._silent = cfg.applies(rank) and bool(cfg.unnumbered_drops or cfg.unnumbered_drop_rate)
+        self._silent_rng = random.Random(seed ^ 0x51)  # its own draws: other faults stay put
+
+    def drops_unnumbered(self, made: int) -> bool:
+        """Whether the `made`-th batch (numbered or not, from 0) is dropped before numbering."""
+        if not self._silent:
+            return False
+        c = self._cfg
+        if (made % self._period if self._period else made) in c.unnumbered_drops:
+            return True
+        return bool(c.unnumbered_drop_rate) and self._silent_rng.random() < c.unnumbered_drop_rate
 
     def decide(self, seq: int) -> Action:
         """The fate of the batch with this seq."""
@@ -176,7 +191,13 @@ def faults_from_dict(d: dict[str, Any]) -> FaultConfig:
     for k, v in d.items():
         if k not in _FIELDS:
             raise ValueError(f"faults.{k}: unknown key (known: {', '.join(sorted(_FIELDS))})")
-        if k in ("drop_seqs", "ring_drop_seqs", "malformed_seqs", "drop_event_ids"):
+        if k in (
+            "drop_seqs",
+            "ring_drop_seqs",
+            "malformed_seqs",
+            "drop_event_ids",
+            "unnumbered_drops",
+        ):
             kw[k] = frozenset(int(x) for x in v)
         elif k in ("mirror", "wrong_rank"):
             kw[k] = tuple((int(a), int(b)) for a, b in v)

@@ -15,6 +15,7 @@ from typing import Any
 from kvobserve.simulate.cache import Hash, Page, PrefixCache, PromptLibrary, paginate
 from kvobserve.simulate.encoders import WireFormat, encode_batch
 from kvobserve.simulate.faults import MALFORMED_PAYLOADS, Action, FaultConfig, FaultPlan
+from kvobserve.simulate.ledger import CpuTier, Ledger
 
 _POOL_SIZE = 1 << 16
 PREFILL_US_PER_TOKEN = 5  # made-up prefill cost for LoadStat's busy counter
@@ -41,6 +42,7 @@ class SimStream:
         output_tokens: int = 48,
         flush_every: int = 0,
         max_running: int = 48,
+        cpu_tier_tokens: int = 0,
     ) -> None:
         self.fmt = fmt
         self.instance = instance
@@ -67,6 +69,16 @@ class SimStream:
         self._tick = 0  # next_batch calls: request lifetimes count these, not seqs
         self.preempted = 0
         self._medium = fmt.wire_medium("GPU")
+        self.gpu = self._medium or "GPU"  # the medium's name in the truth (None on the wire: GPU)
+        # the host tier (off by default, so existing formats keep their bytes)
+        self.cpu = CpuTier(cpu_tier_tokens) if cpu_tier_tokens else None
+        self.cpu_medium = "CPU_PINNED" if fmt.engine == "sglang" else "CPU"
+        self._page_tokens: dict[Hash, int] = {}  # GPU pages' token counts (CPU tier only)
+        self.ledger = Ledger()
+        self.peers: list[SimStream] = []  # the node's other ranks (recompute-elsewhere truth)
+        self._ts = 0.0  # the batch being made
+        self.made = 0  # batches made, numbered or not
+        self.unnumbered_dropped: list[int] = []  # `made` indexes dropped before numbering
         self.seq = 0
         self.batches_sent = 0
         self.events = 0
@@ -107,19 +119,33 @@ class SimStream:
         cache.lock(held)
         self._live[self.requests] = held
         heapq.heappush(self._ends, (self._tick + rng.randint(4, 64), self.requests))
+        n = self.requests
+        meta = fmt.request_meta(n, (), self.page_size) if fmt.per_page_stores else None
+        if self.cpu is not None:  # loads first: a page being loaded is not evicted meanwhile
+            onboards = sum(1 for p in res.stored if self.cpu.onboard(p.hash))
+            if onboards:
+                self.ledger.moved(f"{self.cpu_medium}>{self.gpu}", onboards)
+            self._offload(res.evicted, out)
         for run in res.evicted:
             if fmt.removed_per_node:
                 out.append(fmt.removed(run[::-1], self._medium))
             else:
                 out.extend(fmt.removed([h], self._medium) for h in run)
+            self.ledger.removed(self.gpu, run, self._ts)
         if not res.stored:
             return
+        stored_hashes = [p.hash for p in res.stored]
+        if self.peers:
+            self.ledger.recomputed_elsewhere += sum(
+                1 for h in stored_hashes if any(h in o.cache.nodes for o in self.peers)
+            )
+        if self.cpu is not None:
+            self._page_tokens.update((p.hash, len(p.tokens)) for p in res.stored)
         stored_tokens = sum(len(p.tokens) for p in res.stored)
         self.prefill_uncached_tokens += stored_tokens
         parent: Hash | None = res.parent if res.parent is not None else fmt.root_parent
-        n = self.requests
-        if fmt.per_page_stores:
-            meta = fmt.request_meta(n, (), self.page_size)  # SGLang: per request, not per page
+        if meta is not None:  # SGLang: the metadata is per request, not per page
+            self.ledger.stored(self.gpu, stored_hashes, self._ts, meta.lora_name)
             for p in res.stored:
                 out.append(
                     fmt.stored([p.hash], parent, p.tokens, len(p.tokens), self._medium, meta)
@@ -129,7 +155,30 @@ class SimStream:
             tokens = [t for p in res.stored for t in p.tokens]
             hashes = [p.hash for p in res.stored]
             meta = fmt.request_meta(n, tokens, self.page_size)
+            self.ledger.stored(self.gpu, stored_hashes, self._ts, meta.lora_name)
             out.append(fmt.stored(hashes, parent, tokens, self.page_size, self._medium, meta))
+
+    def _offload(self, evicted: list[list[Hash]], out: list[Any]) -> None:
+        """Copy the GPU's evicted pages to the host tier, before the GPU frees them."""
+        assert self.cpu is not None
+        fmt, cpu, medium, ledger = self.fmt, self.cpu, self.cpu_medium, self.ledger
+        pages = [(h, self._page_tokens.pop(h, self.page_size)) for run in evicted for h in run]
+        stored, dropped = cpu.offload(pages)
+        if dropped:
+            for h in dropped:
+                out.append(fmt.removed([h], medium))
+            unread = sum(1 for h in dropped if h not in cpu.read_back)
+            cpu.read_back.difference_update(dropped)
+            ledger.unread_removed[medium] = ledger.unread_removed.get(medium, 0) + unread
+            ledger.removed(medium, dropped, self._ts)
+        if not stored:
+            return
+        if fmt.per_page_stores:
+            out.extend(fmt.stored([h], None, [], k, medium) for h, k in stored)
+        else:
+            out.append(fmt.stored([h for h, _ in stored], None, [], self.page_size, medium))
+        ledger.stored(medium, [h for h, _ in stored], self._ts)
+        ledger.moved(f"{self.gpu}>{medium}", len(stored))
 
     def _make_room(self, pages: list[Page]) -> None:
         """Preempt the newest running requests until this one's pages fit beside the held ones.
@@ -156,6 +205,10 @@ class SimStream:
     def _events(self) -> list[Any]:
         if self.flush_every and self.seq and self.seq % self.flush_every == 0:
             self.cache.clear()
+            if self.cpu is not None:
+                self.cpu.clear()
+                self._page_tokens.clear()
+            self.ledger.cleared()
             for rid in self._live:  # a flush frees every page; the running requests go on
                 self._live[rid] = []
             return [self.fmt.cleared]
@@ -184,7 +237,14 @@ class SimStream:
         """Advance one batch: (seq frame, payload) to send live, or None (dropped or no events)."""
         seq = self.seq
         self._tick += 1
+        self._ts = ts
         self._finish_requests()
+        made = self.made
+        self.made += 1
+        if self.plan.drops_unnumbered(made):
+            if self._events():  # made and lost before a seq was assigned: no gap shows
+                self.unnumbered_dropped.append(made)
+            return None
         action = self.plan.decide(seq)
         if action is Action.MALFORMED:
             payload = MALFORMED_PAYLOADS[len(self.malformed) % len(MALFORMED_PAYLOADS)]

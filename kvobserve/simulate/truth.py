@@ -23,8 +23,12 @@ def hash_json(h: Hash) -> int | str:
 
 def stream_truth(s: SimStream) -> dict[str, Any]:
     """One publisher instance: counters, dropped seqs and the resident block set per medium."""
-    medium = s.fmt.wire_medium("GPU") or "GPU"  # a version without medium means the GPU tier
-    resident = sorted(s.cache.nodes, key=_sort_key)
+    medium = s.gpu  # a version without medium means the GPU tier
+    resident = {medium: [hash_json(h) for h in sorted(s.cache.nodes, key=_sort_key)]}
+    tokens = {medium: s.cache.used_tokens}
+    if s.cpu is not None:
+        resident[s.cpu_medium] = [hash_json(h) for h in sorted(s.cpu.pages, key=_sort_key)]
+        tokens[s.cpu_medium] = s.cpu.used_tokens
     return {
         "instance": s.instance,
         "kind": s.kind,
@@ -36,12 +40,15 @@ def stream_truth(s: SimStream) -> dict[str, Any]:
         "ring_dropped_seqs": list(s.ring_dropped),
         "malformed_seqs": list(s.malformed),
         "ended_by_restart": s.ended,
-        "resident": {medium: [hash_json(h) for h in resident]},
-        "resident_tokens": {medium: s.cache.used_tokens},
+        "resident": resident,
+        "resident_tokens": tokens,
         "held_tokens": s.held_tokens,  # held by running requests: the scheduler's usage * capacity
         "preempted_requests": s.preempted,
         "requests": s.requests,
         "prefix_cache_hit_rate": round(s.hit_rate, 6),
+        "batches_made": s.made,  # numbered or not
+        "unnumbered_dropped": list(s.unnumbered_dropped),  # `made` indexes lost before numbering
+        **s.ledger.truth(),  # restores, recomputed_elsewhere, tier_moves, unread_removed, LoRA
     }
 
 

@@ -67,7 +67,7 @@ class SimulatedWorker:
         return SimStream(
             self.fmt, instance, kind, st.rank, label, self._topic, self._library, seed,
             c.capacity_tokens, c.page_size, c.buffer_steps, c.faults, c.requests_per_batch,
-            c.output_tokens, c.flush_every, c.max_running_requests,
+            c.output_tokens, c.flush_every, c.max_running_requests, c.cpu_tier_tokens,
         )  # fmt: skip
 
     def _bind_group(
@@ -234,9 +234,12 @@ class SimulatedWorker:
 
     def _publish_rank(self, st: RankState, now: float, ts: float) -> None:
         c = self.cfg
+        peers = [o.streams[0] for o in self.ranks if o is not st and o.streams]
         for stream in st.streams:
             if c.max_batches and stream.seq >= c.max_batches:
                 continue
+            if stream.kind == "primary":
+                stream.peers = peers
             out = stream.next_batch(ts)
             if out is None:
                 continue

@@ -16,18 +16,20 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from kvobserve.analysis.analytics import DEFAULT_ANALYTICS, AnalyticsOptions
 from kvobserve.analysis.mirror import MirrorDetector
 from kvobserve.analysis.sequence import (
     DEFAULT_LIMITS,
     SequencerLimits,
     StreamSequencer,
 )
+from kvobserve.sources import cache_stats
 from kvobserve.sources.link import DEFAULT_LINK_TIMES, MONITOR_EVENTS, Link, LinkTimes
 from kvobserve.sources.plan import StreamSpec
 from kvobserve.sources.replays import DRAIN_LIMIT, ReplayClient
@@ -36,7 +38,7 @@ from kvobserve.sources.stream_state import WatchedStream, count_bad, new_link, s
 from kvobserve.sources.topic_probe import TopicProbes
 from kvobserve.wire.errors import WireError
 from kvobserve.wire.kv_events import DEFAULT_MAX_PAYLOAD, decode_message
-from kvobserve.wire.snapshot import StreamStats, UnexpectedStream
+from kvobserve.wire.snapshot import StreamStats, UnexpectedStream, WorkerPlacement
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -58,6 +60,8 @@ class IngestOptions:
     limits: SequencerLimits = DEFAULT_LIMITS
     max_streams: int = 4096  # streams (incl. probes) per collector: a label cardinality cap
     link: LinkTimes = DEFAULT_LINK_TIMES
+    # docs/cache-analytics.md; None = residency and sequence only (benchmarks compare both)
+    analytics: AnalyticsOptions | None = DEFAULT_ANALYTICS
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,7 @@ class IngestStats:
     refused: dict[str, int]  # what a cardinality cap refused: streams, medium_events
     messages_received: int = 0
     loop_errors: int = 0
+    placement: list[WorkerPlacement] = field(default_factory=list)
 
 
 class IngestLoop:
@@ -107,6 +112,8 @@ class IngestLoop:
         self._warned_refused = False
         self.received_total = 0
         self.loop_errors = 0
+        a = self.options.analytics
+        self._placements = cache_stats.Placements(a) if a is not None else None
 
     # --- public, any thread -----------------------------------------------------------------
 
@@ -131,9 +138,10 @@ class IngestLoop:
             self._calls.append((fn, fut))
         return fut
 
-    def stats(self) -> concurrent.futures.Future[IngestStats]:
-        """A consistent picture of every stream, built in the ingest thread."""
-        return self.call(self._build_stats)
+    def stats(self, whole: frozenset[str] = frozenset()) -> concurrent.futures.Future[IngestStats]:
+        """A consistent picture of every stream, built in the ingest thread; `whole`: workers
+        whose every rank this collector watches (their placement needs no sketch)."""
+        return self.call(lambda: self._build_stats(whole))
 
     def set_specs(self, specs: Sequence[StreamSpec]) -> concurrent.futures.Future[None]:
         """Watch exactly `specs` from now on (rediscovery); unchanged streams keep their state."""
@@ -330,6 +338,8 @@ class IngestLoop:
                     st.mirror = self._mirrors.setdefault(spec.worker_id, MirrorDetector())
                     st.link = new_link(spec, self.options.link, self.events, self._wall())
                     st.history = StreamHistory(*key, self.events)
+                    if self.options.analytics is not None:
+                        cache_stats.attach(seq, self.options.analytics)
             try:
                 self._open(st)
             except zmq.ZMQError as exc:  # a bad endpoint must not take the others down
@@ -338,6 +348,10 @@ class IngestLoop:
                 if st.link is not None:
                     st.link.health.set("connecting", f"cannot connect: {exc}", self._wall())
         self.refused_streams_total += len(self._refused_streams - before)  # newly refused
+        if self.options.analytics is not None:
+            cache_stats.link_peers(
+                (k[0], st.seq) for k, st in self._streams.items() if st.seq is not None
+            )
         if self._refused_streams and not self._warned_refused:
             self._warned_refused = True  # once: the count is in kvobserve_collector_refused_total
             log.warning(
@@ -358,8 +372,12 @@ class IngestLoop:
 
     # --- snapshot -----------------------------------------------------------------------------
 
-    def _build_stats(self) -> IngestStats:
+    def _build_stats(self, whole: frozenset[str] = frozenset()) -> IngestStats:
         now, wall = self._clock(), self._wall()
+        siblings: dict[str, list[StreamSequencer]] = {}
+        for (worker_id, _), w in self._streams.items():
+            if w.seq is not None:
+                siblings.setdefault(worker_id, []).append(w.seq)
         streams: list[StreamStats] = []
         unexpected: list[UnexpectedStream] = []
         refused = {"streams": self.refused_streams_total, "medium_events": 0}
@@ -377,7 +395,22 @@ class IngestLoop:
                 st.link.observe_duplicate(st.seq.duplicate_stream(now), wall)
             if st.history is not None:
                 st.history.update(st.seq, st.decode_errors, now, wall)
-            streams.append(stream_stats(st, st.seq, now, wall))
+            s = stream_stats(st, st.seq, now, wall)
+            cache_stats.fill_stream(s, st.seq, [q.index for q in siblings[spec.worker_id]])
+            streams.append(s)
             refused["medium_events"] += st.seq.index.media_refused_events
+        placement: list[WorkerPlacement] = []
+        if self._placements is not None:
+            placement = self._placements.build(
+                (
+                    (w.spec.worker_id, w.spec.dp_rank, w.spec.engine, w.seq)
+                    for w in self._streams.values()
+                    if w.seq is not None
+                ),
+                whole,
+                now,
+            )
         refused = {k: v for k, v in refused.items() if v}
-        return IngestStats(streams, unexpected, refused, self.received_total, self.loop_errors)
+        return IngestStats(
+            streams, unexpected, refused, self.received_total, self.loop_errors, placement
+        )

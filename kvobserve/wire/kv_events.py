@@ -84,7 +84,12 @@ class BlockStored(KvEvent, gc=False):
 
     def lora(self) -> str | None:
         """The LoRA adapter name, when the version carries one."""
-        raise NotImplementedError
+        return None
+
+    @property
+    def lora_name(self) -> str | None:
+        """As `lora()`; the map forms shadow it with their field (a plain attribute read)."""
+        return self.lora()
 
     def decoded_token_ids(self) -> list[Any]:
         """The token ids (or bigram pairs); decoded only on request. Raises WireError only."""
@@ -120,9 +125,12 @@ class _StoredArrBase(BlockStored, array_like=True, gc=False):
     extra_keys: Raw = Raw(b"")
 
     def lora(self) -> str | None:
-        first = memoryview(self.slot7)[:1].tobytes()
-        if first and (0xA0 <= first[0] <= 0xBF or first[0] in (0xD9, 0xDA, 0xDB)):
-            return str(_lazy(_dec_str, self.slot7, "lora_name"))
+        slot = self.slot7
+        if len(slot) < 2:  # absent, nil or "": no allocation on the usual path
+            return None
+        first = memoryview(slot)[:1].tobytes()
+        if 0xA0 <= first[0] <= 0xBF or first[0] in (0xD9, 0xDA, 0xDB):
+            return str(_lazy(_dec_str, slot, "lora_name"))
         return None
 
 

@@ -27,7 +27,7 @@ class Histogram(Struct, array_like=True, gc=False):
 
 
 class MediumStats(Struct, omit_defaults=True, gc=False):
-    """Block index state of one storage tier of one stream."""
+    """Block index state of one storage tier of one stream (docs/cache-analytics.md)."""
 
     medium: str
     blocks: int = 0
@@ -35,6 +35,20 @@ class MediumStats(Struct, omit_defaults=True, gc=False):
     stored_total: int = 0
     removed_total: int = 0
     lifetime: Histogram | None = None
+    restored_total: int = 0  # blocks stored again within the restore window after removal
+    restore_gap: Histogram | None = None  # removal -> restore seconds
+    moved_in: dict[str, int] = {}  # source medium -> blocks stored here that it held or dropped
+    unread_removed_total: int = 0  # lower tiers: blocks that left without being read back
+    unread_blocks: int = 0  # lower tiers: resident blocks not read back (yet)
+    lora_blocks: dict[str, int] = {}  # LoRA adapter -> resident blocks (capped names)
+
+
+class HotBlock(Struct, array_like=True, gc=False):
+    """One hot prefix: a block hash (never tokens), its store count, the ranks holding it now."""
+
+    hash: int | bytes
+    stores: int  # a lower bound; at most `StreamStats.hot_error` more
+    holders: int = 0  # ranks of this worker in this collector where it is resident now
 
 
 class StreamStats(Struct, omit_defaults=True, gc=False):
@@ -80,6 +94,35 @@ class StreamStats(Struct, omit_defaults=True, gc=False):
     last_rank_mismatch_time: float = 0.0
     incomplete_reason: str = ""  # why state_complete is False, when known
     replaying: bool = False  # a replay is in flight: whether the index will be complete is open
+    # docs/cache-analytics.md; empty/0 with the analytics off
+    trust: str = ""  # complete, replay_filled, partial ("" = an older collector)
+    trust_reason: str = ""
+    silent_loss: dict[str, int] = {}  # reason (remove_unknown, parent_unknown) -> count
+    restore_refused: int = 0  # removals the restore window could not track (its cap)
+    recomputed_elsewhere: int = 0  # blocks stored here while another rank held them
+    hot: list[HotBlock] = []
+    hot_error: int = 0  # bound on how far each hot store count may fall short
+    lora_refused: int = 0  # stores of adapters past the name cap (counted as "_other")
+
+
+class WorkerPlacement(Struct, omit_defaults=True, gc=False):
+    """Top-tier residency across the ranks of one worker that one collector watches.
+
+    Exact over `ranks`. For a worker whose ranks span collectors, `sketch` carries the
+    `sketch_k` smallest normalized hashes of the union (8 bytes big-endian each, ascending) and
+    `sketch_counts` how many of `ranks` hold each (2 bytes each); the aggregator merges them.
+    """
+
+    worker_id: str
+    ranks: list[int] = []
+    blocks_sum: int = 0  # resident blocks summed over ranks
+    blocks_distinct: int = 0  # distinct hashes over ranks
+    replicated: dict[int, int] = {}  # m >= 2 ranks holding it -> distinct blocks
+    recomputed_elsewhere: int = 0  # summed over ranks (cumulative)
+    sketch_k: int = 0
+    sketch: bytes = b""
+    sketch_counts: bytes = b""
+    computed_at: float = 0.0  # monotonic seconds of the collector when computed
 
 
 class UnexpectedStream(Struct, omit_defaults=True, gc=False):
@@ -267,6 +310,7 @@ class Snapshot(Struct, omit_defaults=True, gc=False):
     counters: CollectorCounters | None = None
     sources: list[SourceState] = []
     events: list[Event] = []  # the collector's most recent events (at most MAX_EVENTS)
+    placement: list[WorkerPlacement] = []  # per worker, with the analytics on
 
 
 _encoder = msgspec.msgpack.Encoder()

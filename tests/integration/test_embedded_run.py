@@ -269,8 +269,9 @@ def _expected_stream(t: dict[str, Any], rank: int, faults: FaultConfig) -> dict[
     # A restarting engine closes its sockets with linger 0 and may lose its last batches.
     if not rk["restarts"]:
         want["batches_total"] = cur["batches"] - lost
-    # With batches lost for good, or two publishers on the port, no exact block set is owed.
-    if not lost and not second:
+    # With batches lost for good (numbered or not), or two publishers on the port, no exact
+    # block set is owed.
+    if not lost and not second and not cur["unnumbered_dropped"]:
         want["media"] = {
             m: (len(hashes), cur["resident_tokens"][m])
             for m, hashes in cur["resident"].items()

@@ -13,8 +13,9 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.openmetrics.exposition import generate_latest as om_generate_latest
 from prometheus_client.utils import floatToGoString
 
-from benchmarks import e2e, ingest, memory, scale
+from benchmarks import e2e, ingest, memory, scale, sketch
 from benchmarks._common import build_cycle
+from kvobserve.analysis.analytics import CacheAnalytics
 from kvobserve.analysis.blocks import BlockIndex
 from kvobserve.analysis.fleet import FleetState, FleetView
 from kvobserve.export.exposition import format_value
@@ -57,7 +58,7 @@ def test_bare_and_naive_handlers_track_the_same_blocks_as_the_index() -> None:
 
 
 def test_memory_fill_counts_every_block() -> None:
-    per = memory.per_block_traced(5_000, bytes_hashes=False)
+    per = memory.per_block_traced(5_000, bytes_hashes=False, analytics=False)
     assert 40 < per < 400  # an int object plus a dict slot, give or take a resize
 
 
@@ -129,3 +130,27 @@ def test_benchmark_modules_have_a_main() -> None:
     for mod in (ingest, e2e, scale, memory):
         assert callable(mod.main), mod.__name__
     assert Path(ingest.__file__).parent.name == "benchmarks"
+
+
+def test_memory_fill_with_the_analytics_attributes_lora_blocks() -> None:
+    idx = BlockIndex()
+    idx.analytics = CacheAnalytics()
+    memory.fill(idx, 3_584, bytes_hashes=False)  # 7 batches of 32 events of 16 hashes
+    assert idx.blocks == {"GPU": 3_584}
+    assert idx.analytics.lora_blocks == {"GPU": {"sql-lora": 3_584 // memory.LORA_EVERY}}
+
+
+def test_sketch_benchmark_runs_on_a_tiny_input(capsys: pytest.CaptureFixture[str]) -> None:
+    assert sketch.main(["--seeds", "2", "--blocks", "2000", "--k", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "KMV   k=64" in out and "distinct max" in out
+
+
+def test_ingest_without_analytics_runs_the_same_loop() -> None:
+    off = ingest.measure(32, 300, "kvobserve-off")
+    assert (off.batches, off.gaps) == (300, 0)
+
+
+def test_ingest_inprocess_comparison_runs_both_ways() -> None:
+    cpu = ingest.inprocess(32, rounds=1)
+    assert set(cpu) == {"off", "on"} and all(v > 0 for v in cpu.values())
