@@ -16,6 +16,7 @@ from kvobserve.wire.snapshot import (
     Snapshot,
     StreamStats,
     UnexpectedStream,
+    merge_parts,
 )
 
 GPU_MEDIA = frozenset({"GPU", "DEVICE"})
@@ -36,7 +37,7 @@ class Condition:
         return (self.kind, self.labels)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class CollectorView:
     """One collector as the fleet sees it."""
 
@@ -46,7 +47,7 @@ class CollectorView:
     snapshot: Snapshot
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StreamView:
     """One stream with its collector, liveness and derived usage."""
 
@@ -83,10 +84,23 @@ class FleetView:
     conditions: list[Condition] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Entry:
     snapshot: Snapshot
     received: float
+
+
+@dataclass(slots=True)
+class _Collector:
+    """One collector's parts (one per shard bucket; one WHOLE part from older collectors)."""
+
+    parts: dict[int, _Entry] = field(default_factory=dict)
+    merged: _Entry | None = None  # the parts as one snapshot; None: to be merged again
+
+
+def _problem(up: bool, st: StreamStats) -> bool:
+    """Whether a stream has a condition (down, duplicate or incomplete)."""
+    return not (up and st.up and st.state_complete and not st.duplicate_stream)
 
 
 class FleetState:
@@ -95,85 +109,168 @@ class FleetState:
     def __init__(self, stale_intervals: float = 3.0, forget_after_s: float = 3600.0) -> None:
         self.stale_intervals = stale_intervals
         self.forget_after_s = forget_after_s
-        self._entries: dict[str, _Entry] = {}
+        self._collectors: dict[str, _Collector] = {}
+        self._order: list[str] = []  # collector ids, sorted; rebuilt when the set changes
         self.snapshots_applied = 0
         self.snapshots_ignored = 0  # older than the one we have (reordered or replayed)
 
     def update(self, snap: Snapshot, now: float) -> bool:
-        """Keep `snap` if it is newer than what we have for its collector."""
+        """Keep `snap` if it is newer than what we hold for its collector (and its bucket)."""
         cid = snap.collector.collector_id
-        old = self._entries.get(cid)
-        if old is not None:
-            o = old.snapshot
-            same_process = o.collector.start_time == snap.collector.start_time
-            if same_process and snap.seq <= o.seq:
+        c = self._collectors.get(cid)
+        if c is None:
+            c = self._collectors[cid] = _Collector()
+            self._order = []
+        start = snap.collector.start_time
+        for bucket, e in c.parts.items():
+            o = e.snapshot
+            older = start < o.collector.start_time
+            if older or (
+                bucket == snap.bucket and start == o.collector.start_time and snap.seq <= o.seq
+            ):
                 self.snapshots_ignored += 1
                 return False
-            if not same_process and snap.collector.start_time < o.collector.start_time:
-                self.snapshots_ignored += 1
-                return False
-        self._entries[cid] = _Entry(snap, now)
+        if c.parts and start > next(iter(c.parts.values())).snapshot.collector.start_time:
+            c.parts.clear()  # a new process: its parts replace every part of the old one
+        c.parts[snap.bucket] = _Entry(snap, now)
+        c.merged = None
         self.snapshots_applied += 1
         return True
 
+    def snapshot(self, collector_id: str) -> Snapshot | None:
+        """The collector's snapshot as served (its parts merged); None if unknown."""
+        c = self._collectors.get(collector_id)
+        return None if c is None else (c.merged or _merge(c)).snapshot
+
     def collector_ids(self) -> list[str]:
         """Ids of every collector we hold a snapshot for."""
-        return sorted(self._entries)
+        return sorted(self._collectors)
 
     def _is_up(self, e: _Entry, now: float) -> bool:
         return now - e.received <= self.stale_intervals * max(e.snapshot.interval_s, 0.001)
 
-    def view(self, now: float) -> FleetView:
-        """The fleet as of `now`."""
-        for cid in [c for c, e in self._entries.items() if now - e.received > self.forget_after_s]:
-            del self._entries[cid]
-        v = FleetView()
-        entries = sorted(self._entries.values(), key=lambda e: e.snapshot.collector.collector_id)
-        capacity: dict[tuple[str, int], float] = {}
-        configured: dict[tuple[str, str], int] = {}
+    def _entries(self, now: float) -> list[_Entry]:
+        """Each collector's snapshot (its parts merged), by collector id; forgets the silent."""
+        out = []
+        forget = []
+        if not self._order:
+            self._order = sorted(self._collectors)
+        for cid in self._order:
+            c = self._collectors[cid]
+            e = c.merged or _merge(c)
+            if now - e.received > self.forget_after_s:
+                forget.append(cid)
+            else:
+                out.append(e)
+        for cid in forget:
+            del self._collectors[cid]
+            self._order = []
+        return out
+
+    def _membership(self, v: FleetView, entries: list[_Entry], now: float) -> list[bool]:
+        """Collectors, dp sizes, owners, leaders, scheduler stats and unexpected streams of the
+        view; returns whether each entry is up."""
+        ups = []
         for e in entries:
             snap, up = e.snapshot, self._is_up(e, now)
+            ups.append(up)
             info = snap.collector
+            cid = info.collector_id
             v.collectors.append(CollectorView(info, up, max(0.0, now - e.received), snap))
             for w in snap.workers:
-                v.dp_size[w.worker_id] = max(v.dp_size.get(w.worker_id, 0), w.dp_size)
-                v.leaders.setdefault(w.worker_id, [])
-                configured[(info.collector_id, w.worker_id)] = w.capacity_tokens
+                w_id = w.worker_id
+                v.dp_size[w_id] = max(v.dp_size.get(w_id, 0), w.dp_size)
+                leaders = v.leaders.setdefault(w_id, [])
                 if not up:
                     continue
                 for r in w.ranks_owned:
-                    v.owners.setdefault((w.worker_id, r), []).append(info.collector_id)
+                    ids = v.owners.get((w_id, r))
+                    if ids is None:
+                        v.owners[(w_id, r)] = [cid]
+                    else:
+                        ids.append(cid)
                 if w.leader:
-                    v.leaders[w.worker_id].append(info.collector_id)
+                    leaders.append(cid)
             if up:
-                for s in snap.scheduler:
-                    v.scheduler.append((s, info))
-                    if s.max_total_tokens:
-                        capacity[(s.worker_id, s.dp_rank)] = s.max_total_tokens
+                v.scheduler.extend([(s, info) for s in snap.scheduler])
+                v.unexpected.extend([(u, info) for u in snap.unexpected])
         for w_id, size in v.dp_size.items():
             for r in range(size):
-                v.owners.setdefault((w_id, r), [])
-        for e in entries:
-            snap, up = e.snapshot, self._is_up(e, now)
+                if (w_id, r) not in v.owners:
+                    v.owners[(w_id, r)] = []
+        return ups
+
+    def view(self, now: float, conditions: bool = True) -> FleetView:
+        """The fleet as of `now` (without its conditions when `conditions` is False)."""
+        v = FleetView()
+        entries = self._entries(now)
+        ups = self._membership(v, entries, now)
+        capacity: dict[tuple[str, int], float] = {}
+        for s, _ in v.scheduler:
+            if s.max_total_tokens:
+                capacity[(s.worker_id, s.dp_rank)] = s.max_total_tokens
+        streams = v.streams
+        for e, up in zip(entries, ups, strict=True):
+            snap = e.snapshot
             info = snap.collector
+            configured = {w.worker_id: w.capacity_tokens for w in snap.workers}
             for st in snap.streams:
-                cap: float | None = configured.get((info.collector_id, st.worker_id)) or None
+                cap: float | None = configured.get(st.worker_id) or None
                 if cap is None:
                     cap = capacity.get((st.worker_id, st.dp_rank))
-                gpu = sum(m.tokens for m in st.media if m.medium in GPU_MEDIA)
-                v.streams.append(StreamView(st, info, up, cap, gpu))
-            if up:
-                v.unexpected.extend((u, info) for u in snap.unexpected)
-        v.streams.sort(key=lambda s: (s.stats.worker_id, s.stats.dp_rank, s.collector.collector_id))
-        v.conditions = list(_conditions(v))
+                gpu = 0
+                for m in st.media:
+                    if m.medium in GPU_MEDIA:
+                        gpu += m.tokens
+                streams.append(StreamView(st, info, up, cap, gpu))
+        streams.sort(key=lambda s: (s.stats.worker_id, s.stats.dp_rank, s.collector.collector_id))
+        if conditions:
+            problems = [
+                (s.stats, s.collector, s.live) for s in streams if _problem(s.live, s.stats)
+            ]
+            v.conditions = list(_conditions(v, problems))
         return v
+
+    def conditions(self, now: float) -> list[Condition]:
+        """view(now).conditions, without building the streams' views (the per-second check)."""
+        v = FleetView()
+        entries = self._entries(now)
+        ups = self._membership(v, entries, now)
+        found: list[tuple[tuple[str, int, str], int, tuple[StreamStats, CollectorInfo, bool]]] = []
+        for e, up in zip(entries, ups, strict=True):
+            info = e.snapshot.collector
+            for st in e.snapshot.streams:
+                if _problem(up, st):
+                    key = (st.worker_id, st.dp_rank, info.collector_id)
+                    found.append((key, len(found), (st, info, up)))
+        found.sort(key=lambda f: f[:2])
+        return list(_conditions(v, [p for _, _, p in found]))
+
+
+def _merge(c: _Collector) -> _Entry:
+    """The collector's parts as one entry: the newest part's buckets, received when the
+    oldest of them was (a part that stops arriving makes the collector stale)."""
+    newest = max(c.parts.values(), key=lambda e: e.snapshot.seq).snapshot
+    wanted = set(newest.buckets) | {newest.bucket}
+    for bucket in [b for b in c.parts if b not in wanted]:
+        del c.parts[bucket]  # a bucket the collector no longer sends
+    if len(c.parts) == 1:
+        (c.merged,) = c.parts.values()
+    else:
+        parts = [c.parts[b] for b in sorted(c.parts)]
+        snap = merge_parts([e.snapshot for e in parts])
+        c.merged = _Entry(snap, min(e.received for e in parts))
+    return c.merged
 
 
 def _labels(**kw: object) -> tuple[tuple[str, str], ...]:
     return tuple((k, str(val)) for k, val in kw.items())
 
 
-def _conditions(v: FleetView) -> Iterable[Condition]:
+def _conditions(
+    v: FleetView, problems: list[tuple[StreamStats, CollectorInfo, bool]]
+) -> Iterable[Condition]:
+    """The view's conditions; `problems` are its streams that have one, in the view's order."""
     for c in v.collectors:
         if not c.up:
             yield Condition(
@@ -183,6 +280,8 @@ def _conditions(v: FleetView) -> Iterable[Condition]:
                 f"collector {c.info.collector_id} silent for {c.age_s:.0f} s",
             )
     for (w, r), ids in sorted(v.owners.items()):
+        if len(ids) == 1:
+            continue
         if not ids:
             yield Condition(
                 "dp_rank_uncovered",
@@ -190,7 +289,7 @@ def _conditions(v: FleetView) -> Iterable[Condition]:
                 _labels(worker_id=w, dp_rank=r),
                 f"{w} rank {r} is watched by no live collector",
             )
-        elif len(ids) > 1:
+        else:
             yield Condition(
                 "dp_rank_multiple_owners",
                 "warning",
@@ -205,10 +304,9 @@ def _conditions(v: FleetView) -> Iterable[Condition]:
                 _labels(worker_id=w),
                 f"{w} has {len(ids)} scheduler-metrics leaders: {', '.join(ids)}",
             )
-    for s in v.streams:
-        st = s.stats
-        where = _labels(worker_id=st.worker_id, node_rank=s.collector.node_rank, dp_rank=st.dp_rank)
-        if not s.up:
+    for st, info, live in problems:
+        where = _labels(worker_id=st.worker_id, node_rank=info.node_rank, dp_rank=st.dp_rank)
+        if not (live and st.up):
             yield Condition(
                 "stream_down", "critical", where, f"{st.worker_id} rank {st.dp_rank} is down"
             )

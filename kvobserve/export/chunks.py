@@ -14,6 +14,7 @@ from prometheus_client.utils import floatToGoString
 
 from kvobserve import __version__
 from kvobserve.analysis.fleet import CollectorView, FleetView, StreamView
+from kvobserve.export import templates as templates_mod
 from kvobserve.export.exposition import TextFamilies, _escape, format_value
 from kvobserve.export.rollup import COUNTER_LABEL, LIFETIME, WorkerSums
 from kvobserve.export.samples import EVENT_TYPES, SCHEDULER_FIELDS, Detail, Group
@@ -70,8 +71,17 @@ class _Lines:
         lines.append(f"{name}{labels}{value}\n")
 
 
-def render(c: CollectorView, g: Group, detail: Detail) -> Chunk | None:
-    """The collector's chunk, or None when the reference writer must handle it."""
+Templates = dict[str, tuple[tuple[object, ...], "templates_mod.Filled"]]  # id -> (shape, ...)
+
+
+def render(
+    c: CollectorView, g: Group, detail: Detail, templates: Templates | None = None
+) -> Chunk | None:
+    """The collector's chunk, or None when the reference writer must handle it.
+
+    With the default budget and a `templates` cache, streams and scheduler ranks are written
+    from the collector's templates (export/templates.py), else line by line.
+    """
     cl, clean = claims(c, g)
     if not clean:
         return None
@@ -98,21 +108,28 @@ def render(c: CollectorView, g: Group, detail: Detail) -> Chunk | None:
             ls = f'{{collector="{cid}",reason="{_e(reason)}"}} '
             add("kvobserve_collector_publish_dropped_total", ls, fv(n))
     sums = WorkerSums()
-    hist = TextFamilies() if detail.histograms else None
-    rows = [_stream(s, node, sums, detail, hist) for s in g.streams]
+    templated = templates is not None and not detail.histograms and not detail.counters
+    if templates is not None and templated:
+        text = _templated(c, g, node, sums, templates)
+        rows: list[tuple[str, ...]] = []
+        hist = None
+    else:
+        text = {}
+        hist = TextFamilies() if detail.histograms else None
+        rows = [_stream(s, node, sums, detail, hist) for s in g.streams]
     for u in g.unexpected:
         ls = (
             f'{{dp_rank="{u.dp_rank}",endpoint="{_e(u.endpoint)}",node_rank="{node}",'
             f'worker_id="{_e(u.worker_id)}"}} '
         )
         add("kvobserve_kv_unexpected_stream", ls, "1.0" if u.active else "0.0")
-    for sch in g.scheduler:
+    for sch in () if templated else g.scheduler:  # templated: already written
         ls = f'{{dp_rank="{sch.dp_rank}",node_rank="{node}",worker_id="{_e(sch.worker_id)}"}} '
         for attr, name in SCHEDULER_FIELDS:
             val = getattr(sch, attr)
             if val is not None:
                 add(name, ls, fv(val))
-    text = {name: "".join(lines).encode() for name, lines in add.out.items()}
+    text.update({name: "".join(lines).encode() for name, lines in add.out.items()})
     for name, column in zip(STREAM_FAMILIES, zip(*rows, strict=True), strict=False):
         joined = "".join(column)
         if joined:
@@ -120,6 +137,30 @@ def render(c: CollectorView, g: Group, detail: Detail) -> Chunk | None:
     if hist is not None and hist.lines[LIFETIME]:
         text[LIFETIME] = "".join(hist.lines[LIFETIME]).encode()
     return Chunk(text, sums, cl)
+
+
+def _templated(
+    c: CollectorView, g: Group, node: str, sums: WorkerSums, templates: Templates
+) -> dict[str, bytes]:
+    """The stream and scheduler families of the collector, from its template for this shape."""
+    values: list[object] = []
+    templates_mod.add_sums(g.streams, sums)
+    shape = (
+        node,
+        tuple([templates_mod.stream_values(s, values) for s in g.streams]),
+        tuple([templates_mod.scheduler_values(x, values) for x in g.scheduler]),
+    )
+    cid = c.info.collector_id
+    hit = templates.get(cid)
+    if hit is None or hit[0] != shape:
+        t = templates_mod.Template()
+        slot = 0
+        for one in shape[1]:
+            slot = templates_mod.stream_template(t, one, node, slot)
+        for one in shape[2]:
+            slot = templates_mod.scheduler_template(t, one, node, slot)
+        hit = templates[cid] = (shape, t.built())
+    return hit[1].fill(values)
 
 
 # The families of one stream's row, in the order _stream returns them.
@@ -265,6 +306,11 @@ def _stream(
     )
 
 
+# (worker, its ranks' owner counts) -> the worker's kvobserve_dp_rank_owners lines; they rarely
+# change, and a fleet has up to a few thousand workers (cleared past 100,000 entries)
+_OWNERS: dict[tuple[str, tuple[tuple[int, int], ...]], str] = {}
+
+
 def fleet_level(v: FleetView, order: list[CollectorView], sums: WorkerSums) -> dict[str, bytes]:
     """samples.fleet_level's lines per family, written directly (rebuilt every scrape)."""
     fv = format_value
@@ -277,12 +323,32 @@ def fleet_level(v: FleetView, order: list[CollectorView], sums: WorkerSums) -> d
         add("kvobserve_worker_dp_size", f'{{worker_id="{_e(w_id)}"}} ', fv(size))
     for w_id, ids in sorted(v.leaders.items()):
         add("kvobserve_worker_leaders", f'{{worker_id="{_e(w_id)}"}} ', fv(len(ids)))
-    for (w_id, rank), ids in sorted(v.owners.items()):
-        ls = f'{{dp_rank="{rank}",worker_id="{_e(w_id)}"}} '
-        add("kvobserve_dp_rank_owners", ls, fv(len(ids)))
+    by_worker: dict[str, list[tuple[int, int]]] = {}
+    for (w_id, rank), ids in v.owners.items():
+        got = by_worker.get(w_id)
+        if got is None:
+            by_worker[w_id] = [(rank, len(ids))]
+        else:
+            got.append((rank, len(ids)))
+    owners = []
+    for w_id in sorted(by_worker):
+        key = (w_id, tuple(sorted(by_worker[w_id])))
+        text = _OWNERS.get(key)
+        if text is None:
+            ew = _e(w_id)
+            text = "".join(
+                f'kvobserve_dp_rank_owners{{dp_rank="{r}",worker_id="{ew}"}} {fv(n)}\n'
+                for r, n in key[1]
+            )
+            if len(_OWNERS) > 100_000:
+                _OWNERS.clear()
+            _OWNERS[key] = text
+        owners.append(text)
     for (name, w_id, lv), n in sorted(sums.counters.items()):
         add(name, f'{{{COUNTER_LABEL[name]}="{_e(lv)}",worker_id="{_e(w_id)}"}} ', fv(n))
     out = {name: "".join(lines).encode() for name, lines in add.out.items()}
+    if owners:
+        out["kvobserve_dp_rank_owners"] = "".join(owners).encode()
     hist = []
     for labels, h in sums.histogram_samples():
         medium, w_id = labels["medium"], labels["worker_id"]

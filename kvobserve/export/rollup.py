@@ -6,6 +6,7 @@ order, so the cached renderer and prometheus_client's path add the same floats i
 
 from __future__ import annotations
 
+from functools import reduce
 from itertools import accumulate
 from operator import add
 
@@ -90,6 +91,21 @@ class WorkerSums:
         else:
             cum, top = cumulative(h)
             acc.add(tuple(h.bounds), cum, top, h.sum)
+
+    def histograms(self, worker_id: str, medium: str, hs: list[Histogram]) -> None:
+        """histogram() of each of `hs` in order, at once when they share their bounds."""
+        acc = self.hists.get((worker_id, medium))
+        if acc is None:
+            acc = self.hists[(worker_id, medium)] = _Hist(tuple(hs[0].bounds))
+        n = len(acc.bounds)
+        bounds = list(acc.bounds)
+        if all(len(h.counts) == n and h.bounds == bounds for h in hs):
+            acc.cum = list(map(add, acc.cum, map(sum, zip(*[h.counts for h in hs], strict=True))))
+            acc.count += sum(h.count for h in hs)
+            acc.sum = reduce(add, [h.sum for h in hs], acc.sum)  # in order: floats
+            return
+        for h in hs:
+            self.histogram(worker_id, medium, h)
 
     def merge(self, other: WorkerSums) -> None:
         """Add another collector's sums (in collector order)."""

@@ -63,6 +63,7 @@ class ScrapeCache:
         self._lock = threading.Lock()
         self._cache: dict[str, tuple[object, tuple[Any, ...], Chunk]] = {}
         self._headers: dict[tuple[str, bool], tuple[bytes, bytes]] = {}
+        self._templates: chunks.Templates = {}  # per collector: its lines' template (by shape)
         self.rendered = 0  # chunks rendered since start (reused ones are not counted)
 
     def render(
@@ -133,11 +134,14 @@ class ScrapeCache:
             if hit is not None and hit[0] is c.snapshot and hit[1] == key:
                 ch = hit[2]
             else:
-                ch = chunks.render(c, g, self.detail) or self._reference([(c, g)])[0]
+                fast = chunks.render(c, g, self.detail, self._templates)
+                ch = fast or self._reference([(c, g)])[0]
                 self.rendered += 1
             fresh[cid] = (c.snapshot, key, ch)
             out.append(ch)
         self._cache = fresh  # a forgotten collector leaves the cache with its snapshot
+        if len(self._templates) > len(fresh):
+            self._templates = {k: v for k, v in self._templates.items() if k in fresh}
         clashing = _clashes(out)
         if clashing:
             cgs = [(order[i], by_c.get(order[i].info.collector_id, _EMPTY)) for i in clashing]

@@ -7,12 +7,19 @@ started (`CollectorInfo.start_time`), so a lost snapshot only delays what the ag
 
 from __future__ import annotations
 
+import zlib
+
 import msgspec
 from msgspec import Struct
 
 from kvobserve.wire.errors import WireError, decode
 
-SNAPSHOT_VERSION = 1
+# 2: a collector sends one part per shard bucket of its workers (`bucket`, `buckets`); a
+# version-1 snapshot is read as one whole part (bucket -1). docs/nats.md, docs/scale.md.
+SNAPSHOT_VERSION = 2
+READABLE_VERSIONS = frozenset({1, 2})
+BUCKETS = 64  # shard buckets: a worker's bucket is crc32(worker_id) % BUCKETS, whatever the shards
+WHOLE = -1  # the bucket of a snapshot that is not split (version 1, or a collector's local view)
 MAX_SNAPSHOT_BYTES = 64 * 1024 * 1024
 
 
@@ -163,6 +170,8 @@ class Snapshot(Struct, omit_defaults=True, gc=False):
     passthrough: list[Family] = []
     refused: dict[str, int] = {}  # what a cardinality cap refused -> count (streams, ...)
     counters: CollectorCounters | None = None
+    bucket: int = WHOLE  # the shard bucket of every worker in this part; WHOLE: all of them
+    buckets: list[int] = []  # every bucket this collector sent a part for, with the same seq
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -177,6 +186,77 @@ def encode_snapshot(snap: Snapshot) -> bytes:
 def decode_snapshot(data: bytes) -> Snapshot:
     """msgpack bytes -> Snapshot; raises WireError only."""
     snap: Snapshot = decode(_decoder, data, "snapshot", MAX_SNAPSHOT_BYTES)
-    if snap.version != SNAPSHOT_VERSION:
+    if snap.version not in READABLE_VERSIONS:
         raise WireError("schema", f"snapshot version {snap.version} != {SNAPSHOT_VERSION}")
+    if not WHOLE <= snap.bucket < BUCKETS:
+        raise WireError("schema", f"snapshot bucket {snap.bucket} not in -1..{BUCKETS - 1}")
     return snap
+
+
+def worker_bucket(worker_id: str) -> int:
+    """The shard bucket of a worker: the same in every process and version (not hash())."""
+    return zlib.crc32(worker_id.encode()) % BUCKETS
+
+
+def split_parts(snap: Snapshot) -> list[Snapshot]:
+    """One part per bucket of the snapshot's workers (a worker-less collector: bucket 0).
+
+    Each part carries the collector's identity, seq, counters and refusals, and only its
+    workers' streams, unexpected streams, scheduler stats, errors and passthrough families.
+    """
+    by: dict[int, list[str]] = {}
+    for w in snap.workers:
+        by.setdefault(worker_bucket(w.worker_id), []).append(w.worker_id)
+    for items in (snap.streams, snap.unexpected, snap.scheduler, snap.scheduler_errors):
+        for x in items:
+            by.setdefault(worker_bucket(x.worker_id), [])
+    if not by:
+        by[0] = []
+    buckets = sorted(by)
+    if len(buckets) == 1:
+        return [msgspec.structs.replace(snap, bucket=buckets[0], buckets=buckets)]
+    out = []
+    for b in buckets:
+
+        def mine(worker_id: str, b: int = b) -> bool:
+            return worker_bucket(worker_id) == b
+
+        out.append(
+            msgspec.structs.replace(
+                snap,
+                workers=[w for w in snap.workers if mine(w.worker_id)],
+                streams=[x for x in snap.streams if mine(x.worker_id)],
+                unexpected=[x for x in snap.unexpected if mine(x.worker_id)],
+                scheduler=[x for x in snap.scheduler if mine(x.worker_id)],
+                scheduler_errors=[x for x in snap.scheduler_errors if mine(x.worker_id)],
+                passthrough=[f for f in snap.passthrough if _family_bucket(f) == b],
+                bucket=b,
+                buckets=buckets,
+            )
+        )
+    return out
+
+
+def _family_bucket(f: Family) -> int | None:
+    """The bucket of a passthrough family (its samples carry the worker_id label; none: dropped)."""
+    for s in f.samples:
+        w = s.labels.get("worker_id")
+        if w is not None:
+            return worker_bucket(w)
+    return None
+
+
+def merge_parts(parts: list[Snapshot]) -> Snapshot:
+    """One collector's parts (same process, in bucket order) as one snapshot."""
+    last = max(parts, key=lambda p: p.seq)
+    return msgspec.structs.replace(
+        last,
+        time=max(p.time for p in parts),
+        workers=[x for p in parts for x in p.workers],
+        streams=[x for p in parts for x in p.streams],
+        unexpected=[x for p in parts for x in p.unexpected],
+        scheduler=[x for p in parts for x in p.scheduler],
+        scheduler_errors=[x for p in parts for x in p.scheduler_errors],
+        passthrough=[x for p in parts for x in p.passthrough],
+        bucket=WHOLE,
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from pathlib import Path
 
@@ -110,7 +111,7 @@ def test_label_values_needing_escapes_render_as_prometheus_client_does() -> None
     view = rich_view()
     st = view.streams[0].stats
     odd = msgspec.structs.replace(st, endpoint='tcp://a"b\\c\nd', worker_id="w\\x")
-    view.streams[0] = type(view.streams[0])(odd, *list(vars(view.streams[0]).values())[1:])
+    view.streams[0] = dataclasses.replace(view.streams[0], stats=odd)
     reg = CollectorRegistry(auto_describe=False)
     reg.register(FleetCollector(lambda: view))
     want = generate_latest(reg)

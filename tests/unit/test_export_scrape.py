@@ -69,7 +69,7 @@ def synthetic(collectors: int, seq: int, now: float) -> FleetState:
 def test_cached_bytes_equal_prometheus_client(om: bool, detail: Detail) -> None:
     now = time.time()
     clash = rich_state()
-    clash._entries["node-1"].snapshot.collector.node_rank = 0  # two collectors claim a stream
+    clash.snapshot("node-1").collector.node_rank = 0  # two collectors claim a stream
     views = [rich_state().view(NOW), synthetic(6, 3, now).view(now), FleetView(), clash.view(NOW)]
     for view in views:
         cache = ScrapeCache(detail)
@@ -111,7 +111,7 @@ def test_capacity_joined_from_another_collector_invalidates_the_chunk() -> None:
         b'kvobserve_kv_capacity_tokens{dp_rank="1",node_rank="1",worker_id="sglang-a"} 640.0'
         in first
     )
-    snap = state._entries["node-0"].snapshot
+    snap = state.snapshot("node-0")
     sched = [msgspec.structs.replace(s, max_total_tokens=1280) for s in snap.scheduler]
     state.update(msgspec.structs.replace(snap, seq=snap.seq + 1, scheduler=sched), NOW)
     second = check(cache, state.view(NOW), False)
