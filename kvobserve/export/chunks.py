@@ -89,23 +89,25 @@ def render(
     i = c.info
     node = str(i.node_rank)
     cid = _e(i.collector_id)
+    sh = f',shard="{_e(detail.shard)}"' if detail.shard else ""  # sorts after all but `what`
     add = _Lines()
-    up = f'{{collector="{cid}",hostname="{_e(i.hostname)}",node_rank="{node}"}} '
+    up = f'{{collector="{cid}",hostname="{_e(i.hostname)}",node_rank="{node}"{sh}}} '
     add("kvobserve_collector_up", up, "1.0" if c.up else "0.0")
+    cl_ = f'{{collector="{cid}"{sh}}} '
     if i.start_time > 0:
-        add("kvobserve_collector_start_time_seconds", f'{{collector="{cid}"}} ', fv(i.start_time))
+        add("kvobserve_collector_start_time_seconds", cl_, fv(i.start_time))
     for e in c.snapshot.scheduler_errors:
         ls = f'{{reason="{_e(e.reason)}",source="{_e(e.source)}",worker_id="{_e(e.worker_id)}"}} '
         add("kvobserve_scheduler_source_errors_total", ls, fv(e.count))
     for what, n in sorted(c.snapshot.refused.items()):
-        add("kvobserve_collector_refused_total", f'{{collector="{cid}",what="{_e(what)}"}} ', fv(n))
+        ls = f'{{collector="{cid}"{sh},what="{_e(what)}"}} '
+        add("kvobserve_collector_refused_total", ls, fv(n))
     k = c.snapshot.counters
     if k is not None:
-        cl_ = f'{{collector="{cid}"}} '
         add("kvobserve_collector_messages_received_total", cl_, fv(k.messages_received))
         add("kvobserve_collector_ingest_errors_total", cl_, fv(k.ingest_errors))
         for reason, n in sorted(k.publish_dropped.items()):
-            ls = f'{{collector="{cid}",reason="{_e(reason)}"}} '
+            ls = f'{{collector="{cid}",reason="{_e(reason)}"{sh}}} '
             add("kvobserve_collector_publish_dropped_total", ls, fv(n))
     sums = WorkerSums()
     templated = templates is not None and not detail.histograms and not detail.counters
@@ -311,13 +313,17 @@ def _stream(
 _OWNERS: dict[tuple[str, tuple[tuple[int, int], ...]], str] = {}
 
 
-def fleet_level(v: FleetView, order: list[CollectorView], sums: WorkerSums) -> dict[str, bytes]:
+def fleet_level(
+    v: FleetView, order: list[CollectorView], sums: WorkerSums, shard: str = ""
+) -> dict[str, bytes]:
     """samples.fleet_level's lines per family, written directly (rebuilt every scrape)."""
     fv = format_value
     add = _Lines()
-    add("kvobserve_build_info", f'{{version="{_e(__version__)}"}} ', "1.0")
+    sh = f',shard="{_e(shard)}"' if shard else ""
+    first = f'shard="{_e(shard)}",' if shard else ""
+    add("kvobserve_build_info", f'{{{first}version="{_e(__version__)}"}} ', "1.0")
     for c in order:
-        cl = f'{{collector="{_e(c.info.collector_id)}"}} '
+        cl = f'{{collector="{_e(c.info.collector_id)}"{sh}}} '
         add("kvobserve_collector_snapshot_age_seconds", cl, fv(c.age_s))
     for w_id, size in sorted(v.dp_size.items()):
         add("kvobserve_worker_dp_size", f'{{worker_id="{_e(w_id)}"}} ', fv(size))

@@ -86,7 +86,7 @@ class ScrapeCache:
             sums = WorkerSums()
             for ch in cs:
                 sums.merge(ch.sums)
-            level = chunks.fleet_level(view, order, sums)
+            level = chunks.fleet_level(view, order, sums, self.detail.shard)
             pieces: list[tuple[bytes, bytes | None]] = []  # (plain, cached segment or None)
             taken: set[str] = set()
             deflate = _Deflate(self.gzip_level) if gzip else None

@@ -204,12 +204,14 @@ def create_app(
     per_stream_histograms: bool = False,
     per_stream_counters: bool = False,
     scrape_cache: bool = True,
+    shard: str = "",
 ) -> web.Application:
     """The aiohttp application; `ready` defaults to "at least one collector snapshot".
 
     `per_stream_histograms`/`per_stream_counters` serve block lifetimes and block/event
     counters per stream instead of per worker (docs/metrics.md, series budget);
-    `scrape_cache=False` renders every scrape afresh (the renderer before the cache).
+    `scrape_cache=False` renders every scrape afresh (the renderer before the cache);
+    `shard` (one of several sharded aggregators) labels the per-collector series.
     """
     middlewares: list[Any] = [_limits]
     if basic_auth is not None:
@@ -221,6 +223,7 @@ def create_app(
         extra_metrics,
         per_stream_histograms=per_stream_histograms,
         per_stream_counters=per_stream_counters,
+        shard=shard,
     )
     registry.register(fleet)
     app[REGISTRY] = registry

@@ -48,8 +48,9 @@ class Transport(Protocol):
     status: TransportStatus
     counters: TransportCounters
 
-    async def publish_snapshot(self, collector_id: str, data: bytes) -> None:
-        """Send one encoded snapshot; never raises for a send that fails (it is counted)."""
+    async def publish_snapshot(self, collector_id: str, data: bytes, bucket: int = -1) -> None:
+        """Send one encoded snapshot part (its shard bucket; -1: not split); never raises for a
+        send that fails (it is counted)."""
         ...
 
     async def publish_event(self, kind: str, data: bytes) -> None:

@@ -22,7 +22,12 @@ from kvobserve.export.scrape import ScrapeCache
 from tests.unit.test_export_fleet import NOW, rich_state
 
 EXTRA = [catalog_metric("kvobserve_nats_connected", [({}, 1.0)])]
-DETAILS = [Detail(), Detail(histograms=True, counters=True), Detail(histograms=True)]
+DETAILS = [
+    Detail(),
+    Detail(histograms=True, counters=True),
+    Detail(histograms=True),
+    Detail(shard="1"),  # one of several sharded aggregators: per-collector series labelled
+]
 
 
 def reference(view: FleetView, detail: Detail, om: bool, extra: list[Metric] = EXTRA) -> bytes:
@@ -34,6 +39,7 @@ def reference(view: FleetView, detail: Detail, om: bool, extra: list[Metric] = E
             lambda: extra,
             per_stream_histograms=detail.histograms,
             per_stream_counters=detail.counters,
+            shard=detail.shard,
         )
     )
     return (om_generate_latest if om else generate_latest)(reg)
@@ -65,7 +71,7 @@ def synthetic(collectors: int, seq: int, now: float) -> FleetState:
 
 
 @pytest.mark.parametrize("om", [False, True])
-@pytest.mark.parametrize("detail", DETAILS, ids=["default", "detail", "histograms"])
+@pytest.mark.parametrize("detail", DETAILS, ids=["default", "detail", "histograms", "shard"])
 def test_cached_bytes_equal_prometheus_client(om: bool, detail: Detail) -> None:
     now = time.time()
     clash = rich_state()
