@@ -81,7 +81,17 @@ class FleetView:
     dp_size: dict[str, int] = field(default_factory=dict)
     owners: dict[tuple[str, int], list[str]] = field(default_factory=dict)  # -> collector ids
     leaders: dict[str, list[str]] = field(default_factory=dict)
-    conditions: list[Condition] = field(default_factory=list)
+    _conditions: list[Condition] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def conditions(self) -> list[Condition]:
+        """The active conditions, worked out on first use (/metrics never needs them)."""
+        if self._conditions is None:
+            problems = [
+                (s.stats, s.collector, s.live) for s in self.streams if _problem(s.live, s.stats)
+            ]
+            self._conditions = list(_conditions(self, problems))
+        return self._conditions
 
 
 @dataclass(slots=True)
@@ -200,8 +210,8 @@ class FleetState:
                     v.owners[(w_id, r)] = []
         return ups
 
-    def view(self, now: float, conditions: bool = True) -> FleetView:
-        """The fleet as of `now` (without its conditions when `conditions` is False)."""
+    def view(self, now: float) -> FleetView:
+        """The fleet as of `now` (its conditions are worked out when first asked for)."""
         v = FleetView()
         entries = self._entries(now)
         ups = self._membership(v, entries, now)
@@ -224,11 +234,6 @@ class FleetState:
                         gpu += m.tokens
                 streams.append(StreamView(st, info, up, cap, gpu))
         streams.sort(key=lambda s: (s.stats.worker_id, s.stats.dp_rank, s.collector.collector_id))
-        if conditions:
-            problems = [
-                (s.stats, s.collector, s.live) for s in streams if _problem(s.live, s.stats)
-            ]
-            v.conditions = list(_conditions(v, problems))
         return v
 
     def conditions(self, now: float) -> list[Condition]:

@@ -57,9 +57,12 @@ class _Deflate:
 class ScrapeCache:
     """Renders /metrics bodies from cached per-collector chunks; one render at a time."""
 
-    def __init__(self, detail: Detail | None = None, gzip_level: int = GZIP_LEVEL) -> None:
+    def __init__(
+        self, detail: Detail | None = None, gzip_level: int = GZIP_LEVEL, templates: bool = True
+    ) -> None:
         self.detail = detail or Detail()
         self.gzip_level = gzip_level
+        self.templates = templates  # False: every changed collector written line by line
         self._lock = threading.Lock()
         self._cache: dict[str, tuple[object, tuple[Any, ...], Chunk]] = {}
         self._headers: dict[tuple[str, bool], tuple[bytes, bytes]] = {}
@@ -134,7 +137,7 @@ class ScrapeCache:
             if hit is not None and hit[0] is c.snapshot and hit[1] == key:
                 ch = hit[2]
             else:
-                fast = chunks.render(c, g, self.detail, self._templates)
+                fast = chunks.render(c, g, self.detail, self._templates if self.templates else None)
                 ch = fast or self._reference([(c, g)])[0]
                 self.rendered += 1
             fresh[cid] = (c.snapshot, key, ch)

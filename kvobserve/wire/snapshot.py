@@ -7,7 +7,8 @@ started (`CollectorInfo.start_time`), so a lost snapshot only delays what the ag
 
 from __future__ import annotations
 
-import zlib
+import functools
+import hashlib
 
 import msgspec
 from msgspec import Struct
@@ -18,7 +19,7 @@ from kvobserve.wire.errors import WireError, decode
 # version-1 snapshot is read as one whole part (bucket -1). docs/nats.md, docs/scale.md.
 SNAPSHOT_VERSION = 2
 READABLE_VERSIONS = frozenset({1, 2})
-BUCKETS = 64  # shard buckets: a worker's bucket is crc32(worker_id) % BUCKETS, whatever the shards
+BUCKETS = 64  # shard buckets of workers (worker_bucket), whatever the number of shards
 WHOLE = -1  # the bucket of a snapshot that is not split (version 1, or a collector's local view)
 MAX_SNAPSHOT_BYTES = 64 * 1024 * 1024
 
@@ -193,9 +194,15 @@ def decode_snapshot(data: bytes) -> Snapshot:
     return snap
 
 
+@functools.lru_cache(maxsize=65_536)
 def worker_bucket(worker_id: str) -> int:
-    """The shard bucket of a worker: the same in every process and version (not hash())."""
-    return zlib.crc32(worker_id.encode()) % BUCKETS
+    """The shard bucket of a worker: the same in every process and version (not hash()).
+
+    BLAKE2b, not CRC-32: CRC is linear, so ids that differ in a few bits (`sglang-000`,
+    `sglang-001`, ...) would share the low bits of their CRC, and so their shard.
+    """
+    digest = hashlib.blake2b(worker_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % BUCKETS
 
 
 def split_parts(snap: Snapshot) -> list[Snapshot]:

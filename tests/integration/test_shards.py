@@ -1,8 +1,8 @@
 """Acceptance: two sharded aggregators over a real nats-server serve, together, one aggregator.
 
 Two `kvobserve collect` processes (node_rank 0 and 1) watch a simulated SGLang worker
-(`sglang-a`, dp_size 4, bucket 25: shard 1 of 2) and a vLLM worker (`vllm-b`, dp_size 2,
-bucket 32: shard 0 of 2), so each collector publishes two parts. Three `kvobserve aggregate`
+(`sglang-dp4`, dp_size 4, bucket 62: shard 0 of 2) and a vLLM worker (`vllm-dp2`, dp_size 2,
+bucket 23: shard 1 of 2), so each collector publishes two parts. Three `kvobserve aggregate`
 processes serve them: one unsharded, shard 0 and shard 1 of 2. The shards' scrapes, put
 together, are the unsharded one: every stream and worker series in exactly one shard, and the
 per-collector and aggregator series in both, told apart by their `shard` label.
@@ -28,12 +28,12 @@ pytestmark = pytest.mark.integration
 CLUSTER = "shards"
 MAX_BATCHES = 60
 SGLANG = SimConfig(
-    worker_id="sglang-a", format="sglang-0.5.23", dp_size=4, nnodes=2, dp_attention=True,
+    worker_id="sglang-dp4", format="sglang-0.5.23", dp_size=4, nnodes=2, dp_attention=True,
     topic="kv-events", rate=40.0, max_batches=MAX_BATCHES, start_delay_s=0.5, http_port=None,
     prompts=20, seed=3,
 )  # fmt: skip
-VLLM = dataclasses.replace(SGLANG, worker_id="vllm-b", format="vllm-0.33", dp_size=2, topic="")
-SHARD_OF = {"sglang-a": "1", "vllm-b": "0"}  # worker_bucket(w) % 2
+VLLM = dataclasses.replace(SGLANG, worker_id="vllm-dp2", format="vllm-0.33", dp_size=2, topic="")
+SHARD_OF = {"sglang-dp4": "0", "vllm-dp2": "1"}  # worker_bucket(w) % 2
 Series = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
@@ -111,6 +111,12 @@ def test_two_shards_serve_what_one_aggregator_serves(
         )
         for k in (0, 1)
     ]  # fmt: skip
+
+    def collectors_up() -> bool:  # subscribed before the engines publish
+        s = scrape(whole)
+        return s is not None and len(s.get("kvobserve_collector_up")) == 2
+
+    poll(collectors_up, 30, "both collectors publishing")
     for nodes in plan:
         for cfg in nodes:
             engines.append(SimulatedWorker(cfg).start())

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
-import zlib
 
 import msgspec
 import pytest
@@ -37,7 +37,7 @@ from kvobserve.wire.snapshot import (
 )
 from tests.unit.test_export_fleet import NOW, rich_state
 
-WORKERS = ("sglang-a", "vllm-b", "w2")  # buckets 25, 32 and 14
+WORKERS = ("sglang-a", "vllm-b", "w2")  # buckets 35, 5 and 18
 
 
 def snapshot(seq: int = 1, start: float = 100.0, workers: tuple[str, ...] = WORKERS) -> Snapshot:
@@ -57,17 +57,18 @@ def snapshot(seq: int = 1, start: float = 100.0, workers: tuple[str, ...] = WORK
 
 
 def test_a_workers_bucket_is_fixed_by_its_id() -> None:
-    # The wire contract: crc32 of the UTF-8 id, modulo 64, in every process and version.
-    assert [worker_bucket(w) for w in WORKERS] == [25, 32, 14]
-    assert worker_bucket("é") == zlib.crc32("é".encode()) % BUCKETS
+    # The wire contract: BLAKE2b-64 of the UTF-8 id, big-endian, modulo 64, everywhere.
+    assert [worker_bucket(w) for w in WORKERS] == [35, 5, 18]
+    digest = hashlib.blake2b("é".encode(), digest_size=8).digest()
+    assert worker_bucket("é") == int.from_bytes(digest, "big") % BUCKETS
 
 
 def test_parts_hold_one_bucket_each_and_merge_back() -> None:
     snap = snapshot()
     parts = split_parts(snap)
-    assert [p.bucket for p in parts] == [14, 25, 32]
+    assert [p.bucket for p in parts] == [5, 18, 35]
     for p in parts:
-        assert p.buckets == [14, 25, 32]
+        assert p.buckets == [5, 18, 35]
         assert p.collector == snap.collector and p.seq == snap.seq
         assert p.counters == snap.counters  # the collector's health rides on every part
         (w,) = {x.worker_id for x in (*p.workers, *p.streams, *p.scheduler, *p.scheduler_errors)}
@@ -87,7 +88,7 @@ def encode_snapshot_part(x: object) -> bytes:
 
 def test_one_bucket_and_no_worker_are_one_part() -> None:
     (p,) = split_parts(snapshot(workers=("w2",)))
-    assert (p.bucket, p.buckets) == (14, [14])
+    assert (p.bucket, p.buckets) == (18, [18])
     (empty,) = split_parts(snapshot(workers=()))
     assert (empty.bucket, empty.buckets) == (0, [0])  # its health still reaches shard 0
 
