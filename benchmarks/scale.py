@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import gzip
 import os
 import signal
@@ -136,7 +135,7 @@ async def serve_aggregator(
     nats_url: str, listen: str, renderer: str, shard: int = 0, shards: int = 1
 ) -> None:
     """The aggregator subprocess: NATS in, /metrics out, until SIGTERM."""
-    from kvobserve.aggregator import Aggregator
+    from kvobserve.aggregator import Aggregator, settle_heap
     from kvobserve.analysis.fleet import FleetState
     from kvobserve.export.prometheus import aggregator_metrics
     from kvobserve.export.scrape import ScrapeCache
@@ -163,7 +162,7 @@ async def serve_aggregator(
         agg.check_conditions = check_conditions  # type: ignore[method-assign]
     await agg.start(transport)
     if renderer != "main":
-        gc.freeze()  # as `kvobserve aggregate` does once started
+        settle_heap()  # as `kvobserve aggregate` does once started
     http = await serve(app, listen)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -7,6 +7,7 @@ aggregate` with NATS (kvobserve/commands/ wires it to a transport and to the HTT
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import time
@@ -139,6 +140,18 @@ class Aggregator:
         if self._task is not None:
             await cancel_and_wait(self._task)
             self._task = None
+
+
+def settle_heap() -> None:
+    """Tune the cyclic GC for a long-running aggregator (measured: docs/performance.md).
+
+    What was loaded so far lives as long as the process: frozen, it is left out of the full
+    passes, which otherwise walk it several times a second. Decoded snapshots are acyclic and
+    replaced every interval, so young collections every 50,000 allocations instead of 700 find
+    as little garbage for a fraction of the work.
+    """
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
 
 
 def _event(c: Condition, state: str, now: float) -> dict[str, Any]:

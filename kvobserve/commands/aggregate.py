@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import logging
 
-from kvobserve.aggregator import Aggregator
+from kvobserve.aggregator import Aggregator, settle_heap
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.commands.common import Stop, fail, load, setup_logging, start_http, stop_event
 from kvobserve.config import Config, ConfigError, add_config_flags
@@ -72,9 +71,7 @@ async def serve(cfg: Config) -> int:
         except OSError as exc:
             return fail("aggregate", f"http.listen {cfg.http.listen}: {exc.strerror or exc}", 1)
         await agg.start(transport)
-        # What was loaded so far lives as long as the process: keep it out of the cyclic GC's
-        # full passes, which otherwise walk it several times a second (docs/performance.md).
-        gc.freeze()
+        settle_heap()
         log.info(
             "aggregating cluster %r from %s (shard %d of %d, jetstream_kv=%s); ready",
             cfg.cluster, cfg.nats.url, a.shard, a.shards, cfg.nats.jetstream_kv,

@@ -71,7 +71,8 @@ class _Lines:
         lines.append(f"{name}{labels}{value}\n")
 
 
-Templates = dict[str, tuple[tuple[object, ...], "templates_mod.Filled"]]  # id -> (shape, ...)
+# collector id -> (shape, its template, its claims; None: its own label sets repeat)
+Templates = dict[str, tuple[tuple[object, ...], "templates_mod.Filled", Claims | None]]
 
 
 def render(
@@ -82,12 +83,20 @@ def render(
     With the default budget and a `templates` cache, streams and scheduler ranks are written
     from the collector's templates (export/templates.py), else line by line.
     """
-    cl, clean = claims(c, g)
-    if not clean:
-        return None
-    fv = format_value
     i = c.info
     node = str(i.node_rank)
+    templated = templates is not None and not detail.histograms and not detail.counters
+    sums = WorkerSums()
+    if templates is not None and templated:
+        found = _templated(c, g, node, sums, templates)
+        if found is None:
+            return None
+        text, cl = found
+    else:
+        cl, clean = claims(c, g)
+        if not clean:
+            return None
+    fv = format_value
     cid = _e(i.collector_id)
     sh = f',shard="{_e(detail.shard)}"' if detail.shard else ""  # sorts after all but `what`
     add = _Lines()
@@ -109,10 +118,7 @@ def render(
         for reason, n in sorted(k.publish_dropped.items()):
             ls = f'{{collector="{cid}",reason="{_e(reason)}"{sh}}} '
             add("kvobserve_collector_publish_dropped_total", ls, fv(n))
-    sums = WorkerSums()
-    templated = templates is not None and not detail.histograms and not detail.counters
-    if templates is not None and templated:
-        text = _templated(c, g, node, sums, templates)
+    if templated:
         rows: list[tuple[str, ...]] = []
         hist = None
     else:
@@ -143,26 +149,32 @@ def render(
 
 def _templated(
     c: CollectorView, g: Group, node: str, sums: WorkerSums, templates: Templates
-) -> dict[str, bytes]:
-    """The stream and scheduler families of the collector, from its template for this shape."""
+) -> tuple[dict[str, bytes], Claims] | None:
+    """The stream and scheduler families of the collector from its template for this shape,
+    and its claims; None when its own label sets repeat (claims, worked out per shape)."""
     values: list[object] = []
     templates_mod.add_sums(g.streams, sums)
     shape = (
         node,
         tuple([templates_mod.stream_values(s, values) for s in g.streams]),
         tuple([templates_mod.scheduler_values(x, values) for x in g.scheduler]),
+        tuple([(u.worker_id, u.dp_rank, u.endpoint) for u in g.unexpected]),
+        tuple([(e.worker_id, e.source, e.reason) for e in c.snapshot.scheduler_errors]),
     )
     cid = c.info.collector_id
     hit = templates.get(cid)
     if hit is None or hit[0] != shape:
+        cl, clean = claims(c, g)
         t = templates_mod.Template()
         slot = 0
         for one in shape[1]:
             slot = templates_mod.stream_template(t, one, node, slot)
         for one in shape[2]:
             slot = templates_mod.scheduler_template(t, one, node, slot)
-        hit = templates[cid] = (shape, t.built())
-    return hit[1].fill(values)
+        hit = templates[cid] = (shape, t.built(), cl if clean else None)
+    if hit[2] is None:
+        return None
+    return hit[1].fill(values), hit[2]
 
 
 # The families of one stream's row, in the order _stream returns them.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from functools import reduce
 from itertools import accumulate
-from operator import add
+from operator import add, attrgetter
 
 from kvobserve.wire.snapshot import Histogram
 
@@ -20,6 +20,10 @@ COUNTER_LABEL = {
     "kvobserve_kv_blocks_removed_total": "medium",
     "kvobserve_kv_blocks_unchanged_total": "kind",
 }
+
+
+_BOUNDS, _COUNTS = attrgetter("bounds"), attrgetter("counts")
+_COUNT, _SUM = attrgetter("count"), attrgetter("sum")
 
 
 class _Hist:
@@ -97,12 +101,13 @@ class WorkerSums:
         acc = self.hists.get((worker_id, medium))
         if acc is None:
             acc = self.hists[(worker_id, medium)] = _Hist(tuple(hs[0].bounds))
-        n = len(acc.bounds)
         bounds = list(acc.bounds)
-        if all(len(h.counts) == n and h.bounds == bounds for h in hs):
-            acc.cum = list(map(add, acc.cum, map(sum, zip(*[h.counts for h in hs], strict=True))))
-            acc.count += sum(h.count for h in hs)
-            acc.sum = reduce(add, [h.sum for h in hs], acc.sum)  # in order: floats
+        counts = list(map(_COUNTS, hs))
+        same = list(map(_BOUNDS, hs)).count(bounds) == len(hs)
+        if same and set(map(len, counts)) == {len(bounds)}:
+            acc.cum = list(map(add, acc.cum, map(sum, zip(*counts, strict=True))))
+            acc.count += sum(map(_COUNT, hs))
+            acc.sum = reduce(add, map(_SUM, hs), acc.sum)  # in order: floats
             return
         for h in hs:
             self.histogram(worker_id, medium, h)

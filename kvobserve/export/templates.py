@@ -127,16 +127,16 @@ def stream_values(sv: StreamView, out: list[Any]) -> tuple[object, ...]:
         dk = tuple(sorted(decode)) if len(decode) > 1 else tuple(decode)
         out.extend([decode[k] for k in dk])
     ident = (st.worker_id, st.dp_rank, st.endpoint, st.engine, st.topic, sv.collector.collector_id)
-    if not live:
-        return (ident, False, interleaved > 0, rk, dk)
     media = st.media
+    # the media are part of the shape even while stale: the collector's claims depend on them
+    names = (media[0].medium,) if len(media) == 1 else tuple([m.medium for m in media])
+    if not live:
+        return (ident, False, interleaved > 0, rk, dk, names)
     if len(media) == 1:
         m = media[0]
-        names: tuple[str, ...] = (m.medium,)
         out.append(m.blocks)
         out.append(m.tokens)
     else:
-        names = tuple([m.medium for m in media])
         out.extend([m.blocks for m in media])
         out.extend([m.tokens for m in media])
     cap = sv.capacity_tokens
@@ -158,6 +158,10 @@ _EVENTS = attrgetter("events")
 _MEDIA = attrgetter("media")
 _GET = tuple(methodcaller("get", t, 0) for t in EVENT_TYPES)
 _ALREADY = attrgetter("already_resident")
+_STORED = attrgetter("stored_total")
+_REMOVED = attrgetter("removed_total")
+_LIFETIME = attrgetter("lifetime")
+_EVENT_SET = frozenset(EVENT_TYPES)
 _UNKNOWN = attrgetter("unknown_removed")
 
 
@@ -178,8 +182,8 @@ def add_sums(streams: list[StreamView], sums: WorkerSums) -> None:
         for t, get in zip(EVENT_TYPES, _GET, strict=True):
             counter("kvobserve_kv_events_total", w, t, sum(map(get, evs)))
         for e in evs:
-            if len(e) > len(EVENT_TYPES) or not all(t in EVENT_TYPES for t in e):
-                for t in sorted(t for t in e if t not in EVENT_TYPES):
+            if not e.keys() <= _EVENT_SET:
+                for t in sorted(t for t in e if t not in _EVENT_SET):
                     counter("kvobserve_kv_events_total", w, t, e[t])
         counter(
             "kvobserve_kv_blocks_unchanged_total", w, "already_resident", sum(map(_ALREADY, sts))
@@ -194,11 +198,9 @@ def add_sums(streams: list[StreamView], sums: WorkerSums) -> None:
                 else:
                     got.append(m)
         for medium, ms in media.items():
-            counter("kvobserve_kv_blocks_stored_total", w, medium, sum(m.stored_total for m in ms))
-            counter(
-                "kvobserve_kv_blocks_removed_total", w, medium, sum(m.removed_total for m in ms)
-            )
-            hs = [m.lifetime for m in ms if m.lifetime is not None]
+            counter("kvobserve_kv_blocks_stored_total", w, medium, sum(map(_STORED, ms)))
+            counter("kvobserve_kv_blocks_removed_total", w, medium, sum(map(_REMOVED, ms)))
+            hs = [h for h in map(_LIFETIME, ms) if h is not None]
             if hs:
                 sums.histograms(w, medium, hs)
 

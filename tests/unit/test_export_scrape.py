@@ -150,3 +150,31 @@ def test_a_forgotten_collector_leaves_the_cache() -> None:
     fs.update(scale.synthetic_snapshot(0, 8, 4, now + 100), now + 100)
     body = check(cache, fs.view(now + 100), False)
     assert body.count(b"kvobserve_collector_up{") == 1
+
+
+def test_templates_follow_shape_changes_and_keep_percent_signs() -> None:
+    # A stream's lines come from its collector's template: a new medium, replay result, a
+    # stream going stale and label values with % (the template's own marker) change it.
+    state = rich_state()
+    cache = ScrapeCache()
+    check(cache, state.view(NOW), False)
+    snap = state.snapshot("node-0")
+    assert snap is not None
+    st = snap.streams[1]
+    odd = msgspec.structs.replace(
+        st,
+        endpoint="tcp://h:1/%s%%d",
+        topic="100%",
+        replay_requests={"timeout": 2, "ok": 5},  # not in key order
+        media=[*st.media, msgspec.structs.replace(st.media[0], medium="CPU%")],
+        batches_total=st.batches_total + 1,
+    )
+    streams = [snap.streams[0], odd, *snap.streams[2:]]
+    state.update(msgspec.structs.replace(snap, seq=snap.seq + 1, streams=streams), NOW)
+    body = check(cache, state.view(NOW), False)
+    assert b'endpoint="tcp://h:1/%s%%d"' in body and b'medium="CPU%"' in body
+    check(cache, state.view(NOW + 100), True)  # every collector stale: gauges go
+    fresh = ScrapeCache(templates=False)  # line by line: the same bytes
+    assert fresh.render(state.view(NOW), EXTRA, encoder(False)) == reference(
+        state.view(NOW), Detail(), False
+    )
