@@ -85,8 +85,14 @@ class Coalescer:
     ) -> None:
         self._deliver, self._counters = deliver, counters
         self._pending: dict[str, bytes] = {}
+        self._delivering = False
         self._wakeup = asyncio.Event()
         self.task = asyncio.create_task(self._run(), name="kvobserve-coalescer")
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued or being delivered: a message may be delivered directly, in order."""
+        return not self._pending and not self._delivering
 
     def put(self, key: str, data: bytes) -> None:
         """Queue `data` for `key`, replacing (and counting) an undelivered older one."""
@@ -99,5 +105,9 @@ class Coalescer:
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
-            while self._pending:
-                await self._deliver(self._pending.pop(next(iter(self._pending))))
+            self._delivering = True
+            try:
+                while self._pending:
+                    await self._deliver(self._pending.pop(next(iter(self._pending))))
+            finally:
+                self._delivering = False

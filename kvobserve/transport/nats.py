@@ -16,18 +16,20 @@ import inspect
 import logging
 import os
 import random
-import ssl
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import nats
 import nats.errors
 from nats.aio.client import Client, Server
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from kvobserve.aio import cancel_and_wait
 from kvobserve.config import NatsConfig
 from kvobserve.transport import Coalescer, Handler, TransportCounters, TransportStatus
 from kvobserve.transport.nats_kv import SnapshotBucket
+from kvobserve.transport.nats_tls import NatsConnectError, build_ssl_context
 from kvobserve.transport.subjects import (
     event_subject,
     event_wildcard,
@@ -42,28 +44,7 @@ from kvobserve.wire.snapshot import WHOLE
 log = logging.getLogger(__name__)
 
 
-class NatsConnectError(Exception):
-    """The first connection (or the KV bucket) could not be set up; the message says why."""
-
-
-def build_ssl_context(
-    ca: str | None, cert: str | None, key: str | None, *, force: bool = False
-) -> ssl.SSLContext | None:
-    """A client TLS context from PEM files; None when no TLS is asked for."""
-    if not (ca or cert or key or force):
-        return None
-    try:
-        ctx = ssl.create_default_context(cafile=ca)
-    except (OSError, ssl.SSLError) as exc:
-        raise NatsConnectError(f"nats tls_ca {ca!r}: cannot load: {exc}") from None
-    if cert or key:
-        if not (cert and key):
-            raise NatsConnectError("nats tls_cert/tls_key: set both or neither")
-        try:
-            ctx.load_cert_chain(cert, key)
-        except (OSError, ssl.SSLError) as exc:
-            raise NatsConnectError(f"nats tls_cert {cert!r} / tls_key {key!r}: {exc}") from None
-    return ctx
+__all__ = ["NatsConnectError", "NatsTransport"]
 
 
 class NatsTransport:
@@ -302,17 +283,34 @@ class NatsTransport:
             box = Coalescer(lambda data: self._handle(handler, data, subject, count), self.counters)
             self._deliveries.append(box.task)
 
-        async def on_msg(msg: Msg) -> None:
-            if box is not None:
-                box.put(msg.subject, msg.data)
-            else:
-                await self._handle(handler, msg.data, subject, count)
-
         for one in subjects:
-            await nc.subscribe(one, cb=on_msg)
+            subs: list[Subscription] = []  # the subscription, once made: its backlog
+            subs.append(
+                await nc.subscribe(one, cb=self._on_msg(handler, subject, count, box, subs))
+            )
         # Make sure the server has registered the interest before callers rely on it.
         with contextlib.suppress(nats.errors.Error, TimeoutError):
             await nc.flush(timeout=max(1, int(self._connect_timeout_s)))
+
+    def _on_msg(
+        self,
+        handler: Handler,
+        subject: str,
+        count: bool,
+        box: Coalescer | None,
+        subs: list[Subscription],
+    ) -> Callable[[Msg], Awaitable[None]]:
+        """A subscription's callback: with no backlog (nothing queued in nats-py or in the
+        coalescer) the handler runs at once, a loop turn sooner and cheaper; else the message
+        waits in the coalescer, which keeps only the newest per subject."""
+
+        async def on_msg(msg: Msg) -> None:
+            if box is None or (box.idle and (not subs or subs[0].pending_msgs == 0)):
+                await self._handle(handler, msg.data, subject, count)
+            else:
+                box.put(msg.subject, msg.data)
+
+        return on_msg
 
     async def _handle(self, handler: Handler, data: bytes, subject: str, count: bool) -> None:
         """Run the subscriber's handler on one message; it raising is counted, never fatal."""
