@@ -90,9 +90,15 @@ class ScrapeCache:
             for ch in cs:
                 sums.merge(ch.sums)
             level = chunks.fleet_level(view, order, sums, self.detail.shard)
-            pieces: list[tuple[bytes, bytes | None]] = []  # (plain, cached segment or None)
             taken: set[str] = set()
             deflate = _Deflate(self.gzip_level) if gzip else None
+            if deflate is None or not per_piece:  # whole families: no segment per collector
+                body = self._families(cs, level, taken, openmetrics, deflate is not None)
+                rest = encoder(Listed(rest_families(view, extra, taken)))
+                if deflate is None:
+                    return b"".join([*body, rest])
+                return _gzip([(b, None) for b in (*body, rest) if b], deflate)
+            pieces: list[tuple[bytes, bytes | None]] = []  # (plain, cached segment or None)
             for name in _NAMES:
                 own = level.get(name)
                 parts: list[tuple[bytes, bytes | None]] = [(own, None)] if own else []
@@ -116,6 +122,32 @@ class ScrapeCache:
             if deflate is None:
                 return b"".join(p for p, _ in pieces)
             return _gzip(pieces, deflate)
+
+    def _families(
+        self, cs: list[Chunk], level: dict[str, bytes], taken: set[str], om: bool, joined: bool
+    ) -> list[bytes]:
+        """Each family's header and lines, collector by collector (one piece per family when
+        `joined`); the families served go into `taken`."""
+        by: dict[str, list[bytes]] = {name: [text] for name, text in level.items() if text}
+        for ch in cs:
+            for name, text in ch.text.items():
+                got = by.get(name)
+                if got is None:
+                    by[name] = [text]
+                else:
+                    got.append(text)
+        out = []
+        for name in _NAMES:
+            texts = by.get(name)
+            if not texts:
+                continue
+            taken.add(_FAMILY[name])
+            out.append(self._header(name, om)[0])
+            if joined:
+                out.append(b"".join(texts))
+            else:
+                out.extend(texts)
+        return out
 
     def _header(self, name: str, om: bool) -> tuple[bytes, bytes | None]:
         hit = self._headers.get((name, om))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import random
 import time
 from pathlib import Path
 
@@ -129,8 +130,14 @@ def test_label_values_needing_escapes_render_as_prometheus_client_does() -> None
 
 
 @pytest.mark.parametrize(
-    "v", [0, 1, -1, 999_999, 1_000_000, -1_000_000, 123_456_789, 0.5, 1e-9, 2.5e20, True, False]
-)
+    "v",
+    [
+        0, 1, -1, 999_999, 1_000_000, -1_000_000, 123_456_789, 0.5, 1e-9, 2.5e20, True, False,
+        1_000_000.0, 1_795_291_773.25, 16_000_000, 10**10, 12_345_678_901_234, 2**53 - 1, 2**53,
+        10**20, 9.999_999_999_999_998e15, 1e16, -1_795_291_773.25, -(2**40), float("inf"),
+        float("-inf"), float("nan"), -0.0, 1_000_000.5, 123_456_789.000_001,
+    ],
+)  # fmt: skip
 def test_value_formatting_matches_float_to_go_string(v: float) -> None:
     assert format_value(v) == floatToGoString(v)
 
@@ -139,3 +146,13 @@ def test_benchmark_modules_have_a_main() -> None:
     for mod in (ingest, e2e, scale, memory):
         assert callable(mod.main), mod.__name__
     assert Path(ingest.__file__).parent.name == "benchmarks"
+
+
+def test_value_formatting_matches_float_to_go_string_at_random() -> None:
+    r = random.Random(16)
+    for _ in range(20_000):
+        v = r.choice([
+            r.randrange(-(10**17), 10**17), r.uniform(-1e17, 1e17), r.randrange(10**6, 2**53),
+            r.uniform(1e6, 1e16), float(r.randrange(-(10**7), 10**7)), 10 ** r.randrange(20),
+        ])  # fmt: skip
+        assert format_value(v) == floatToGoString(v), v
