@@ -22,9 +22,10 @@ tools: venv
 	bash scripts/install-tools.sh
 
 lint: venv
-	$(BIN)/ruff check kvobserve tests benchmarks
-	$(BIN)/ruff format --check kvobserve tests benchmarks
+	$(BIN)/ruff check kvobserve tests benchmarks deploy
+	$(BIN)/ruff format --check kvobserve tests benchmarks deploy
 	$(BIN)/mypy
+	$(BIN)/mypy deploy/kubernetes/generate.py
 	$(BIN)/lint-imports
 
 test: venv tools lint

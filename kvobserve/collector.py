@@ -15,8 +15,12 @@ from typing import Any, Protocol
 
 from kvobserve import __version__
 from kvobserve.aio import cancel_and_wait
-from kvobserve.config import Config
+from kvobserve.config import Config, WorkerConfig
 from kvobserve.sources.discovery import DiscoveredEngine, DiscoveryError, Rediscovery, discover
+from kvobserve.sources.dynamo_drift import DriftPoller
+from kvobserve.sources.dynamo_ingest import DynamoIngest
+from kvobserve.sources.dynamo_plan import plan_dynamo
+from kvobserve.sources.dynamo_streams import DynamoOptions
 from kvobserve.sources.kv_stream import IngestLoop, IngestOptions
 from kvobserve.sources.passthrough import relabel
 from kvobserve.sources.plan import StreamSpec, WorkerPlan, plan_worker
@@ -68,6 +72,7 @@ class Collector:
         transport: SnapshotSink,
         *,
         ingest: IngestOptions | None = None,
+        dynamo: DynamoOptions | None = None,
         clock: Callable[[], float] = time.time,
         observers: list[Callable[[Snapshot], object]] | None = None,
     ) -> None:
@@ -81,6 +86,9 @@ class Collector:
         )
         self._ingest_options = ingest
         self.ingest: IngestLoop | None = None
+        self._dynamo_options = dynamo
+        self.dynamo: DynamoIngest | None = None  # engine = "dynamo" workers (docs/dynamo.md)
+        self.drift: list[DriftPoller] = []
         self.plans: list[WorkerPlan] = []
         self.scheduler: dict[str, SchedulerSources] = {}
         self._rediscovery: list[Rediscovery] = []
@@ -128,13 +136,28 @@ class Collector:
             self.scheduler[w.id] = src
         for r in self._rediscovery:
             await r.start()
+        await self._start_dynamo()
         self._task = asyncio.create_task(self._loop(), name="kvobserve-snapshots")
+
+    async def _start_dynamo(self) -> None:
+        """The Dynamo event planes and their drift pollers, when the config has any."""
+        node = self.cfg.collector
+        plans = [plan_dynamo(i, w, node) for i, w in enumerate(self.cfg.workers) if _dyn(w)]
+        if not plans:
+            return
+        self.dynamo = DynamoIngest(plans, self._dynamo_options)
+        self.dynamo.start()
+        self.drift = [DriftPoller(p, self.dynamo) for p in plans if p.worker.indexer_url]
+        for d in self.drift:
+            await d.start()
 
     def _replan(self) -> list[StreamSpec]:
         """Plan every worker anew from the config and discovery; the streams to watch."""
         node = self.cfg.collector
         self.plans = [
-            plan_worker(i, w, node, self._found.get(w.id)) for i, w in enumerate(self.cfg.workers)
+            plan_worker(i, w, node, self._found.get(w.id))
+            for i, w in enumerate(self.cfg.workers)
+            if not _dyn(w)
         ]
         return [s for p in self.plans for s in p.watched]
 
@@ -190,14 +213,26 @@ class Collector:
                     passthrough.append(fam)
         if self._passthrough_refused:
             refused["passthrough_samples"] = self._passthrough_refused
+        streams, workers = ingest.streams, [p.info() for p in self.plans]
+        dynamo: dict[str, Any] = {}
+        if self.dynamo is not None:
+            dyn = await asyncio.wrap_future(self.dynamo.stats())
+            streams, workers = streams + dyn.streams, workers + dyn.workers
+            sched += dyn.scheduler
+            if dyn.refused_streams:
+                refused["streams"] = refused.get("streams", 0) + dyn.refused_streams
+            dynamo = {"dynamo": dyn.dynamo, "dynamo_planes": dyn.planes}
+            polled = [d.stats() for d in self.drift]
+            dynamo["drift"] = [x for results, _ in polled for x in results]
+            dynamo["drift_sources"] = [source for _, source in polled]
         self._seq += 1
         return Snapshot(
             self.info,
             seq=self._seq,
             time=self._clock(),
             interval_s=self.cfg.collector.interval_s,
-            workers=[p.info() for p in self.plans],
-            streams=ingest.streams,
+            workers=workers,
+            streams=streams,
             unexpected=ingest.unexpected,
             scheduler=sched,
             scheduler_errors=errors,
@@ -209,6 +244,7 @@ class Collector:
                 self.snapshots_published,
                 dict(self.transport.counters.dropped),
             ),
+            **dynamo,
         )
 
     async def publish_once(self) -> Snapshot:
@@ -248,8 +284,17 @@ class Collector:
             await r.close()
         for src in self.scheduler.values():
             await src.close()
+        for d in self.drift:
+            await d.close()
+        loop = asyncio.get_running_loop()
+        if self.dynamo is not None:
+            await loop.run_in_executor(None, self.dynamo.stop)
         if self.ingest is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self.ingest.stop)
+            await loop.run_in_executor(None, self.ingest.stop)
+
+
+def _dyn(w: WorkerConfig) -> bool:
+    return w.engine == "dynamo"
 
 
 def _families(metrics: list[Any]) -> list[Family]:

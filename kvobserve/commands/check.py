@@ -11,6 +11,7 @@ from typing import Any
 from kvobserve.commands.common import fail, load
 from kvobserve.config import SECTIONS, Config, ConfigError, add_config_flags
 from kvobserve.sources.discovery import DiscoveredEngine, DiscoveryError, discover
+from kvobserve.sources.dynamo_plan import DynamoPlan, plan_dynamo
 from kvobserve.sources.plan import WorkerPlan, plan_worker
 
 
@@ -26,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 async def _discover_all(cfg: Config, timeout_s: float) -> dict[str, DiscoveredEngine]:
     """Discovery for every worker with a url, concurrently."""
-    todo = [w for w in cfg.workers if w.url]
+    todo = [w for w in cfg.workers if w.url and w.engine != "dynamo"]
     found = await asyncio.gather(
         *(discover(w.url or "", w.engine, timeout_s=timeout_s) for w in todo)
     )
@@ -62,6 +63,39 @@ def plan_json(p: WorkerPlan) -> dict[str, Any]:
     }
 
 
+def dynamo_json(p: DynamoPlan) -> dict[str, Any]:
+    """One Dynamo plane's plan as `check --json` prints it."""
+    w = p.worker
+    return {
+        "worker_id": w.id,
+        "engine": "dynamo",
+        "event_plane": p.event_plane,
+        "url": p.shown,
+        "namespace": w.namespace,
+        "subjects": list(p.subjects),
+        "endpoints": list(p.endpoints),
+        "stream_worker_id": p.label("<dynamo worker_id>"),
+        "keep_ranks": "all" if p.owned is None else list(p.owned),
+        "dp_size": w.dp_size,
+        "block_size": w.block_size,
+        "indexer_url": w.indexer_url,
+        "notes": list(p.notes),
+    }
+
+
+def _print_dynamo(p: dict[str, Any]) -> None:
+    print(f"\nworker {p['worker_id']} (dynamo, {p['event_plane']} event plane {p['url']})")
+    for note in p["notes"]:
+        print(f"  note: {note}")
+    for what in ("subjects", "endpoints"):
+        for x in p[what]:
+            print(f"  subscribe {x}")
+    ranks = p["keep_ranks"]
+    kept = "every rank received" if ranks == "all" else f"dp_ranks {ranks[0]}-{ranks[-1]}"
+    print(f"  streams: {p['stream_worker_id']} per dp_rank, as events arrive; keeps {kept}")
+    print(f"  drift against: {p['indexer_url'] or 'none'}")
+
+
 def _print_text(cfg: Config, plans: list[dict[str, Any]]) -> None:
     """The plan as a human-readable table; `*` marks the ranks this node watches."""
     c = cfg.collector
@@ -69,6 +103,9 @@ def _print_text(cfg: Config, plans: list[dict[str, Any]]) -> None:
     print(f"cluster {cfg.cluster}  collector {c.id}  node_rank {c.node_rank} of {c.nnodes}")
     print(f"http {cfg.http.listen or 'off'}  nats {cfg.nats.url if cfg.nats else 'embedded'}")
     for p in plans:
+        if p["engine"] == "dynamo":
+            _print_dynamo(p)
+            continue
         src = f"  discovered from {p['discovered_from']}" if p["discovered_from"] else ""
         lead = "leader" if p["leader"] else "not leader"
         print(
@@ -98,7 +135,10 @@ def run(args: argparse.Namespace) -> int:
         found = {} if args.no_discovery else asyncio.run(_discover_all(cfg, args.timeout))
         node = cfg.collector
         plans = [
-            plan_json(plan_worker(i, w, node, found.get(w.id))) for i, w in enumerate(cfg.workers)
+            dynamo_json(plan_dynamo(i, w, node))
+            if w.engine == "dynamo"
+            else plan_json(plan_worker(i, w, node, found.get(w.id)))
+            for i, w in enumerate(cfg.workers)
         ]
     except (ConfigError, DiscoveryError) as exc:
         return fail("check", exc)

@@ -5,7 +5,10 @@ node 1, one collector per node) and a single-node vLLM 0.33 worker (dp_size 4, i
 The fault schedule, at the default 20 batches/s per rank: SGLang ranks 2 and 5 lose batches
 200-204 on the wire (kept in the replay ring, so the collectors recover them, ~10 s in) and restart
 their publishers every 1,000 batches (~50 s); vLLM rank 1 has a second publisher on its endpoint
-from the start (a duplicate stream).
+from the start (a duplicate stream). With `--dynamo`, a Dynamo worker joins (dp_size 4 on the ZMQ
+direct event plane, rank 2 loses the messages of event ids 400-401) with its own collector, and a
+simulated Dynamo KV indexer that loses removals (phantom blocks grow as the caches evict), for
+router-index drift (docs/dynamo.md).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from kvobserve.config import (
 )
 from kvobserve.simulate import FaultConfig, SimulatedWorker, nodes_of
 from kvobserve.simulate.config import SimConfig
+from kvobserve.simulate.dynamo_worker import SimulatedDynamoWorker
 from kvobserve.simulate.truth import write_truth
 
 DEMO_FAULTS_SGLANG = FaultConfig(
@@ -43,7 +47,7 @@ DEMO_FAULTS_VLLM = FaultConfig(second_publisher=(1,))
 class Demo:
     """The running demo: simulated engines and the embedded kvobserve."""
 
-    sims: list[SimulatedWorker]
+    sims: list[SimulatedWorker | SimulatedDynamoWorker]
     kvobserve: Embedded
     configs: list[Config]
 
@@ -81,6 +85,26 @@ def _worker_config(sim: SimulatedWorker, engine: str, leader: bool) -> WorkerCon
     )
 
 
+def _dynamo_sim(rate: float, seed: int) -> SimulatedDynamoWorker:
+    cfg = SimConfig(
+        worker_id="dynamo-dp4", format="vllm-0.33", dp_size=4, event_plane="zmq", rate=rate,
+        seed=seed + 2, start_delay_s=0.5, http_port=None, replay_port=None, indexer_port=0,
+        indexer_mode="lose_removals", capacity_tokens=4096,
+        faults=FaultConfig(ranks=(2,), drop_event_ids=frozenset({400, 401})),
+    )  # fmt: skip
+    return SimulatedDynamoWorker(cfg).start()
+
+
+def _dynamo_config(sim: SimulatedDynamoWorker, drift_interval_s: float) -> WorkerConfig:
+    eps = tuple(e.url for e in sim.endpoints() if e.kind in ("dynamo_kv", "dynamo_metrics"))
+    indexer = next(e.url for e in sim.endpoints() if e.kind == "indexer")
+    return WorkerConfig(
+        id="dynamo", engine="dynamo", event_plane="zmq", zmq_endpoints=eps, block_size=16,
+        dp_size=4, capacity_tokens=sim.cfg.capacity_tokens, indexer_url=indexer,
+        drift_interval_s=drift_interval_s, drift_lag_s=min(1.0, drift_interval_s / 4),
+    )  # fmt: skip
+
+
 async def start_demo(
     http: HttpConfig | None,
     *,
@@ -89,6 +113,8 @@ async def start_demo(
     seed: int = 0,
     sglang_faults: FaultConfig = DEMO_FAULTS_SGLANG,
     vllm_faults: FaultConfig = DEMO_FAULTS_VLLM,
+    dynamo: bool = False,
+    drift_interval_s: float = 10.0,
 ) -> Demo:
     """Start the simulated fleet and kvobserve; serve `http` (None: no HTTP)."""
     sglang = SimConfig(
@@ -110,20 +136,26 @@ async def start_demo(
         seed=seed + 1,
         faults=vllm_faults,
     )
-    sims: list[SimulatedWorker] = []
+    sims: list[SimulatedWorker | SimulatedDynamoWorker] = []
     try:
         for cfg in [*nodes_of(sglang.validate()), vllm.validate()]:
             sims.append(SimulatedWorker(dataclasses.replace(cfg, start_delay_s=0.5)).start())
+        if dynamo:
+            sims.append(_dynamo_sim(rate, seed))
     except BaseException:
         for s in sims:
             s.stop()
         raise
-    sg0, sg1, vl = sims
+    sg0, sg1, vl = (s for s in sims if isinstance(s, SimulatedWorker))
     configs = [
         _collector_config("sglang-node-0", 0, 2, _worker_config(sg0, "sglang", True), interval_s),
         _collector_config("sglang-node-1", 1, 2, _worker_config(sg1, "sglang", False), interval_s),
         _collector_config("vllm-node-0", 0, 1, _worker_config(vl, "vllm", True), interval_s),
     ]
+    for s in sims:
+        if isinstance(s, SimulatedDynamoWorker):
+            w = _dynamo_config(s, drift_interval_s)
+            configs.append(_collector_config("dynamo-node-0", 0, 1, w, interval_s))
     try:
         emb = await start_embedded(configs, http)
     except BaseException:
@@ -165,6 +197,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", type=float, default=0.0, help="stop after S seconds (0: run)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--truth", help="write the engines' ground truth here (JSON) at the end")
+    parser.add_argument(
+        "--dynamo",
+        action="store_true",
+        help="add a Dynamo worker (ZMQ direct event plane) and a simulated KV indexer that loses "
+        "removals (router-index drift)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -181,12 +219,19 @@ def run(args: argparse.Namespace) -> int:
 async def _demo(args: argparse.Namespace, http: HttpConfig, out: TextIO) -> int:
     stop = stop_event()
     try:
-        demo = await start_demo(http, rate=args.rate, interval_s=args.interval, seed=args.seed)
+        demo = await start_demo(
+            http, rate=args.rate, interval_s=args.interval, seed=args.seed, dynamo=args.dynamo
+        )
     except OSError as exc:
         return fail("demo", f"http.listen {http.listen}: {exc.strerror or exc}", 1)
     base = f"{'https' if http.tls else 'http'}://{http.listen}"
+    dyn = (
+        "\n  dynamo       a Dynamo worker (4 streams), a KV indexer losing removals"
+        if args.dynamo
+        else ""
+    )
     print(
-        f"kvobserve demo: 3 simulated engine nodes, 12 KV-event streams, 3 collectors\n"
+        f"kvobserve demo: 3 simulated engine nodes, 12 KV-event streams, 3 collectors{dyn}\n"
         f"  metrics      {base}/metrics\n"
         f"  status page  {base}/\n"
         f"  faults       SGLang ranks 2,5: batches lost on the wire (recovered by replay) and"

@@ -59,6 +59,22 @@ _WORKER_FLAGS: dict[str, tuple[str, type, str]] = {
     "flush_every": ("--flush-every", int, "AllBlocksCleared every N batches (0 = never)"),
     "seed": ("--seed", int, "seed of all simulated content"),
     "model_name": ("--model-name", str, "model_name label"),
+    "event_plane": (
+        "--event-plane",
+        str,
+        "publish as a Dynamo worker on its event plane: nats or zmq (direct); default: the "
+        "engine's own ZMQ streams",
+    ),
+    "event_plane_url": ("--event-plane-url", str, "Dynamo mode, nats: the NATS server"),
+    "namespace": ("--namespace", str, "Dynamo namespace (default dynamo)"),
+    "indexer_port": ("--indexer-port", int, "serve a simulated Dynamo KV indexer (0 = free)"),
+    "indexer_mode": (
+        "--indexer-mode",
+        str,
+        "faithful, lag, lose_removals or miss_worker (default faithful)",
+    ),
+    "indexer_lag_events": ("--indexer-lag-events", int, "lag: events per rank not applied"),
+    "indexer_miss_worker": ("--indexer-miss-worker", str, "miss_worker: the worker id it lacks"),
 }
 _FAULT_FLAGS: dict[str, tuple[str, str]] = {
     "drop_seqs": ("--drop-seqs", "seqs dropped on the wire, kept in the replay ring (3,4)"),
@@ -74,6 +90,7 @@ _FAULT_FLAGS: dict[str, tuple[str, str]] = {
     "second_publisher": ("--second-publisher", "ranks with a second, interleaved publisher"),
     "mirror": ("--mirror", "SRC:DST: DST's port carries SRC's batches"),
     "wrong_rank": ("--wrong-rank", "RANK:LABEL: RANK writes LABEL at batch position 2"),
+    "drop_event_ids": ("--drop-event-ids", "Dynamo mode: lose the messages carrying these ids"),
 }
 
 
@@ -120,7 +137,7 @@ def _fault_overrides(args: argparse.Namespace) -> dict[str, Any]:
         raw = getattr(args, f"fault_{dest}")
         if raw is None:
             continue
-        if dest in ("drop_seqs", "ring_drop_seqs", "malformed_seqs"):
+        if dest in ("drop_seqs", "ring_drop_seqs", "malformed_seqs", "drop_event_ids"):
             out[dest] = frozenset(parse_int_list(flag, raw))
         elif dest in ("ranks", "second_publisher"):
             out[dest] = parse_int_list(flag, raw)

@@ -16,6 +16,7 @@ from typing import IO, Any
 
 import zmq
 
+from kvobserve.commands import tap_dynamo
 from kvobserve.wire.errors import WireError
 from kvobserve.wire.kv_events import DEFAULT_MAX_PAYLOAD, KvBatch, decode_message
 from kvobserve.wire.kv_view import batch_view
@@ -61,6 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-payload", type=_positive_int, default=DEFAULT_MAX_PAYLOAD, help=argparse.SUPPRESS
     )
+    tap_dynamo.add_arguments(parser)  # Dynamo's event plane: a separate input mode
 
 
 def endpoint_problem(endpoint: str) -> str | None:
@@ -244,6 +246,8 @@ def _run_live(args: argparse.Namespace, tap: _Tap) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run `kvobserve tap`; 0 on success, 2 on a bad endpoint, file or flag."""
+    if args.dynamo is not None:
+        return tap_dynamo.run_dynamo(args)
     if (args.file is None) == (args.endpoint is None):
         return _fail("give exactly one of ENDPOINT or --file")
     if args.file is not None and args.replay_endpoint:

@@ -15,6 +15,7 @@ import tomllib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from kvobserve.config.dynamo import build_dynamo_worker, reject_dynamo_keys
 from kvobserve.config.model import (
     MAX_SHARDS,
     SECTIONS,
@@ -213,8 +214,11 @@ def _build_worker(i: int, w: dict[str, Any], node_rank: int) -> WorkerConfig:
     """Validate one [[worker]] table."""
     where = f"worker[{i}]"
     engine = w.get("engine")
+    if engine == "dynamo":
+        return build_dynamo_worker(where, w, node_rank)
     if engine not in ("sglang", "vllm"):
-        raise ConfigError(f"{where}.engine: must be 'sglang' or 'vllm', got {engine!r}")
+        raise ConfigError(f"{where}.engine: must be 'sglang', 'vllm' or 'dynamo', got {engine!r}")
+    reject_dynamo_keys(where, w, engine)
     for key in ("url", "metrics_url"):
         if key in w:
             check_url(w[key], f"{where}.{key}")

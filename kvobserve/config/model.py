@@ -53,6 +53,22 @@ class WorkerConfig:
     allow_pickle: bool = False
     passthrough_engine_metrics: bool = False
     version: str | None = None
+    # engine = "dynamo" only: Dynamo's KV event plane as the source (docs/dynamo.md)
+    event_plane: str = "nats"  # nats (core NATS subjects) | zmq (direct PUB endpoints)
+    event_plane_url: str | None = field(default=None, repr=False)  # nats://[user:pass@]host:port
+    event_plane_creds: str | None = None
+    event_plane_tls_ca: str | None = None
+    event_plane_tls_cert: str | None = None
+    event_plane_tls_key: str | None = None
+    namespace: str | None = None  # None: every namespace the subscription sees
+    zmq_endpoints: tuple[str, ...] = ()  # ZMQ direct: the publishers' advertised endpoints
+    block_size: int = 0  # tokens per KV block (the wire has none); 0: token counts stay 0
+    keep_ranks: str = "all"  # all | node (this node's contiguous share of dp_size)
+    indexer_url: str | None = None  # a Dynamo KV indexer to measure router-index drift against
+    indexer_api: str = "dump"  # dump (GET /dump: block sets) | query (POST /query: sizes only)
+    indexer_model: str = ""  # the model of the dump groups / the /query model_name; "": all
+    drift_interval_s: float = 30.0
+    drift_lag_s: float = 1.0  # how far the router may trail (or lead) our index
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +137,7 @@ class Config:
 
 def _spec(cls: type) -> dict[str, type]:
     """Key -> value type, read from a config dataclass (`int | None` -> int)."""
-    names = {"bool": bool, "int": int, "float": float}
+    names = {"bool": bool, "int": int, "float": float, "tuple[str,": list}
     return {f.name: names.get(str(f.type).split(" ")[0], str) for f in fields(cls)}
 
 

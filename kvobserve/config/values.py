@@ -30,6 +30,11 @@ def check_type(value: Any, typ: type, field: str) -> Any:
     """A value of the declared type (an int is accepted as float; a bool is not an int)."""
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if typ is list and isinstance(value, list):  # lists hold strings only (zmq_endpoints)
+        for i, item in enumerate(value):
+            if not isinstance(item, str):
+                raise ConfigError(f"{field}[{i}]: expected str, got {item!r}")
+        return value
     if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
         raise ConfigError(f"{field}: expected {typ.__name__}, got {value!r}")
     return value
@@ -39,6 +44,8 @@ def convert(value: Any, typ: type, field: str) -> Any:
     """A flag or env string converted to `typ`; non-strings are only type-checked."""
     if not isinstance(value, str) or typ is str:
         return check_type(value, typ, field)
+    if typ is list:  # a flag or env value: comma-separated
+        return [part.strip() for part in value.split(",") if part.strip()]
     text = value.strip().lower()
     try:
         return _BOOLS[text] if typ is bool else typ(text)

@@ -9,6 +9,8 @@ from typing import Any
 from kvobserve.simulate.encoders import FORMATS, WireFormat, get_format
 from kvobserve.simulate.faults import FaultConfig, faults_from_dict
 
+INDEXER_MODES = ("faithful", "lag", "lose_removals", "miss_worker")
+
 
 @dataclass(frozen=True)
 class SimConfig:
@@ -53,6 +55,17 @@ class SimConfig:
     truth_path: str | None = None
     truth_interval_s: float = 0.0  # also write the truth file periodically; 0 = only at stop
     faults: FaultConfig = field(default_factory=FaultConfig)
+    # Dynamo mode: publish as a Dynamo worker on its event plane (simulate/dynamo_worker.py)
+    event_plane: str | None = None  # nats | zmq (direct); None: the engine's own ZMQ streams
+    event_plane_url: str | None = None  # nats: the NATS server to publish to
+    namespace: str = "dynamo"
+    component: str = "backend"
+    endpoint: str = "generate"
+    dynamo_worker_id: int = 0  # 0: derived from seed and worker_id (the same on every node)
+    indexer_port: int | None = None  # serve a simulated Dynamo KV indexer; 0 = a free port
+    indexer_mode: str = "faithful"  # faithful | lag | lose_removals | miss_worker
+    indexer_lag_events: int = 8  # lag: the last N events of every rank are not applied yet
+    indexer_miss_worker: str = ""  # miss_worker: the (simulator) worker id the indexer lacks
 
     @property
     def wire(self) -> WireFormat:
@@ -103,7 +116,26 @@ class SimConfig:
                 "give one host per node"
             )
         self.faults.validate(self.dp_size)
+        self._validate_dynamo()
         return self
+
+    def _validate_dynamo(self) -> None:
+        if self.event_plane not in (None, "nats", "zmq"):
+            raise ValueError(f"event_plane: {self.event_plane!r} is not nats or zmq")
+        if self.event_plane is None:
+            if self.indexer_port is not None or self.faults.drop_event_ids:
+                raise ValueError("indexer_port / faults.drop_event_ids: need event_plane")
+            return
+        if self.event_plane == "nats" and not self.event_plane_url:
+            raise ValueError("event_plane_url: event_plane nats needs the NATS server URL")
+        if self.wire.hash_kind == "bytes32":
+            raise ValueError(f"format: {self.format} has 32-byte hashes; Dynamo carries u64 hashes")
+        if self.indexer_mode not in INDEXER_MODES:
+            raise ValueError(
+                f"indexer_mode: {self.indexer_mode!r} is not {', '.join(INDEXER_MODES)}"
+            )
+        if self.indexer_lag_events < 0:
+            raise ValueError(f"indexer_lag_events: {self.indexer_lag_events!r} must be >= 0")
 
     @property
     def has_load_pub(self) -> bool:

@@ -48,6 +48,8 @@ class FaultConfig:
     wrong_rank: tuple[tuple[int, int], ...] = ()  # (rank, label written at batch position 2)
     stray_publisher: bool = False  # an extra publisher on kv base + dp_size
     period: int = 0  # batches; seq-based faults and the stall repeat with it; 0 = once
+    # Dynamo mode: the message carrying each of these event_ids is lost on the event plane
+    drop_event_ids: frozenset[int] = frozenset()
 
     def applies(self, rank: int) -> bool:
         """Whether the seq/rate/restart/stall faults hit this rank."""
@@ -80,6 +82,10 @@ class FaultConfig:
                 raise ValueError(
                     f"faults.stall_after: {self.stall_after} is not below period {self.period}"
                 )
+        if any(i < 1 for i in self.drop_event_ids):
+            raise ValueError(
+                f"faults.drop_event_ids: {sorted(self.drop_event_ids)} (ids start at 1)"
+            )
         if self.stall_s < 0 or self.restart_pause_s < 0:
             raise ValueError("faults.stall_s / restart_pause_s: must be >= 0")
         ranks_used = [("faults.ranks", r) for r in (self.ranks or ())] + [
@@ -170,7 +176,7 @@ def faults_from_dict(d: dict[str, Any]) -> FaultConfig:
     for k, v in d.items():
         if k not in _FIELDS:
             raise ValueError(f"faults.{k}: unknown key (known: {', '.join(sorted(_FIELDS))})")
-        if k in ("drop_seqs", "ring_drop_seqs", "malformed_seqs"):
+        if k in ("drop_seqs", "ring_drop_seqs", "malformed_seqs", "drop_event_ids"):
             kw[k] = frozenset(int(x) for x in v)
         elif k in ("mirror", "wrong_rank"):
             kw[k] = tuple((int(a), int(b)) for a, b in v)

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvobserve.simulate.config import SimConfig
+from kvobserve.simulate.dynamo_indexer import SimIndexer
+from kvobserve.simulate.dynamo_worker import SimulatedDynamoWorker, dynamo_worker_id, indexer_truth
 from kvobserve.simulate.truth import TRUTH_VERSION, write_truth
 from kvobserve.simulate.worker import Endpoint, SimulatedWorker
 
@@ -76,20 +78,41 @@ def nodes_of(cfg: SimConfig, hosts: Sequence[str] | None = None) -> list[SimConf
             replay_port=replay,
             load_port=load,
             http_port=cfg.http_port if r == 0 or follower_http else None,
+            indexer_port=cfg.indexer_port if r == 0 else None,
             truth_path=None,
         )
         for r in range(cfg.nnodes)
     ]
 
 
+def shared_indexer(configs: Sequence[SimConfig]) -> SimIndexer | None:
+    """One simulated indexer fed by every Dynamo worker of the group (the first config with an
+    `indexer_port` describes it), or None."""
+    c = next((c for c in configs if c.event_plane and c.indexer_port is not None), None)
+    if c is None:
+        return None
+    miss = None
+    if c.indexer_mode == "miss_worker":
+        name = c.indexer_miss_worker or c.worker_id
+        target = next((x for x in configs if x.worker_id == name), None)
+        if target is None:
+            raise ValueError(f"indexer_miss_worker: no worker {name!r} in this simulator")
+        miss = dynamo_worker_id(target)
+    return SimIndexer(c.indexer_mode, c.indexer_lag_events, miss, c.page_size, c.model_name)
+
+
 class SimulatorGroup:
     """Start and stop many workers together; one combined truth document."""
 
     def __init__(self, configs: Sequence[SimConfig], truth_path: str | None = None) -> None:
-        self.workers = [SimulatedWorker(c) for c in configs]
+        self.indexer = shared_indexer(configs)
+        self.dynamo = [SimulatedDynamoWorker(c, self.indexer) for c in configs if c.event_plane]
+        self.workers: list[SimulatedWorker | SimulatedDynamoWorker] = [*self.dynamo]
+        engines = [SimulatedWorker(c) for c in configs if not c.event_plane]
+        self.workers += engines
         self.truth_path = truth_path
         nodes: dict[tuple[str, int], list[SimulatedWorker]] = {}
-        for w in self.workers:
+        for w in engines:
             nodes.setdefault((w.cfg.worker_id, w.cfg.nnodes), []).append(w)
         for group in nodes.values():  # the nodes of one worker see each other's ranks
             for w in group:
@@ -97,23 +120,35 @@ class SimulatorGroup:
 
     def start(self) -> SimulatorGroup:
         """Start every worker; on a failure, stop the ones already started and re-raise."""
-        started: list[SimulatedWorker] = []
+        started: list[SimulatedWorker | SimulatedDynamoWorker] = []
         try:
+            if self.indexer is not None:
+                c = next(c.cfg for c in self.dynamo if c.cfg.indexer_port is not None)
+                self.indexer.start(c.host, c.indexer_port or 0)
             for w in self.workers:
                 started.append(w.start())
         except BaseException:
             for w in started:
                 w.stop()
+            if self.indexer is not None:
+                self.indexer.stop()
             raise
         return self
 
     def endpoints(self) -> list[Endpoint]:
-        """All endpoints of all workers."""
-        return [e for w in self.workers for e in w.endpoints()]
+        """All endpoints of all workers (and the simulated indexer's)."""
+        out = [e for w in self.workers for e in w.endpoints()]
+        if self.indexer is not None:
+            c = next(w.cfg for w in self.dynamo if w.cfg.indexer_port is not None)
+            out.append(Endpoint("-", "indexer", None, f"http://{c.host}:{self.indexer.port}"))
+        return out
 
     def truth(self) -> dict[str, Any]:
-        """`{"truth_version", "workers": [one worker's truth, ...]}`."""
-        return {"truth_version": TRUTH_VERSION, "workers": [w.truth() for w in self.workers]}
+        """`{"truth_version", "workers": [one worker's truth, ...][, "indexer": {...}]}`."""
+        doc = {"truth_version": TRUTH_VERSION, "workers": [w.truth() for w in self.workers]}
+        if self.indexer is not None:
+            doc["indexer"] = indexer_truth(self.indexer, self.dynamo)
+        return doc
 
     def write_truth(self) -> None:
         """Write the combined truth file, if one was asked for."""
@@ -124,6 +159,8 @@ class SimulatorGroup:
         """Stop every worker, then write the final truth; idempotent."""
         for w in self.workers:
             w.stop()
+        if self.indexer is not None:
+            self.indexer.stop()
         self.write_truth()
 
     def __enter__(self) -> SimulatorGroup:

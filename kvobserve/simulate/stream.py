@@ -169,6 +169,17 @@ class SimStream:
 
     # --- publishing ---------------------------------------------------------------------------
 
+    def step_events(self) -> list[Any]:
+        """Advance one engine step and return its events unencoded (a Dynamo relay re-publishes
+        them); no seq-based faults (the relay has its own), empty when nothing changed."""
+        self._tick += 1
+        self._finish_requests()
+        events = self._events()
+        self.seq += 1
+        self.events += len(events)
+        self.batches_sent += bool(events)
+        return events
+
     def next_batch(self, ts: float) -> tuple[bytes, bytes] | None:
         """Advance one batch: (seq frame, payload) to send live, or None (dropped or no events)."""
         seq = self.seq

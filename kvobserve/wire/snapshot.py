@@ -118,6 +118,63 @@ class WorkerInfo(Struct, omit_defaults=True, gc=False):
     capacity_tokens: int = 0  # configured; 0 = take it from scheduler metrics
 
 
+class DynamoStreamStats(Struct, omit_defaults=True, gc=False):
+    """What the Dynamo event plane adds to one (worker_id, dp_rank) stream (docs/dynamo.md)."""
+
+    worker_id: str
+    dp_rank: int
+    dynamo_worker_id: int = 0  # Dynamo's own worker (instance) id
+    publisher_id: int = 0  # the envelope publisher of the last message
+    publishers_seen: int = 0  # distinct publisher ids (a restart adds one; two live = duplicate)
+    envelope_gaps: int = 0  # envelope sequence jumps of one publisher (messages lost)
+    envelope_missed: int = 0  # envelope sequences skipped
+    envelope_duplicates: int = 0  # (publisher_id, sequence) seen again
+    header_mismatches: int = 0  # ZMQ header frames that disagree with the envelope
+    replay: str = "unavailable"  # the event plane has no replay: a gap stays lost
+    last_message_age_s: float | None = None  # since any message of this stream (events, load)
+
+
+class DynamoPlaneStats(Struct, omit_defaults=True, gc=False):
+    """One configured Dynamo event plane (a `[[worker]]` with `engine = "dynamo"`)."""
+
+    worker_id: str  # the config id; its streams are `{worker_id}/{dynamo worker id}`
+    event_plane: str = ""  # nats | zmq
+    url: str = ""  # NATS URL (credentials removed) or the ZMQ endpoints, comma-separated
+    connected: bool = False
+    messages_total: int = 0
+    errors: dict[str, int] = {}  # reason -> messages that could not be used
+    not_owned_events: int = 0  # events of ranks another collector keeps (keep_ranks = "node")
+
+
+class DriftStats(Struct, omit_defaults=True, gc=False):
+    """Router-index drift of one (worker_id, dp_rank, medium), from the last comparison."""
+
+    worker_id: str
+    dp_rank: int
+    medium: str
+    method: str = "dump"  # dump: block sets compared; size: only the router's tree size
+    router_blocks: int = 0  # blocks the router's index holds for this stream and medium
+    engine_blocks: int = 0  # blocks kvobserve's event-derived index holds
+    phantom: int = 0  # the router holds them, the engine evicted them
+    missing: int = 0  # the engine holds them, the router lacks them
+    in_flight: int = 0  # changed while comparing: counted neither way
+    jaccard: float | None = None  # |both| / |either| over settled blocks; None for `size`
+    complete: bool = False  # kvobserve's index saw this stream from a known start, no loss
+    at: float = 0.0  # wall time of the router's answer
+
+
+class DriftSource(Struct, omit_defaults=True, gc=False):
+    """One router or indexer URL that drift is measured against."""
+
+    worker_id: str  # the config id of the Dynamo plane
+    url: str
+    method: str = "dump"
+    comparisons: dict[str, int] = {}  # result (ok, http, connection, decode, busy) -> count
+    last_ok: float = 0.0  # wall time of the last successful comparison
+    duration_s: float = 0.0  # of the last successful comparison, window included
+    unseen_streams: int = 0  # (worker, rank) the router holds that kvobserve never saw
+
+
 class Sample(Struct, array_like=True, gc=False):
     """One passthrough sample: full name, labels, value."""
 
@@ -170,6 +227,10 @@ class Snapshot(Struct, omit_defaults=True, gc=False):
     scheduler_errors: list[SourceErrors] = []
     passthrough: list[Family] = []
     refused: dict[str, int] = {}  # what a cardinality cap refused -> count (streams, ...)
+    dynamo: list[DynamoStreamStats] = []
+    dynamo_planes: list[DynamoPlaneStats] = []
+    drift: list[DriftStats] = []
+    drift_sources: list[DriftSource] = []
     counters: CollectorCounters | None = None
     bucket: int = WHOLE  # the shard bucket of every worker in this part; WHOLE: all of them
     buckets: list[int] = []  # every bucket this collector sent a part for, with the same seq

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from kvobserve.simulate import SimConfig, SimulatedWorker
+from kvobserve.simulate import SimConfig, SimulatedWorker, SimulatorGroup
 from tests.certs import self_signed
 from tests.integration.conftest import NatsServer, free_port
 from tests.integration.fleet_helpers import ROOT, clean_env, write_toml
@@ -74,6 +74,8 @@ class Env:
     aggregator: str  # base URL of a running `kvobserve run`
     cert: str
     key: str
+    dynamo_config: Path  # a Dynamo plane on `nats`, where a simulated Dynamo worker publishes
+    dynamo_zmq: str  # a ZMQ direct KV-event publisher of a simulated Dynamo worker
     recorded: Path = field(init=False)
 
     def __post_init__(self) -> None:
@@ -104,6 +106,8 @@ def _map(line: str, env: Env) -> tuple[list[str], dict[str, str], str | None]:
         (r"/etc/kvobserve/tls\.crt", env.cert),
         (r"/etc/kvobserve/tls\.key", env.key),
         (r"-c sim\.toml", f"-c {env.sim_config}"),
+        (r"-c dynamo\.toml", f"-c {env.dynamo_config}"),
+        (r"tcp://10\.0\.0\.5:36001", env.dynamo_zmq),
         (r"-c (kvobserve\.toml|node-?[N0-9]\.toml|node\.toml|FILE|/etc/kvobserve/[\w.-]+\.toml)", f"-c {env.config}"),
     ]  # fmt: skip
     for pattern, repl in subs:
@@ -185,6 +189,12 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     sim = SimulatedWorker(
         SimConfig(worker_id="docs", format="sglang-0.5.23", dp_size=2, topic="kv-events", rate=20)
     ).start()
+    dynamo = SimulatorGroup(
+        [
+            SimConfig(worker_id="docs-nats", event_plane="nats", event_plane_url=nats.url, rate=20),
+            SimConfig(worker_id="docs-zmq", event_plane="zmq", rate=20),
+        ]
+    ).start()
     run = None
     try:
         kv, replay = f"tcp://127.0.0.1:{sim.kv_base}", f"tcp://127.0.0.1:{sim.replay_base}"
@@ -198,6 +208,10 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
              "nats": {"url": nats.url}},
         )  # fmt: skip
         sim_config = write_toml(tmp / "sim.toml", {"worker": [{"id": "s", "dp_size": 1}]})
+        dyn_worker = {"engine": "dynamo", "event_plane_url": nats.url, "namespace": "dynamo",
+                      "block_size": 16}  # fmt: skip
+        dynamo_config = write_toml(tmp / "dynamo.toml", {"worker": [dyn_worker]})
+        dynamo_zmq = next(e.url for e in dynamo.endpoints() if e.kind == "dynamo_kv")
         port = free_port()
         run = subprocess.Popen(
             [sys.executable, "-m", "kvobserve", "run", "-c", str(config), "--listen", f"127.0.0.1:{port}"],
@@ -209,12 +223,16 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
             assert run.poll() is None and time.monotonic() < deadline, "kvobserve run did not serve"
             time.sleep(0.1)
         cert, key = self_signed(tmp / "tls")
-        yield Env(tmp, nats.url, kv, replay, url, config, sim_config, aggregator, cert, key)
+        yield Env(
+            tmp, nats.url, kv, replay, url, config, sim_config, aggregator, cert, key,
+            dynamo_config, dynamo_zmq,
+        )  # fmt: skip
     finally:
         if run is not None:
             run.send_signal(signal.SIGTERM)
             run.wait(timeout=10)
         sim.stop()
+        dynamo.stop()
         nats.stop()
 
 

@@ -190,11 +190,19 @@ async def test_per_stream_detail_serves_block_counters_per_rank(detail: bool) ->
         base = f"http://127.0.0.1:{port}"
         served: list[dict[str, str]] = []
         end = time.monotonic() + 10.0
-        while not served:  # the scrape runs in a thread: this loop must keep serving HTTP
-            assert time.monotonic() < end, "no stored blocks served in 10 s"
+        while True:  # the scrape runs in a thread: this loop must keep serving HTTP
             got = await asyncio.to_thread(scrape, base)
-            samples = got.get("kvobserve_kv_blocks_stored_total") if got else []
-            served = [lb for lb, v in samples if v]
+            active = (
+                {lb["dp_rank"] for lb, v in got.get("kvobserve_kv_event_batches_total") if v}
+                if got
+                else set()
+            )
+            served = (
+                [lb for lb, v in got.get("kvobserve_kv_blocks_stored_total") if v] if got else []
+            )
+            if active == {"0", "1"} and len(served) == (2 if detail else 1):
+                break  # both streams applied batches: every series they feed is served
+            assert time.monotonic() < end, f"not served in 10 s: {active} {served}"
             await asyncio.sleep(0.1)  # the next poll, not a synchronisation
         ranks = {lb.get("dp_rank") for lb in served}
         assert ranks == ({"0", "1"} if detail else {None}), ranks  # per rank only when asked
