@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from typing import Any
 
 import msgspec
 from msgspec import Struct
@@ -269,13 +270,15 @@ def worker_bucket(worker_id: str) -> int:
 def split_parts(snap: Snapshot) -> list[Snapshot]:
     """One part per bucket of the snapshot's workers (a worker-less collector: bucket 0).
 
-    Each part carries the collector's identity, seq, counters and refusals, and only its
-    workers' streams, unexpected streams, scheduler stats, errors and passthrough families.
+    Each part carries the collector's identity, seq, counters, refusals and its Dynamo planes
+    and drift sources (collector-level, like the counters), and only its workers' streams,
+    unexpected streams, scheduler stats, errors, passthrough families, Dynamo stream stats and
+    drift results.
     """
     by: dict[int, list[str]] = {}
     for w in snap.workers:
         by.setdefault(worker_bucket(w.worker_id), []).append(w.worker_id)
-    for items in (snap.streams, snap.unexpected, snap.scheduler, snap.scheduler_errors):
+    for items in _per_worker(snap):
         for x in items:
             by.setdefault(worker_bucket(x.worker_id), [])
     if not by:
@@ -298,6 +301,8 @@ def split_parts(snap: Snapshot) -> list[Snapshot]:
                 scheduler=[x for x in snap.scheduler if mine(x.worker_id)],
                 scheduler_errors=[x for x in snap.scheduler_errors if mine(x.worker_id)],
                 passthrough=[f for f in snap.passthrough if _family_bucket(f) == b],
+                dynamo=[x for x in snap.dynamo if mine(x.worker_id)],
+                drift=[x for x in snap.drift if mine(x.worker_id)],
                 bucket=b,
                 buckets=buckets,
             )
@@ -326,5 +331,15 @@ def merge_parts(parts: list[Snapshot]) -> Snapshot:
         scheduler=[x for p in parts for x in p.scheduler],
         scheduler_errors=[x for p in parts for x in p.scheduler_errors],
         passthrough=[x for p in parts for x in p.passthrough],
+        dynamo=[x for p in parts for x in p.dynamo],
+        drift=[x for p in parts for x in p.drift],
         bucket=WHOLE,
     )
+
+
+def _per_worker(snap: Snapshot) -> tuple[list[Any], ...]:
+    """The snapshot's lists whose items belong to one worker (`worker_id`) each."""
+    return (
+        snap.streams, snap.unexpected, snap.scheduler, snap.scheduler_errors, snap.dynamo,
+        snap.drift,
+    )  # fmt: skip

@@ -22,6 +22,10 @@ from kvobserve.wire.snapshot import (
     WHOLE,
     CollectorCounters,
     CollectorInfo,
+    DriftSource,
+    DriftStats,
+    DynamoPlaneStats,
+    DynamoStreamStats,
     Family,
     Sample,
     SchedulerStats,
@@ -52,6 +56,10 @@ def snapshot(seq: int = 1, start: float = 100.0, workers: tuple[str, ...] = WORK
         scheduler_errors=[SourceErrors(w, "metrics", "http", 1) for w in workers],
         passthrough=[Family("engine_x", "gauge", "", [Sample("engine_x", {"worker_id": w}, 1.0)])
                      for w in workers],
+        dynamo=[DynamoStreamStats(w, 0, dynamo_worker_id=5) for w in workers],
+        drift=[DriftStats(w, 0, "GPU", router_blocks=3) for w in workers],
+        dynamo_planes=[DynamoPlaneStats("plane", "nats")],  # the collector's: in every part
+        drift_sources=[DriftSource("plane", "http://indexer")],
         counters=CollectorCounters(messages_received=7),
     )  # fmt: skip
 
@@ -71,13 +79,24 @@ def test_parts_hold_one_bucket_each_and_merge_back() -> None:
         assert p.buckets == [5, 18, 35]
         assert p.collector == snap.collector and p.seq == snap.seq
         assert p.counters == snap.counters  # the collector's health rides on every part
-        (w,) = {x.worker_id for x in (*p.workers, *p.streams, *p.scheduler, *p.scheduler_errors)}
+        assert (p.dynamo_planes, p.drift_sources) == (snap.dynamo_planes, snap.drift_sources)
+        mine = (*p.workers, *p.streams, *p.scheduler, *p.scheduler_errors, *p.dynamo, *p.drift)
+        (w,) = {x.worker_id for x in mine}
         assert worker_bucket(w) == p.bucket
         assert [f.samples[0].labels["worker_id"] for f in p.passthrough] == [w]
         assert decode_snapshot(encode_snapshot(p)) == p
     merged = merge_parts(parts)
     assert merged.bucket == WHOLE
-    for field in ("workers", "streams", "scheduler", "scheduler_errors", "passthrough"):
+    assert (merged.dynamo_planes, merged.drift_sources) == (snap.dynamo_planes, snap.drift_sources)
+    for field in (
+        "workers",
+        "streams",
+        "scheduler",
+        "scheduler_errors",
+        "passthrough",
+        "dynamo",
+        "drift",
+    ):
         got, want = getattr(merged, field), getattr(snap, field)
         assert sorted(map(encode_snapshot_part, got)) == sorted(map(encode_snapshot_part, want))
 
