@@ -1,20 +1,21 @@
-"""Fleet scale: /metrics of one aggregator over NATS, today's renderer beside the cached one.
+"""Fleet scale: /metrics of aggregators over NATS; main's renderer beside this one, or shards.
 
 Run: `python -m benchmarks.scale [--collectors 512] [--ranks 8]` (4,096 streams and a quarter of
-that), `--quick` for a smoke run. Synthetic snapshots (no ZMQ) are published once a second per
-collector, spread over the second, through a real nats-server to an aggregator subprocess
-(Aggregator + create_app, as `kvobserve aggregate` wires them). For each fleet size, each
-renderer gets a fresh aggregator and the same steps, in the same run:
+that), `--shards 4 --collectors 2048` for 16,384 streams over 4 sharded aggregators, `--quick`
+for a smoke run. Synthetic snapshots (no ZMQ) are published once a second per collector, spread
+over the second, through a real nats-server to aggregator subprocesses (Aggregator + create_app,
+as `kvobserve aggregate` wires them). The aggregators of one measurement run side by side and
+are scraped in turn (interleaved, the first one rotating), so machine load hits them alike:
 
-- idle: the aggregator's CPU (/proc/<pid>/stat) with no scrape, i.e. snapshot intake;
+- idle: each aggregator's CPU (/proc/<pid>/stat) with no scrape, i.e. snapshot intake;
 - cold scrapes, 1.5 s apart (every collector sent a new snapshot since the last one, as for a
   Prometheus scraping every 15 s), plain and gzip: response time (request to last byte) and the
   aggregator's CPU for the scrape (its CPU over the request minus the idle rate);
 - back-to-back scrapes, plain and gzip (HA pairs or short intervals: few collectors changed).
 
-"old" is the renderer before the cache (every scrape rendered afresh and, when asked, gzipped
-whole; per-stream counters and histograms, 48 series per stream); "new" is the cached renderer
-with the default series budget. Cores at a 15 s scrape interval = idle CPU + cold-scrape CPU / 15.
+"main" emulates the aggregator before this change (cached per collector but written line by
+line, conditions from a whole view every second, no frozen heap); "new" is this one; both with
+the default series budget. Cores at a 15 s scrape interval = idle CPU + cold-scrape CPU / 15.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gzip
+import os
 import signal
 import subprocess
 import sys
@@ -45,6 +47,7 @@ from benchmarks._common import (
 from kvobserve.analysis.blocks import DEFAULT_LIFETIME_BUCKETS
 from kvobserve.transport.subjects import snapshot_subject
 from kvobserve.wire.snapshot import (
+    BUCKETS,
     CollectorInfo,
     Histogram,
     MediumStats,
@@ -53,6 +56,7 @@ from kvobserve.wire.snapshot import (
     StreamStats,
     WorkerInfo,
     encode_snapshot,
+    worker_bucket,
 )
 
 CLUSTER = "bench"
@@ -78,11 +82,9 @@ def synthetic_snapshot(c: int, ranks: int, seq: int, now: float) -> Snapshot:
                 lag_seconds=0.002,
             )
         )  # fmt: skip
-    sched = [
-        SchedulerStats(worker, r, "metrics", 3.0, 1.0, 0.4, 0.6, 500_000.0, now)
-        for r in range(DP_SIZE)
-        if node == 0
-    ]
+    stats = (3.0, 1.0, 0.4, 0.6, 500_000.0, now)
+    sched = [SchedulerStats(worker, r, "metrics", *stats) for r in range(DP_SIZE) if node == 0]
+    bucket = worker_bucket(worker)  # one worker: one part (wire/snapshot.py split_parts)
     return Snapshot(
         CollectorInfo(f"node-{c:03d}", node, f"gpu-{c:03d}", now - 3600, CLUSTER, "bench"),
         seq=seq,
@@ -93,13 +95,18 @@ def synthetic_snapshot(c: int, ranks: int, seq: int, now: float) -> Snapshot:
         ],
         streams=streams,
         scheduler=sched,
+        bucket=bucket,
+        buckets=[bucket],
     )
 
 
 async def publish_fleet(url: str, collectors: int, ranks: int, stop: asyncio.Event) -> int:
     """Publish every collector's snapshot once a second, spread over the second; bytes sent."""
     nc = await nats.connect(url, name="bench-fleet")
-    subjects = [snapshot_subject(CLUSTER, f"node-{c:03d}") for c in range(collectors)]
+    subjects = [
+        snapshot_subject(CLUSTER, f"node-{c:03d}", worker_bucket(f"sglang-{c // 2:03d}"))
+        for c in range(collectors)
+    ]
     sent, seq, start = 0, 0, time.monotonic()
     try:
         while not stop.is_set():
@@ -124,26 +131,38 @@ def scrape(url: str, packed: bool = False) -> tuple[float, bytes]:
     return time.perf_counter() - t0, body
 
 
-async def serve_aggregator(nats_url: str, listen: str, renderer: str) -> None:
+async def serve_aggregator(
+    nats_url: str, listen: str, renderer: str, shard: int = 0, shards: int = 1
+) -> None:
     """The aggregator subprocess: NATS in, /metrics out, until SIGTERM."""
-    from kvobserve.aggregator import Aggregator
+    from kvobserve.aggregator import Aggregator, settle_heap
     from kvobserve.analysis.fleet import FleetState
     from kvobserve.export.prometheus import aggregator_metrics
-    from kvobserve.export.server import create_app, serve
+    from kvobserve.export.scrape import ScrapeCache
+    from kvobserve.export.server import CACHE, FLEET, create_app, serve
     from kvobserve.transport.nats import NatsTransport
 
-    transport = NatsTransport(nats_url, CLUSTER, name="bench-aggregator")
+    transport = NatsTransport(
+        nats_url, CLUSTER, name="bench-aggregator", shard=shard, shards=shards
+    )
     await transport.connect()
     agg = Aggregator(FleetState())
-    await agg.start(transport)
-    old = renderer == "old"
+    label = str(shard) if shards > 1 else ""
     app = create_app(
         agg.view,
-        extra_metrics=lambda: aggregator_metrics(agg.fleet, agg.decode_errors, transport),
-        scrape_cache=not old,
-        per_stream_histograms=old,
-        per_stream_counters=old,
+        extra_metrics=lambda: aggregator_metrics(agg.fleet, agg.decode_errors, transport, label),
+        shard=label,
     )
+    if renderer == "main":  # as on main before this change: see the module docstring
+        app[CACHE] = ScrapeCache(app[FLEET].detail, templates=False)
+
+        async def check_conditions() -> None:
+            agg.transitions(agg.fleet.view(agg.clock()).conditions)
+
+        agg.check_conditions = check_conditions  # type: ignore[method-assign]
+    await agg.start(transport)
+    if renderer != "main":
+        settle_heap()  # as `kvobserve aggregate` does once started
     http = await serve(app, listen)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -181,97 +200,163 @@ class Figures:
         return self.idle_cores + self.cpu_per_scrape / 15.0
 
 
-async def measure(
-    nats_url: str, renderer: str, streams: int, cold: int, warm: int, idle_s: float, workdir: Path
-) -> Figures:
-    """One aggregator with `renderer`, against the fleet being published."""
+@dataclass
+class Agg:
+    """One aggregator subprocess being measured."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    url: str
+    fig: Figures
+
+
+def start_aggregator(
+    nats_url: str, renderer: str, streams: int, workdir: Path, shard: int = 0, shards: int = 1
+) -> Agg:
+    """An aggregator subprocess serving `streams` streams (its shard's)."""
     port = free_port()
-    url = f"http://127.0.0.1:{port}/metrics"
-    with open(workdir / f"aggregate-{renderer}-{streams}.log", "wb") as logf:
-        agg = subprocess.Popen(
+    name = f"{renderer}-{shard}of{shards}-{streams}"
+    with open(workdir / f"aggregate-{name}.log", "wb") as logf:
+        proc = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.scale", "--serve", nats_url,
-             "--listen", f"127.0.0.1:{port}", "--renderer", renderer],
+             "--listen", f"127.0.0.1:{port}", "--renderer", renderer,
+             "--shard", str(shard), "--shards", str(shards)],
             stdout=logf, stderr=subprocess.STDOUT,
         )  # fmt: skip
-    f = Figures(streams)
+    return Agg(name, proc, f"http://127.0.0.1:{port}/metrics", Figures(streams))
+
+
+async def measure(aggs: list[Agg], cold: int, warm: int, idle_s: float, srv: NatsServer) -> float:
+    """Measure aggregators side by side, scraped in turn; returns NATS bytes/s (in + out)."""
     try:
-        wait_for_port(port, 30)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # warm-up: every stream seen
-            await asyncio.sleep(1.0)
-            _, body = await asyncio.to_thread(scrape, url)
-            if body.count(b"\nkvobserve_stream_up{") >= streams:
-                break
+        for a in aggs:
+            wait_for_port(int(a.url.rsplit(":", 1)[1].split("/")[0]), 30)
+        deadline = time.monotonic() + 90
+        for a in aggs:  # warm-up: every stream seen
+            while time.monotonic() < deadline:
+                await asyncio.sleep(1.0)
+                _, body = await asyncio.to_thread(scrape, a.url)
+                if body.count(b"\nkvobserve_stream_up{") >= a.fig.streams:
+                    break
         await asyncio.sleep(1.5)
-        c0, t0 = cpu_seconds(agg.pid), time.monotonic()
+        c0 = [cpu_seconds(a.proc.pid) for a in aggs]
+        v0, t0 = srv.varz(), time.monotonic()
         await asyncio.sleep(idle_s)
-        f.idle_cores = (cpu_seconds(agg.pid) - c0) / (time.monotonic() - t0)
-        f.times = {k: [] for k in ("cold", "cold_gz", "warm", "warm_gz")}
+        took = time.monotonic() - t0
+        v1 = srv.varz()
+        for a, c in zip(aggs, c0, strict=True):
+            a.fig.idle_cores = (cpu_seconds(a.proc.pid) - c) / took
+            a.fig.times = {k: [] for k in ("cold", "cold_gz", "warm", "warm_gz")}
         for i in range(2 * cold):
             packed = i % 2 == 1
             await asyncio.sleep(1.5)  # every collector has sent a new snapshot
-            c0, t0 = cpu_seconds(agg.pid), time.monotonic()
-            took, body = await asyncio.to_thread(scrape, url, packed)
-            f.cpu.append(cpu_seconds(agg.pid) - c0 - f.idle_cores * (time.monotonic() - t0))
-            f.times["cold_gz" if packed else "cold"].append(took)
-            if packed:
-                f.gzip_bytes = len(body)
-                body = gzip.decompress(body)
-            else:
-                f.plain_bytes = len(body)
-            f.samples = sum(1 for line in body.splitlines() if not line.startswith(b"#"))
+            for a in aggs[i % len(aggs) :] + aggs[: i % len(aggs)]:
+                f = a.fig
+                c, t = cpu_seconds(a.proc.pid), time.monotonic()
+                took_s, body = await asyncio.to_thread(scrape, a.url, packed)
+                f.cpu.append(cpu_seconds(a.proc.pid) - c - f.idle_cores * (time.monotonic() - t))
+                f.times["cold_gz" if packed else "cold"].append(took_s)
+                if packed:
+                    f.gzip_bytes = len(body)
+                    body = gzip.decompress(body)
+                else:
+                    f.plain_bytes = len(body)
+                f.samples = sum(1 for line in body.splitlines() if not line.startswith(b"#"))
         for i in range(2 * warm):
-            packed = i % 2 == 1
-            took, _ = await asyncio.to_thread(scrape, url, packed)
-            f.times["warm_gz" if packed else "warm"].append(took)
+            for a in aggs[i % len(aggs) :] + aggs[: i % len(aggs)]:
+                took_s, _ = await asyncio.to_thread(scrape, a.url, i % 2 == 1)
+                a.fig.times["warm_gz" if i % 2 else "warm"].append(took_s)
     finally:
-        stop_process(agg)
-    return f
+        for a in aggs:
+            stop_process(a.proc)
+    moved = (v1["in_bytes"] - v0["in_bytes"]) + (v1["out_bytes"] - v0["out_bytes"])
+    return moved / took
 
 
-def report(size: str, old: Figures, new: Figures) -> None:
-    """The figures of both renderers and their ratios (old / new)."""
-    print(f"{size}: {new.streams} streams")
+def report(title: str, figs: dict[str, Figures], nats_bps: float) -> None:
+    """Each aggregator's figures side by side (and main/new when both were measured)."""
+    print(f"{title}; NATS {nats_bps / 1e6:.2f} MB/s (in + out); load {_load()}")
+    names = list(figs)
+    ratio = names == ["main", "new"]
     rows = [
-        ("/metrics MB plain", old.plain_bytes / 1e6, new.plain_bytes / 1e6, "{:.2f}"),
-        ("/metrics MB gzip", old.gzip_bytes / 1e6, new.gzip_bytes / 1e6, "{:.2f}"),
-        ("samples", old.samples, new.samples, "{:,.0f}"),
-        ("samples per stream", old.samples / old.streams, new.samples / new.streams, "{:.1f}"),
+        ("streams", lambda f: f.streams, "{:,.0f}"),
+        ("/metrics MB plain", lambda f: f.plain_bytes / 1e6, "{:.2f}"),
+        ("/metrics MB gzip", lambda f: f.gzip_bytes / 1e6, "{:.2f}"),
+        ("samples per stream", lambda f: f.samples / max(f.streams, 1), "{:.1f}"),
     ]
     for key, what in (("cold", "cold plain"), ("cold_gz", "cold gzip"),
                       ("warm", "back-to-back plain"), ("warm_gz", "back-to-back gzip")):  # fmt: skip
         for q, qn in ((0.5, "p50"), (0.99, "p99")):
-            rows.append((f"{what} {qn} ms", old.p(key, q), new.p(key, q), "{:.0f}"))
+            rows.append((f"{what} {qn} ms", lambda f, k=key, q=q: f.p(k, q), "{:.0f}"))
     rows += [
-        ("CPU s per cold scrape", old.cpu_per_scrape, new.cpu_per_scrape, "{:.3f}"),
-        ("idle CPU (intake), cores", old.idle_cores, new.idle_cores, "{:.3f}"),
-        ("cores at a 15 s scrape interval", old.cores_at_15s, new.cores_at_15s, "{:.3f}"),
+        ("CPU s per cold scrape", lambda f: f.cpu_per_scrape, "{:.3f}"),
+        ("idle CPU (intake), cores", lambda f: f.idle_cores, "{:.3f}"),
+        ("cores at a 15 s scrape interval", lambda f: f.cores_at_15s, "{:.3f}"),
     ]
-    print(f"  {'':34s} {'old':>10s} {'new':>10s} {'old/new':>8s}")
-    for name, a, b, fmt in rows:
-        ratio = f"{a / b:.1f}x" if b else "-"
-        print(f"  {name:34s} {fmt.format(a):>10s} {fmt.format(b):>10s} {ratio:>8s}")
+    print(f"  {'':34s}" + "".join(f"{n:>10s}" for n in names) + ("  main/new" if ratio else ""))
+    for label, get, fmt in rows:
+        vals = [get(figs[n]) for n in names]
+        line = f"  {label:34s}" + "".join(f"{fmt.format(v):>10s}" for v in vals)
+        if ratio:
+            line += f"{vals[0] / vals[1]:9.1f}x" if vals[1] else "        -"
+        print(line)
+
+
+def _load() -> str:  # the machine's load average (1, 5, 15 min)
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def _mine(collectors: int, shard: int, shards: int) -> int:
+    """Collectors of the fleet whose worker is in the shard."""
+    return sum(
+        1 for c in range(collectors) if worker_bucket(f"sglang-{c // 2:03d}") % shards == shard
+    )
 
 
 async def run(
-    collectors: int, ranks: int, cold: int, warm: int, idle_s: float, workdir: Path
-) -> dict[int, tuple[Figures, Figures]]:
-    """Both renderers at a quarter of the fleet and at the full fleet, one nats-server."""
-    out: dict[int, tuple[Figures, Figures]] = {}
+    collectors: int,
+    ranks: int,
+    cold: int,
+    warm: int,
+    idle_s: float,
+    workdir: Path,
+    shards: int = 1,
+) -> dict[int, dict[str, Figures]]:
+    """Main's and this renderer side by side at a quarter and the whole fleet (shards == 1),
+    or `shards` sharded aggregators over the whole fleet; one nats-server."""
+    out: dict[int, dict[str, Figures]] = {}
+    sizes = [collectors] if shards > 1 else sorted({max(2, collectors // 4), collectors})
     with NatsServer(workdir / "nats.log") as srv:
-        for n in sorted({max(2, collectors // 4), collectors}):
+        for n in sizes:
             stop = asyncio.Event()
             pub = asyncio.create_task(publish_fleet(srv.url, n, ranks, stop))
             try:
-                figs = [
-                    await measure(srv.url, r, n * ranks, cold, warm, idle_s, workdir)
-                    for r in ("old", "new")
-                ]
+                if shards == 1:
+                    aggs = [
+                        start_aggregator(srv.url, r, n * ranks, workdir) for r in ("main", "new")
+                    ]
+                else:
+                    aggs = [
+                        start_aggregator(
+                            srv.url, "new", _mine(n, i, shards) * ranks, workdir, i, shards
+                        )
+                        for i in range(shards)
+                    ]
+                load0 = _load()
+                bps = await measure(aggs, cold, warm, idle_s, srv)
             finally:
                 stop.set()
                 await pub
-            out[n * ranks] = (figs[0], figs[1])
-            report(f"{n} collectors x {ranks} ranks", *figs)
+            figs = {
+                (a.name.split("-")[0] if shards == 1 else f"shard {i}"): a.fig
+                for i, a in enumerate(aggs)
+            }
+            out[n * ranks], what = figs, f"{n} collectors x {ranks} ranks = {n * ranks} streams"
+            report(
+                f"{what}{f' over {shards} shards' if shards > 1 else ''} (load before {load0})",
+                figs,
+                bps,
+            )
     return out
 
 
@@ -280,23 +365,31 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.scale", description=__doc__)
     p.add_argument("--collectors", type=int, default=512)
     p.add_argument("--ranks", type=int, default=8)
+    p.add_argument("--shards", type=int, default=1, help=f"sharded aggregators (1-{BUCKETS})")
     p.add_argument("--cold", type=int, default=8, help="cold scrapes per encoding")
     p.add_argument("--warm", type=int, default=20, help="back-to-back scrapes per encoding")
     p.add_argument("--idle", type=float, default=10.0, help="seconds of intake-only CPU")
     p.add_argument("--quick", action="store_true", help="a smoke run: 8 collectors, 2 scrapes")
     p.add_argument("--serve", metavar="NATS_URL", help=argparse.SUPPRESS)
     p.add_argument("--listen", help=argparse.SUPPRESS)
-    p.add_argument("--renderer", choices=("old", "new"), default="new", help=argparse.SUPPRESS)
+    p.add_argument("--renderer", choices=("main", "new"), default="new", help=argparse.SUPPRESS)
+    p.add_argument("--shard", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve:
-        asyncio.run(serve_aggregator(args.serve, args.listen, args.renderer))
+        asyncio.run(
+            serve_aggregator(args.serve, args.listen, args.renderer, args.shard, args.shards)
+        )
         return 0
     if args.quick:
-        args.collectors, args.cold, args.warm, args.idle = 8, 2, 2, 1.0
+        args.collectors, args.cold, args.warm, args.idle = 8 * args.shards, 2, 2, 1.0
     print(f"python -m benchmarks.scale --collectors {args.collectors} --ranks {args.ranks} "
-          f"--cold {args.cold} --warm {args.warm} --idle {args.idle:g}")  # fmt: skip
+          f"--shards {args.shards} --cold {args.cold} --warm {args.warm} --idle {args.idle:g}")  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="kvobserve-scale-") as tmp:
-        asyncio.run(run(args.collectors, args.ranks, args.cold, args.warm, args.idle, Path(tmp)))
+        asyncio.run(
+            run(
+                args.collectors, args.ranks, args.cold, args.warm, args.idle, Path(tmp), args.shards
+            )
+        )
     return 0
 
 

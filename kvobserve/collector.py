@@ -46,6 +46,7 @@ from kvobserve.wire.snapshot import (
     SourceErrors,
     SourceState,
     encode_snapshot,
+    split_parts,
 )
 
 log = logging.getLogger(__name__)
@@ -69,8 +70,8 @@ class SnapshotSink(Protocol):
         """The sink's counters."""
         ...
 
-    async def publish_snapshot(self, collector_id: str, data: bytes) -> None:
-        """Send one encoded snapshot; a failed send is counted by the sink, never raised."""
+    async def publish_snapshot(self, collector_id: str, data: bytes, bucket: int = -1) -> None:
+        """Send one encoded snapshot part; a failed send is counted by the sink, never raised."""
         ...
 
 
@@ -323,7 +324,12 @@ class Collector:
     async def publish_once(self) -> Snapshot:
         """Build and publish one snapshot."""
         snap = await self.snapshot()
-        await self.transport.publish_snapshot(self.info.collector_id, encode_snapshot(snap))
+        # One part per shard bucket of the workers (docs/scale.md): a shard of the aggregator
+        # subscribes to its buckets only; one aggregator merges the parts again.
+        for part in split_parts(snap):
+            await self.transport.publish_snapshot(
+                self.info.collector_id, encode_snapshot(part), part.bucket
+            )
         self.snapshots_published += 1
         self.last_snapshot = snap
         for observe in self.observers:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvobserve.analysis.alerting import RECENT_S
 from kvobserve.analysis.conditions import Condition, conditions
 from kvobserve.analysis.placement import PlacementEstimate, merge_placement
 from kvobserve.wire.snapshot import (
@@ -18,12 +19,14 @@ from kvobserve.wire.snapshot import (
     StreamStats,
     UnexpectedStream,
     WorkerPlacement,
+    merge_parts,
 )
 
 GPU_MEDIA = frozenset({"GPU", "DEVICE"})
+_QUIET_STATES = frozenset({"starting", "waiting", "idle"})
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class CollectorView:
     """One collector as the fleet sees it."""
 
@@ -33,7 +36,7 @@ class CollectorView:
     snapshot: Snapshot
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StreamView:
     """One stream with its collector, liveness and derived usage."""
 
@@ -75,15 +78,47 @@ class FleetView:
     dp_size: dict[str, int] = field(default_factory=dict)
     owners: dict[tuple[str, int], list[str]] = field(default_factory=dict)  # -> collector ids
     leaders: dict[str, list[str]] = field(default_factory=dict)
-    conditions: list[Condition] = field(default_factory=list)
     now: float = 0.0  # the time the view is as of
     placement: dict[str, PlacementEstimate] = field(default_factory=dict)  # per worker
+    _conditions: list[Condition] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def conditions(self) -> list[Condition]:
+        """The active conditions, worked out on first use (/metrics never needs them)."""
+        if self._conditions is None:
+            self._conditions = list(conditions(self))
+        return self._conditions
 
 
-@dataclass
+@dataclass(slots=True)
 class _Entry:
     snapshot: Snapshot
     received: float
+
+
+@dataclass(slots=True)
+class _Collector:
+    """One collector's parts (one per shard bucket; one WHOLE part from older collectors)."""
+
+    parts: dict[int, _Entry] = field(default_factory=dict)
+    merged: _Entry | None = None  # the parts as one snapshot; None: to be merged again
+
+
+def _maybe_problem(live: bool, st: StreamStats, now: float) -> bool:
+    """Whether a stream may have a condition: a superset of what analysis/conditions.py finds
+    per stream, cheap enough to skip the rest in the per-second check."""
+    if not (live and st.up) or st.duplicate_stream or not st.state_complete:
+        return True
+    if st.state in _QUIET_STATES:
+        return True
+    last = max(
+        st.last_loss_time,
+        st.last_gap_time,
+        st.last_restart_time,
+        st.last_decode_error_time,
+        st.last_rank_mismatch_time,
+    )
+    return last > 0 and now - last <= RECENT_S
 
 
 class FleetState:
@@ -92,85 +127,147 @@ class FleetState:
     def __init__(self, stale_intervals: float = 3.0, forget_after_s: float = 3600.0) -> None:
         self.stale_intervals = stale_intervals
         self.forget_after_s = forget_after_s
-        self._entries: dict[str, _Entry] = {}
+        self._collectors: dict[str, _Collector] = {}
+        self._order: list[str] = []  # collector ids, sorted; rebuilt when the set changes
         self.snapshots_applied = 0
         self.snapshots_ignored = 0  # older than the one we have (reordered or replayed)
 
     def update(self, snap: Snapshot, now: float) -> bool:
-        """Keep `snap` if it is newer than what we have for its collector."""
+        """Keep `snap` if it is newer than what we hold for its collector (and its bucket)."""
         cid = snap.collector.collector_id
-        old = self._entries.get(cid)
-        if old is not None:
-            o = old.snapshot
-            same_process = o.collector.start_time == snap.collector.start_time
-            if same_process and snap.seq <= o.seq:
+        c = self._collectors.get(cid)
+        if c is None:
+            c = self._collectors[cid] = _Collector()
+            self._order = []
+        start = snap.collector.start_time
+        for bucket, e in c.parts.items():
+            o = e.snapshot
+            older = start < o.collector.start_time
+            if older or (
+                bucket == snap.bucket and start == o.collector.start_time and snap.seq <= o.seq
+            ):
                 self.snapshots_ignored += 1
                 return False
-            if not same_process and snap.collector.start_time < o.collector.start_time:
-                self.snapshots_ignored += 1
-                return False
-        self._entries[cid] = _Entry(snap, now)
+        if c.parts and start > next(iter(c.parts.values())).snapshot.collector.start_time:
+            c.parts.clear()  # a new process: its parts replace every part of the old one
+        c.parts[snap.bucket] = _Entry(snap, now)
+        c.merged = None
         self.snapshots_applied += 1
         return True
 
+    def snapshot(self, collector_id: str) -> Snapshot | None:
+        """The collector's snapshot as served (its parts merged); None if unknown."""
+        c = self._collectors.get(collector_id)
+        return None if c is None else (c.merged or _merge(c)).snapshot
+
     def collector_ids(self) -> list[str]:
         """Ids of every collector we hold a snapshot for."""
-        return sorted(self._entries)
+        return sorted(self._collectors)
 
     def _is_up(self, e: _Entry, now: float) -> bool:
         return now - e.received <= self.stale_intervals * max(e.snapshot.interval_s, 0.001)
 
-    def view(self, now: float) -> FleetView:
-        """The fleet as of `now`."""
-        for cid in [c for c, e in self._entries.items() if now - e.received > self.forget_after_s]:
-            del self._entries[cid]
-        v = FleetView(now=now)
-        entries = sorted(self._entries.values(), key=lambda e: e.snapshot.collector.collector_id)
-        capacity: dict[tuple[str, int], float] = {}
-        configured: dict[tuple[str, str], int] = {}
+    def _entries(self, now: float) -> list[_Entry]:
+        """Each collector's snapshot (its parts merged), by collector id; forgets the silent."""
+        out = []
+        forget = []
+        if not self._order:
+            self._order = sorted(self._collectors)
+        for cid in self._order:
+            c = self._collectors[cid]
+            e = c.merged or _merge(c)
+            if now - e.received > self.forget_after_s:
+                forget.append(cid)
+            else:
+                out.append(e)
+        for cid in forget:
+            del self._collectors[cid]
+            self._order = []
+        return out
+
+    def _membership(
+        self, v: FleetView, entries: list[_Entry], now: float
+    ) -> tuple[list[bool], dict[tuple[str, int], str], dict[tuple[str, int], float]]:
+        """Collectors, dp sizes, owners, leaders, the joined scheduler stats and unexpected
+        streams of the view; returns whether each entry is up, the scheduler sources and the
+        capacity reported per (worker_id, dp_rank)."""
+        ups = []
         reported: dict[tuple[str, int], list[tuple[SchedulerStats, CollectorInfo]]] = {}
         for e in entries:
             snap, up = e.snapshot, self._is_up(e, now)
+            ups.append(up)
             info = snap.collector
+            cid = info.collector_id
             v.collectors.append(CollectorView(info, up, max(0.0, now - e.received), snap))
             for w in snap.workers:
-                v.dp_size[w.worker_id] = max(v.dp_size.get(w.worker_id, 0), w.dp_size)
-                v.leaders.setdefault(w.worker_id, [])
-                configured[(info.collector_id, w.worker_id)] = w.capacity_tokens
+                w_id = w.worker_id
+                v.dp_size[w_id] = max(v.dp_size.get(w_id, 0), w.dp_size)
+                leaders = v.leaders.setdefault(w_id, [])
                 if not up:
                     continue
                 for r in w.ranks_owned:
-                    v.owners.setdefault((w.worker_id, r), []).append(info.collector_id)
+                    ids = v.owners.get((w_id, r))
+                    if ids is None:
+                        v.owners[(w_id, r)] = [cid]
+                    else:
+                        ids.append(cid)
                 if w.leader:
-                    v.leaders[w.worker_id].append(info.collector_id)
+                    leaders.append(cid)
             if up:
                 for s in snap.scheduler:
                     reported.setdefault((s.worker_id, s.dp_rank), []).append((s, info))
+                v.unexpected.extend([(u, info) for u in snap.unexpected])
         for w_id, size in v.dp_size.items():
             for r in range(size):
-                v.owners.setdefault((w_id, r), [])
+                if (w_id, r) not in v.owners:
+                    v.owners[(w_id, r)] = []
+        capacity: dict[tuple[str, int], float] = {}
         sources = self._join_scheduler(v, reported, capacity)
-        for e in entries:
-            snap, up = e.snapshot, self._is_up(e, now)
-            info = snap.collector
-            for st in snap.streams:
-                cap: float | None = configured.get((info.collector_id, st.worker_id)) or None
-                if cap is None:
-                    cap = capacity.get((st.worker_id, st.dp_rank))
-                gpu = sum(m.tokens for m in st.media if m.medium in GPU_MEDIA)
-                src = sources.get((st.worker_id, st.dp_rank))
-                v.streams.append(StreamView(st, info, up, cap, gpu, src, snap.time))
-            if up:
-                v.unexpected.extend((u, info) for u in snap.unexpected)
-        v.streams.sort(key=lambda s: (s.stats.worker_id, s.stats.dp_rank, s.collector.collector_id))
+        return ups, sources, capacity
+
+    def view(self, now: float) -> FleetView:
+        """The fleet as of `now` (its conditions are worked out when first asked for)."""
+        v = FleetView(now=now)
+        entries = self._entries(now)
+        ups, sources, capacity = self._membership(v, entries, now)
+        streams = v.streams
         placements: dict[str, list[WorkerPlacement]] = {}
-        for e in entries:
-            if self._is_up(e, now):
-                for p in e.snapshot.placement:
+        for e, up in zip(entries, ups, strict=True):
+            snap = e.snapshot
+            info = snap.collector
+            configured = {w.worker_id: w.capacity_tokens for w in snap.workers}
+            for st in snap.streams:
+                key = (st.worker_id, st.dp_rank)
+                cap: float | None = configured.get(st.worker_id) or None
+                if cap is None:
+                    cap = capacity.get(key)
+                gpu = 0
+                for m in st.media:
+                    if m.medium in GPU_MEDIA:
+                        gpu += m.tokens
+                streams.append(StreamView(st, info, up, cap, gpu, sources.get(key), snap.time))
+            if up:
+                for p in snap.placement:
                     placements.setdefault(p.worker_id, []).append(p)
+        streams.sort(key=lambda s: (s.stats.worker_id, s.stats.dp_rank, s.collector.collector_id))
         v.placement = {w: merge_placement(ps) for w, ps in sorted(placements.items())}
-        v.conditions = list(conditions(v))
         return v
+
+    def conditions(self, now: float) -> list[Condition]:
+        """view(now).conditions, building views only of streams that may have one (the
+        per-second check)."""
+        v = FleetView(now=now)
+        entries = self._entries(now)
+        ups, _, _ = self._membership(v, entries, now)
+        for e, up in zip(entries, ups, strict=True):
+            snap = e.snapshot
+            for st in snap.streams:
+                if _maybe_problem(up, st, now):
+                    v.streams.append(StreamView(st, snap.collector, up, None, 0, None, snap.time))
+        v.streams.sort(
+            key=lambda s: (s.stats.worker_id, s.stats.dp_rank, s.collector.collector_id)
+        )
+        return v.conditions
 
     @staticmethod
     def _join_scheduler(
@@ -188,7 +285,7 @@ class FleetState:
         infos = {c.info.collector_id: c.info for c in v.collectors if c.up}
         names: dict[tuple[str, int], str] = {}
         for key, got in reported.items():
-            stats = got[0][0] if len(got) == 1 else _merge([s for s, _ in got])
+            stats = got[0][0] if len(got) == 1 else _merge_stats([s for s, _ in got])
             owner = next((infos[c] for c in v.owners.get(key, []) if c in infos), got[0][1])
             v.scheduler.append((stats, owner))
             if stats.max_total_tokens:
@@ -206,7 +303,7 @@ _STAT_FIELDS = (
 )
 
 
-def _merge(got: list[SchedulerStats]) -> SchedulerStats:
+def _merge_stats(got: list[SchedulerStats]) -> SchedulerStats:
     """Several collectors' entries of one rank: per field, the freshest value."""
     newest = sorted(got, key=lambda s: s.updated, reverse=True)
     top = newest[0]
@@ -217,3 +314,18 @@ def _merge(got: list[SchedulerStats]) -> SchedulerStats:
     source = "+".join(sorted({n for s in got for n in s.source.split("+") if n}))
     return SchedulerStats(top.worker_id, top.dp_rank, source, **vals, updated=top.updated)
 
+
+def _merge(c: _Collector) -> _Entry:
+    """The collector's parts as one entry: the newest part's buckets, received when the
+    oldest of them was (a part that stops arriving makes the collector stale)."""
+    newest = max(c.parts.values(), key=lambda e: e.snapshot.seq).snapshot
+    wanted = set(newest.buckets) | {newest.bucket}
+    for bucket in [b for b in c.parts if b not in wanted]:
+        del c.parts[bucket]  # a bucket the collector no longer sends
+    if len(c.parts) == 1:
+        (c.merged,) = c.parts.values()
+    else:
+        parts = [c.parts[b] for b in sorted(c.parts)]
+        snap = merge_parts([e.snapshot for e in parts])
+        c.merged = _Entry(snap, min(e.received for e in parts))
+    return c.merged

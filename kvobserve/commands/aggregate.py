@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 
-from kvobserve.aggregator import Aggregator
+from kvobserve.aggregator import Aggregator, settle_heap
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.commands.common import Stop, fail, load, setup_logging, start_http, stop_event
 from kvobserve.config import Config, ConfigError, add_config_flags
@@ -38,7 +38,10 @@ async def serve(cfg: Config) -> int:
 
     assert cfg.nats is not None
     stop = stop_event()
-    transport = NatsTransport.from_config(cfg.nats, cfg.cluster, "kvobserve-aggregator")
+    a = cfg.aggregator
+    transport = NatsTransport.from_config(
+        cfg.nats, cfg.cluster, "kvobserve-aggregator", a.shard, a.shards
+    )
     connecting = asyncio.ensure_future(transport.connect())
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -63,13 +66,15 @@ async def serve(cfg: Config) -> int:
                 otlp_endpoint=cfg.aggregator.otlp_endpoint,
                 transport=transport,
                 per_stream_detail=cfg.aggregator.per_stream_detail,
+                shard=str(a.shard) if a.shards > 1 else "",
             )
         except OSError as exc:
             return fail("aggregate", f"http.listen {cfg.http.listen}: {exc.strerror or exc}", 1)
         await agg.start(transport)
+        settle_heap()
         log.info(
-            "aggregating cluster %r from %s (jetstream_kv=%s); ready",
-            cfg.cluster, cfg.nats.url, cfg.nats.jetstream_kv,
+            "aggregating cluster %r from %s (shard %d of %d, jetstream_kv=%s); ready",
+            cfg.cluster, cfg.nats.url, a.shard, a.shards, cfg.nats.jetstream_kv,
         )  # fmt: skip
         await stop.wait()
         log.info("stopping")

@@ -62,6 +62,7 @@ async def start_http(
     otlp_interval_s: float = 10.0,
     transport: Transport | None = None,
     per_stream_detail: bool = False,
+    shard: str = "",
 ) -> Stop:
     """Serve `agg` on [http] listen (and push OTLP when asked); returns the function that stops both."""
     from kvobserve.export import server
@@ -69,7 +70,7 @@ async def start_http(
     from kvobserve.export.prometheus import aggregator_metrics
 
     def extra() -> list[Metric]:
-        return aggregator_metrics(agg.fleet, agg.decode_errors, transport)
+        return aggregator_metrics(agg.fleet, agg.decode_errors, transport, shard)
 
     app = server.create_app(
         agg.view,
@@ -79,6 +80,7 @@ async def start_http(
         per_stream_counters=per_stream_detail,
         events=lambda: list(agg.events),
         runbook_url=http.runbook_url,
+        shard=shard,
     )
     tls = server.make_ssl_context(*http.tls) if http.tls else None
     served = await server.serve(app, http.listen, tls)

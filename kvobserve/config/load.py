@@ -18,6 +18,7 @@ from typing import Any
 
 from kvobserve.config.dynamo import build_dynamo_worker, reject_dynamo_keys
 from kvobserve.config.model import (
+    MAX_SHARDS,
     SECTIONS,
     AggregatorConfig,
     CollectorConfig,
@@ -366,6 +367,14 @@ def _build(raw: dict[str, Any], path: str | None) -> Config:
         tables["nats"].setdefault("url", agg.pop("nats"))
     aggregator = AggregatorConfig(**agg)
     at_least(aggregator.stale_intervals, 1, "aggregator.stale_intervals")
+    at_least(aggregator.shards, 1, "aggregator.shards")
+    if aggregator.shards > MAX_SHARDS:
+        raise ConfigError(f"aggregator.shards: must be <= {MAX_SHARDS}, got {aggregator.shards!r}")
+    at_least(aggregator.shard, 0, "aggregator.shard")
+    if aggregator.shard >= aggregator.shards:
+        raise ConfigError(
+            f"aggregator.shard: {aggregator.shard} must be < aggregator.shards ({aggregator.shards})"
+        )
     if aggregator.otlp_endpoint:
         check_url(aggregator.otlp_endpoint, "aggregator.otlp_endpoint")
     cfg = Config(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 __all__ = [
+    "MAX_SHARDS",
     "SECTIONS",
     "AggregatorConfig",
     "CollectorConfig",
@@ -130,6 +131,11 @@ class AggregatorConfig:
     stale_intervals: float = 3.0
     otlp_endpoint: str | None = None
     per_stream_detail: bool = False  # per-stream histograms and block counters (series budget)
+    shards: int = 1  # aggregators sharing the cluster, each serving its workers (docs/scale.md)
+    shard: int = 0  # this aggregator's index, 0 .. shards - 1
+
+
+MAX_SHARDS = 64  # = kvobserve.wire.snapshot.BUCKETS: a shard serves at least one bucket
 
 
 @dataclass(frozen=True, slots=True)

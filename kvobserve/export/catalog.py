@@ -209,6 +209,14 @@ CATALOG: tuple[MetricDef, ...] = (
 )  # fmt: skip
 
 BY_NAME: dict[str, MetricDef] = {m.name: m for m in CATALOG}
+# What every shard of sharded aggregators serves for itself or for each collector it hears:
+# labelled `shard` there (docs/scale.md), so the shards' scrapes never repeat a series.
+SHARD_LABELLED = frozenset(
+    m.name
+    for m in CATALOG
+    if m.name.startswith(("kvobserve_collector_", "kvobserve_aggregator_", "kvobserve_nats_"))
+    or m.name == "kvobserve_build_info"
+)
 BY_FAMILY: dict[str, MetricDef] = {m.family: m for m in CATALOG}
 
 _HEADER = """\
@@ -233,6 +241,11 @@ only. A collector that stays silent for an hour is forgotten altogether.
 `application/openmetrics-text`), `/healthz`, `/readyz` (503 until the first snapshot),
 `/api/v1/streams`, `/api/v1/alerts`, `/api/v1/fleet`, `/api/v1/hot` (JSON; docs/cache-analytics.md)
 and the status page `/`.
+
+**Shards.** With `[aggregator] shards` > 1 (docs/scale.md) each aggregator serves the workers of
+its shard; the series of the collectors it hears (`kvobserve_collector_*`) and its own
+(`kvobserve_aggregator_*`, `kvobserve_nats_*`, `kvobserve_build_info`) then carry a `shard`
+label (the aggregator's index), so that no two shards serve the same series.
 
 **Passthrough.** Engine metric families a collector forwards (for example the leader's scheduler
 metrics) are served with their own type, labels and values, from live collectors only; `:` in

@@ -14,6 +14,7 @@ from prometheus_client.utils import floatToGoString
 
 from kvobserve import __version__
 from kvobserve.analysis.fleet import CollectorView, FleetView, StreamView
+from kvobserve.export import templates as templates_mod
 from kvobserve.export.exposition import TextFamilies, _escape, format_value
 from kvobserve.export.rollup import COUNTER_LABEL, LIFETIME, WorkerSums
 from kvobserve.export.samples import EVENT_TYPES, SCHEDULER_FIELDS, Detail, Group
@@ -70,20 +71,40 @@ class _Lines:
         lines.append(f"{name}{labels}{value}\n")
 
 
-def render(c: CollectorView, g: Group, detail: Detail) -> Chunk | None:
-    """The collector's chunk, or None when the reference writer must handle it."""
-    cl, clean = claims(c, g)
-    if not clean:
-        return None
-    fv = format_value
+# collector id -> (shape, its template, its claims; None: its own label sets repeat)
+Templates = dict[str, tuple[tuple[object, ...], "templates_mod.Filled", Claims | None]]
+
+
+def render(
+    c: CollectorView, g: Group, detail: Detail, templates: Templates | None = None
+) -> Chunk | None:
+    """The collector's chunk, or None when the reference writer must handle it.
+
+    With the default budget and a `templates` cache, streams and scheduler ranks are written
+    from the collector's templates (export/templates.py), else line by line.
+    """
     i = c.info
     node = str(i.node_rank)
+    templated = templates is not None and not detail.histograms and not detail.counters
+    sums = WorkerSums()
+    if templates is not None and templated:
+        found = _templated(c, g, node, sums, templates)
+        if found is None:
+            return None
+        text, cl = found
+    else:
+        cl, clean = claims(c, g)
+        if not clean:
+            return None
+    fv = format_value
     cid = _e(i.collector_id)
+    sh = f',shard="{_e(detail.shard)}"' if detail.shard else ""  # sorts after all but `what`
     add = _Lines()
-    up = f'{{collector="{cid}",hostname="{_e(i.hostname)}",node_rank="{node}"}} '
+    up = f'{{collector="{cid}",hostname="{_e(i.hostname)}",node_rank="{node}"{sh}}} '
     add("kvobserve_collector_up", up, "1.0" if c.up else "0.0")
+    cl_ = f'{{collector="{cid}"{sh}}} '
     if i.start_time > 0:
-        add("kvobserve_collector_start_time_seconds", f'{{collector="{cid}"}} ', fv(i.start_time))
+        add("kvobserve_collector_start_time_seconds", cl_, fv(i.start_time))
     for e in c.snapshot.scheduler_errors:
         ls = (
             f'{{node_rank="{node}",reason="{_e(e.reason)}",source="{_e(e.source)}",'
@@ -91,31 +112,35 @@ def render(c: CollectorView, g: Group, detail: Detail) -> Chunk | None:
         )
         add("kvobserve_scheduler_source_errors_total", ls, fv(e.count))
     for what, n in sorted(c.snapshot.refused.items()):
-        add("kvobserve_collector_refused_total", f'{{collector="{cid}",what="{_e(what)}"}} ', fv(n))
+        ls = f'{{collector="{cid}"{sh},what="{_e(what)}"}} '
+        add("kvobserve_collector_refused_total", ls, fv(n))
     k = c.snapshot.counters
     if k is not None:
-        cl_ = f'{{collector="{cid}"}} '
         add("kvobserve_collector_messages_received_total", cl_, fv(k.messages_received))
         add("kvobserve_collector_ingest_errors_total", cl_, fv(k.ingest_errors))
         for reason, n in sorted(k.publish_dropped.items()):
-            ls = f'{{collector="{cid}",reason="{_e(reason)}"}} '
+            ls = f'{{collector="{cid}",reason="{_e(reason)}"{sh}}} '
             add("kvobserve_collector_publish_dropped_total", ls, fv(n))
-    sums = WorkerSums()
-    hist = TextFamilies() if detail.histograms else None
-    rows = [_stream(s, node, sums, detail, hist) for s in g.streams]
+    if templated:
+        rows: list[tuple[str, ...]] = []
+        hist = None
+    else:
+        text = {}
+        hist = TextFamilies() if detail.histograms else None
+        rows = [_stream(s, node, sums, detail, hist) for s in g.streams]
     for u in g.unexpected:
         ls = (
             f'{{dp_rank="{u.dp_rank}",endpoint="{_e(u.endpoint)}",node_rank="{node}",'
             f'worker_id="{_e(u.worker_id)}"}} '
         )
         add("kvobserve_kv_unexpected_stream", ls, "1.0" if u.active else "0.0")
-    for sch in g.scheduler:
+    for sch in () if templated else g.scheduler:  # templated: already written
         ls = f'{{dp_rank="{sch.dp_rank}",node_rank="{node}",worker_id="{_e(sch.worker_id)}"}} '
         for attr, name in SCHEDULER_FIELDS:
             val = getattr(sch, attr)
             if val is not None:
                 add(name, ls, fv(val))
-    text = {name: "".join(lines).encode() for name, lines in add.out.items()}
+    text.update({name: "".join(lines).encode() for name, lines in add.out.items()})
     for name, column in zip(STREAM_FAMILIES, zip(*rows, strict=True), strict=False):
         joined = "".join(column)
         if joined:
@@ -123,6 +148,36 @@ def render(c: CollectorView, g: Group, detail: Detail) -> Chunk | None:
     if hist is not None and hist.lines[LIFETIME]:
         text[LIFETIME] = "".join(hist.lines[LIFETIME]).encode()
     return Chunk(text, sums, cl)
+
+
+def _templated(
+    c: CollectorView, g: Group, node: str, sums: WorkerSums, templates: Templates
+) -> tuple[dict[str, bytes], Claims] | None:
+    """The stream and scheduler families of the collector from its template for this shape,
+    and its claims; None when its own label sets repeat (claims, worked out per shape)."""
+    values: list[object] = []
+    templates_mod.add_sums(g.streams, sums)
+    shape = (
+        node,
+        tuple([templates_mod.stream_values(s, values) for s in g.streams]),
+        tuple([templates_mod.scheduler_values(x, values) for x in g.scheduler]),
+        tuple([(u.worker_id, u.dp_rank, u.endpoint) for u in g.unexpected]),
+        tuple([(e.worker_id, e.source, e.reason) for e in c.snapshot.scheduler_errors]),
+    )
+    cid = c.info.collector_id
+    hit = templates.get(cid)
+    if hit is None or hit[0] != shape:
+        cl, clean = claims(c, g)
+        t = templates_mod.Template()
+        slot = 0
+        for one in shape[1]:
+            slot = templates_mod.stream_template(t, one, node, slot)
+        for one in shape[2]:
+            slot = templates_mod.scheduler_template(t, one, node, slot)
+        hit = templates[cid] = (shape, t.built(), cl if clean else None)
+    if hit[2] is None:
+        return None
+    return hit[1].fill(values), hit[2]
 
 
 # The families of one stream's row, in the order _stream returns them.
@@ -268,24 +323,53 @@ def _stream(
     )
 
 
-def fleet_level(v: FleetView, order: list[CollectorView], sums: WorkerSums) -> dict[str, bytes]:
+# (worker, its ranks' owner counts) -> the worker's kvobserve_dp_rank_owners lines; they rarely
+# change, and a fleet has up to a few thousand workers (cleared past 100,000 entries)
+_OWNERS: dict[tuple[str, tuple[tuple[int, int], ...]], str] = {}
+
+
+def fleet_level(
+    v: FleetView, order: list[CollectorView], sums: WorkerSums, shard: str = ""
+) -> dict[str, bytes]:
     """samples.fleet_level's lines per family, written directly (rebuilt every scrape)."""
     fv = format_value
     add = _Lines()
-    add("kvobserve_build_info", f'{{version="{_e(__version__)}"}} ', "1.0")
+    sh = f',shard="{_e(shard)}"' if shard else ""
+    first = f'shard="{_e(shard)}",' if shard else ""
+    add("kvobserve_build_info", f'{{{first}version="{_e(__version__)}"}} ', "1.0")
     for c in order:
-        cl = f'{{collector="{_e(c.info.collector_id)}"}} '
+        cl = f'{{collector="{_e(c.info.collector_id)}"{sh}}} '
         add("kvobserve_collector_snapshot_age_seconds", cl, fv(c.age_s))
     for w_id, size in sorted(v.dp_size.items()):
         add("kvobserve_worker_dp_size", f'{{worker_id="{_e(w_id)}"}} ', fv(size))
     for w_id, ids in sorted(v.leaders.items()):
         add("kvobserve_worker_leaders", f'{{worker_id="{_e(w_id)}"}} ', fv(len(ids)))
-    for (w_id, rank), ids in sorted(v.owners.items()):
-        ls = f'{{dp_rank="{rank}",worker_id="{_e(w_id)}"}} '
-        add("kvobserve_dp_rank_owners", ls, fv(len(ids)))
+    by_worker: dict[str, list[tuple[int, int]]] = {}
+    for (w_id, rank), ids in v.owners.items():
+        got = by_worker.get(w_id)
+        if got is None:
+            by_worker[w_id] = [(rank, len(ids))]
+        else:
+            got.append((rank, len(ids)))
+    owners = []
+    for w_id in sorted(by_worker):
+        key = (w_id, tuple(sorted(by_worker[w_id])))
+        text = _OWNERS.get(key)
+        if text is None:
+            ew = _e(w_id)
+            text = "".join(
+                f'kvobserve_dp_rank_owners{{dp_rank="{r}",worker_id="{ew}"}} {fv(n)}\n'
+                for r, n in key[1]
+            )
+            if len(_OWNERS) > 100_000:
+                _OWNERS.clear()
+            _OWNERS[key] = text
+        owners.append(text)
     for (name, w_id, lv), n in sorted(sums.counters.items()):
         add(name, f'{{{COUNTER_LABEL[name]}="{_e(lv)}",worker_id="{_e(w_id)}"}} ', fv(n))
     out = {name: "".join(lines).encode() for name, lines in add.out.items()}
+    if owners:
+        out["kvobserve_dp_rank_owners"] = "".join(owners).encode()
     hist = []
     for labels, h in sums.histogram_samples():
         medium, w_id = labels["medium"], labels["worker_id"]

@@ -100,10 +100,19 @@ def format_value(v: float) -> str:
     """A sample value exactly as floatToGoString writes it."""
     # floatToGoString(int) is repr(float(v)) below a million: skip the float round trip
     t = type(v)
-    if t is int and -1_000_000 < v < 1_000_000:
-        return f"{v}.0"
-    if t is float and -1_000_000.0 < v < 1_000_000.0:
-        return repr(v)  # Go's exponent form only starts at a million (NaN fails the test)
+    if t is int:
+        if -1_000_000 < v < 1_000_000:
+            return f"{v}.0"
+        if 1_000_000 <= v < 2**53:  # exact as a float: repr(float(v)) is str(v) + ".0"
+            s = str(v)
+            return f"{s[0]}.{s[1:]}0".rstrip("0.") + f"e+{len(s) - 1:02d}"
+    elif t is float:
+        if -1_000_000.0 < v < 1_000_000.0:
+            return repr(v)  # Go's exponent form only starts at a million (NaN fails the test)
+        if 1_000_000.0 <= v < 1e16:  # the form floatToGoString gives, without its calls
+            s = repr(v)
+            dot = s.find(".")
+            return f"{s[0]}.{s[1:dot]}{s[dot + 1 :]}".rstrip("0.") + f"e+{dot - 1:02d}"
     return floatToGoString(v)
 
 

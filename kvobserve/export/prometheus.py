@@ -68,10 +68,11 @@ class FleetCollector(Collector):
         *,
         per_stream_histograms: bool = False,
         per_stream_counters: bool = False,
+        shard: str = "",
     ) -> None:
         self._view = view_provider
         self._extra = extra
-        self.detail = Detail(per_stream_histograms, per_stream_counters)
+        self.detail = Detail(per_stream_histograms, per_stream_counters, shard)
 
     def take(self) -> tuple[FleetView, list[Metric]]:
         """The view and the extras now (on the event loop: the fleet state lives there)."""
@@ -106,32 +107,35 @@ def aggregator_metrics(
     state: FleetState,
     decode_errors: Mapping[str, int] | None = None,
     nats: Transport | None = None,
+    shard: str = "",
 ) -> list[Metric]:
-    """The aggregator's own counters (snapshots, decode errors, NATS), for `extra`."""
+    """The aggregator's own counters (snapshots, decode errors, NATS), for `extra`; one of
+    several shards labels them with its `shard`."""
+    sh = {"shard": shard} if shard else {}
     out = []
     if nats is not None:
         c = nats.counters
         up = 1.0 if nats.status is TransportStatus.CONNECTED else 0.0
         out = [
-            catalog_metric("kvobserve_nats_connected", [({}, up)]),
-            catalog_metric("kvobserve_nats_snapshots_received_total", [({}, c.received)]),
-            catalog_metric("kvobserve_nats_reconnects_total", [({}, c.reconnects)]),
+            catalog_metric("kvobserve_nats_connected", [(sh, up)]),
+            catalog_metric("kvobserve_nats_snapshots_received_total", [(sh, c.received)]),
+            catalog_metric("kvobserve_nats_reconnects_total", [(sh, c.reconnects)]),
             catalog_metric(
                 "kvobserve_nats_dropped_total",
-                [({"reason": r}, n) for r, n in sorted(c.dropped.items())],
+                [({"reason": r, **sh}, n) for r, n in sorted(c.dropped.items())],
             ),
         ]
     return [
         *out,
         catalog_metric(
-            "kvobserve_aggregator_snapshots_applied_total", [({}, state.snapshots_applied)]
+            "kvobserve_aggregator_snapshots_applied_total", [(sh, state.snapshots_applied)]
         ),
         catalog_metric(
-            "kvobserve_aggregator_snapshots_ignored_total", [({}, state.snapshots_ignored)]
+            "kvobserve_aggregator_snapshots_ignored_total", [(sh, state.snapshots_ignored)]
         ),
         catalog_metric(
             "kvobserve_aggregator_snapshot_decode_errors_total",
-            [({"reason": r}, n) for r, n in sorted((decode_errors or {}).items())],
+            [({"reason": r, **sh}, n) for r, n in sorted((decode_errors or {}).items())],
         ),
     ]
 

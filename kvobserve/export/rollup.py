@@ -6,8 +6,9 @@ order, so the cached renderer and prometheus_client's path add the same floats i
 
 from __future__ import annotations
 
+from functools import reduce
 from itertools import accumulate
-from operator import add
+from operator import add, attrgetter
 
 from kvobserve.wire.snapshot import Histogram
 
@@ -19,6 +20,10 @@ COUNTER_LABEL = {
     "kvobserve_kv_blocks_removed_total": "medium",
     "kvobserve_kv_blocks_unchanged_total": "kind",
 }
+
+
+_BOUNDS, _COUNTS = attrgetter("bounds"), attrgetter("counts")
+_COUNT, _SUM = attrgetter("count"), attrgetter("sum")
 
 
 class _Hist:
@@ -90,6 +95,22 @@ class WorkerSums:
         else:
             cum, top = cumulative(h)
             acc.add(tuple(h.bounds), cum, top, h.sum)
+
+    def histograms(self, worker_id: str, medium: str, hs: list[Histogram]) -> None:
+        """histogram() of each of `hs` in order, at once when they share their bounds."""
+        acc = self.hists.get((worker_id, medium))
+        if acc is None:
+            acc = self.hists[(worker_id, medium)] = _Hist(tuple(hs[0].bounds))
+        bounds = list(acc.bounds)
+        counts = list(map(_COUNTS, hs))
+        same = list(map(_BOUNDS, hs)).count(bounds) == len(hs)
+        if same and set(map(len, counts)) == {len(bounds)}:
+            acc.cum = list(map(add, acc.cum, map(sum, zip(*counts, strict=True))))
+            acc.count += sum(map(_COUNT, hs))
+            acc.sum = reduce(add, map(_SUM, hs), acc.sum)  # in order: floats
+            return
+        for h in hs:
+            self.histogram(worker_id, medium, h)
 
     def merge(self, other: WorkerSums) -> None:
         """Add another collector's sums (in collector order)."""

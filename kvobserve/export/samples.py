@@ -32,6 +32,11 @@ class Detail:
 
     histograms: bool = False  # kvobserve_kv_block_lifetime_seconds per stream and medium
     counters: bool = False  # kvobserve_kv_events_total, _blocks_stored/_removed_total per stream
+    shard: str = ""  # sharded aggregators: the `shard` label of per-collector and own series
+
+    def sharded(self, labels: dict[str, str]) -> dict[str, str]:
+        """`labels` with this aggregator's `shard` label, when it is one of several."""
+        return {**labels, "shard": self.shard} if self.shard else labels
 
 
 @dataclass
@@ -73,15 +78,20 @@ def fleet(f: Sink, v: FleetView, detail: Detail) -> None:
         part = WorkerSums()
         collector(f, c, by_c.get(c.info.collector_id) or Group(), part, detail)
         sums.merge(part)
-    fleet_level(f, v, order, sums)
+    fleet_level(f, v, order, sums, detail.shard)
 
 
-def fleet_level(f: Sink, v: FleetView, order: list[CollectorView], sums: WorkerSums) -> None:
+def fleet_level(
+    f: Sink, v: FleetView, order: list[CollectorView], sums: WorkerSums, shard: str = ""
+) -> None:
     """The samples that are not one collector's: build info, ownership, ages, worker sums."""
-    f.add("kvobserve_build_info", {"version": __version__}, 1)
+    sh = Detail(shard=shard).sharded
+    f.add("kvobserve_build_info", sh({"version": __version__}), 1)
     for c in order:
         f.add(
-            "kvobserve_collector_snapshot_age_seconds", {"collector": c.info.collector_id}, c.age_s
+            "kvobserve_collector_snapshot_age_seconds",
+            sh({"collector": c.info.collector_id}),
+            c.age_s,
         )
     for w_id, size in sorted(v.dp_size.items()):
         f.add("kvobserve_worker_dp_size", {"worker_id": w_id}, size)
@@ -98,10 +108,10 @@ def fleet_level(f: Sink, v: FleetView, order: list[CollectorView], sums: WorkerS
 def collector(f: Sink, c: CollectorView, g: Group, sums: WorkerSums, detail: Detail) -> None:
     """One collector's samples; its per-worker sums go to `sums`."""
     i = c.info
-    cl = {"collector": i.collector_id}
+    cl = detail.sharded({"collector": i.collector_id})
     f.add(
         "kvobserve_collector_up",
-        {"collector": i.collector_id, "node_rank": str(i.node_rank), "hostname": i.hostname},
+        {"collector": i.collector_id, "node_rank": str(i.node_rank), "hostname": i.hostname, **cl},
         1 if c.up else 0,
     )
     if i.start_time > 0:

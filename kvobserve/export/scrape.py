@@ -58,12 +58,16 @@ class _Deflate:
 class ScrapeCache:
     """Renders /metrics bodies from cached per-collector chunks; one render at a time."""
 
-    def __init__(self, detail: Detail | None = None, gzip_level: int = GZIP_LEVEL) -> None:
+    def __init__(
+        self, detail: Detail | None = None, gzip_level: int = GZIP_LEVEL, templates: bool = True
+    ) -> None:
         self.detail = detail or Detail()
         self.gzip_level = gzip_level
+        self.templates = templates  # False: every changed collector written line by line
         self._lock = threading.Lock()
         self._cache: dict[str, tuple[object, tuple[Any, ...], Chunk]] = {}
         self._headers: dict[tuple[str, bool], tuple[bytes, bytes]] = {}
+        self._templates: chunks.Templates = {}  # per collector: its lines' template (by shape)
         self.rendered = 0  # chunks rendered since start (reused ones are not counted)
 
     def render(
@@ -86,10 +90,16 @@ class ScrapeCache:
             sums = WorkerSums()
             for ch in cs:
                 sums.merge(ch.sums)
-            level = chunks.fleet_level(view, order, sums)
-            pieces: list[tuple[bytes, bytes | None]] = []  # (plain, cached segment or None)
+            level = chunks.fleet_level(view, order, sums, self.detail.shard)
             taken: set[str] = set()
             deflate = _Deflate(self.gzip_level) if gzip else None
+            if deflate is None or not per_piece:  # whole families: no segment per collector
+                body = self._families(cs, level, taken, openmetrics, deflate is not None)
+                rest = encoder(Listed(rest_families(view, extra, taken)))
+                if deflate is None:
+                    return b"".join([*body, rest])
+                return _gzip([(b, None) for b in (*body, rest) if b], deflate)
+            pieces: list[tuple[bytes, bytes | None]] = []  # (plain, cached segment or None)
             for name in _NAMES:
                 own = level.get(name)
                 parts: list[tuple[bytes, bytes | None]] = [(own, None)] if own else []
@@ -114,6 +124,32 @@ class ScrapeCache:
                 return b"".join(p for p, _ in pieces)
             return _gzip(pieces, deflate)
 
+    def _families(
+        self, cs: list[Chunk], level: dict[str, bytes], taken: set[str], om: bool, joined: bool
+    ) -> list[bytes]:
+        """Each family's header and lines, collector by collector (one piece per family when
+        `joined`); the families served go into `taken`."""
+        by: dict[str, list[bytes]] = {name: [text] for name, text in level.items() if text}
+        for ch in cs:
+            for name, text in ch.text.items():
+                got = by.get(name)
+                if got is None:
+                    by[name] = [text]
+                else:
+                    got.append(text)
+        out = []
+        for name in _NAMES:
+            texts = by.get(name)
+            if not texts:
+                continue
+            taken.add(_FAMILY[name])
+            out.append(self._header(name, om)[0])
+            if joined:
+                out.append(b"".join(texts))
+            else:
+                out.extend(texts)
+        return out
+
     def _header(self, name: str, om: bool) -> tuple[bytes, bytes | None]:
         hit = self._headers.get((name, om))
         if hit is None:
@@ -135,11 +171,14 @@ class ScrapeCache:
             if hit is not None and hit[0] is c.snapshot and hit[1] == key:
                 ch = hit[2]
             else:
-                ch = chunks.render(c, g, self.detail) or self._reference([(c, g)])[0]
+                fast = chunks.render(c, g, self.detail, self._templates if self.templates else None)
+                ch = fast or self._reference([(c, g)])[0]
                 self.rendered += 1
             fresh[cid] = (c.snapshot, key, ch)
             out.append(ch)
         self._cache = fresh  # a forgotten collector leaves the cache with its snapshot
+        if len(self._templates) > len(fresh):
+            self._templates = {k: v for k, v in self._templates.items() if k in fresh}
         clashing = _clashes(out)
         if clashing:
             cgs = [(order[i], by_c.get(order[i].info.collector_id, _EMPTY)) for i in clashing]

@@ -228,6 +228,7 @@ def create_app(
     scrape_cache: bool = True,
     events: Callable[[], list[dict[str, Any]]] | None = None,
     runbook_url: str = DEFAULT_RUNBOOK_URL,
+    shard: str = "",
 ) -> web.Application:
     """The aiohttp application; `ready` defaults to "at least one collector snapshot".
 
@@ -235,6 +236,7 @@ def create_app(
     counters per stream instead of per worker (docs/metrics.md, series budget);
     `scrape_cache=False` renders every scrape afresh (the renderer before the cache);
     `events` gives the recent events of /api/v1/events; `runbook_url` is docs/alerts.md's URL.
+    `shard` (one of several sharded aggregators) labels the per-collector series.
     """
     middlewares: list[Any] = [_limits]
     if basic_auth is not None:
@@ -246,6 +248,7 @@ def create_app(
         extra_metrics,
         per_stream_histograms=per_stream_histograms,
         per_stream_counters=per_stream_counters,
+        shard=shard,
     )
     registry.register(fleet)
     app[REGISTRY] = registry

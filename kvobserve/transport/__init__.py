@@ -48,8 +48,9 @@ class Transport(Protocol):
     status: TransportStatus
     counters: TransportCounters
 
-    async def publish_snapshot(self, collector_id: str, data: bytes) -> None:
-        """Send one encoded snapshot; never raises for a send that fails (it is counted)."""
+    async def publish_snapshot(self, collector_id: str, data: bytes, bucket: int = -1) -> None:
+        """Send one encoded snapshot part (its shard bucket; -1: not split); never raises for a
+        send that fails (it is counted)."""
         ...
 
     async def publish_event(self, kind: str, data: bytes) -> None:
@@ -84,8 +85,14 @@ class Coalescer:
     ) -> None:
         self._deliver, self._counters = deliver, counters
         self._pending: dict[str, bytes] = {}
+        self._delivering = False
         self._wakeup = asyncio.Event()
         self.task = asyncio.create_task(self._run(), name="kvobserve-coalescer")
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued or being delivered: a message may be delivered directly, in order."""
+        return not self._pending and not self._delivering
 
     def put(self, key: str, data: bytes) -> None:
         """Queue `data` for `key`, replacing (and counting) an undelivered older one."""
@@ -98,5 +105,9 @@ class Coalescer:
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
-            while self._pending:
-                await self._deliver(self._pending.pop(next(iter(self._pending))))
+            self._delivering = True
+            try:
+                while self._pending:
+                    await self._deliver(self._pending.pop(next(iter(self._pending))))
+            finally:
+                self._delivering = False

@@ -20,8 +20,8 @@ class LocalBus:
         self._event_handlers: list[Handler] = []
         self._warned = False
 
-    async def publish_snapshot(self, collector_id: str, data: bytes) -> None:
-        """Deliver one snapshot to every snapshot subscriber before returning."""
+    async def publish_snapshot(self, collector_id: str, data: bytes, bucket: int = -1) -> None:
+        """Deliver one snapshot (part) to every snapshot subscriber before returning."""
         if self.status is TransportStatus.CLOSED:
             self.counters.drop("closed")
             return

@@ -1,9 +1,10 @@
 """Snapshots and condition events over NATS (nats-py), with an optional JetStream KV bucket.
 
-Subjects: `kvobserve.v1.<cluster>.snapshot.<collector_id>` (msgpack of `encode_snapshot`) and
-`kvobserve.v1.<cluster>.event.<kind>` (JSON transitions). With `jetstream_kv`, collectors also put
-each snapshot into `kvobserve_snapshots_<cluster>` (key = collector id, history 1, TTL `kv_ttl_s`)
-so a restarted aggregator reads every collector's last snapshot at once. See docs/nats.md.
+Subjects: `kvobserve.v1.<cluster>.snapshot.<bucket>.<collector_id>` (msgpack of one snapshot
+part, transport/subjects.py) and `kvobserve.v1.<cluster>.event.<kind>` (JSON transitions). With
+`jetstream_kv`, collectors also put each part into `kvobserve_snapshots_<cluster>` (key
+`<bucket>.<collector_id>`, history 1, TTL `kv_ttl_s`) so a restarted aggregator (or shard) reads
+the last part of each of its collectors at once. See docs/nats.md and docs/scale.md.
 """
 
 from __future__ import annotations
@@ -15,59 +16,44 @@ import inspect
 import logging
 import os
 import random
-import ssl
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import nats
 import nats.errors
 from nats.aio.client import Client, Server
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from kvobserve.aio import cancel_and_wait
 from kvobserve.config import NatsConfig
 from kvobserve.transport import Coalescer, Handler, TransportCounters, TransportStatus
 from kvobserve.transport.nats_kv import SnapshotBucket
+from kvobserve.transport.nats_tls import NatsConnectError, build_ssl_context
 from kvobserve.transport.subjects import (
     event_subject,
     event_wildcard,
     kv_bucket,
+    kv_filters,
+    kv_key,
     snapshot_subject,
-    snapshot_wildcard,
-    subject_token,
+    snapshot_wildcards,
 )
+from kvobserve.wire.snapshot import WHOLE
 
 log = logging.getLogger(__name__)
 
 
-class NatsConnectError(Exception):
-    """The first connection (or the KV bucket) could not be set up; the message says why."""
-
-
-def build_ssl_context(
-    ca: str | None, cert: str | None, key: str | None, *, force: bool = False
-) -> ssl.SSLContext | None:
-    """A client TLS context from PEM files; None when no TLS is asked for."""
-    if not (ca or cert or key or force):
-        return None
-    try:
-        ctx = ssl.create_default_context(cafile=ca)
-    except (OSError, ssl.SSLError) as exc:
-        raise NatsConnectError(f"nats tls_ca {ca!r}: cannot load: {exc}") from None
-    if cert or key:
-        if not (cert and key):
-            raise NatsConnectError("nats tls_cert/tls_key: set both or neither")
-        try:
-            ctx.load_cert_chain(cert, key)
-        except (OSError, ssl.SSLError) as exc:
-            raise NatsConnectError(f"nats tls_cert {cert!r} / tls_key {key!r}: {exc}") from None
-    return ctx
+__all__ = ["NatsConnectError", "NatsTransport"]
 
 
 class NatsTransport:
     """A Transport over one NATS connection; call `connect()` first."""
 
     @classmethod
-    def from_config(cls, cfg: NatsConfig, cluster: str, name: str) -> NatsTransport:
+    def from_config(
+        cls, cfg: NatsConfig, cluster: str, name: str, shard: int = 0, shards: int = 1
+    ) -> NatsTransport:
         """The transport a command's validated NATS settings describe."""
         return cls(
             cfg.url,
@@ -83,6 +69,8 @@ class NatsTransport:
             name=name,
             connect_timeout_s=cfg.connect_timeout_s,
             close_timeout_s=1.0,  # commands must stop within 2 s of SIGTERM
+            shard=shard,
+            shards=shards,
         )
 
     def __init__(
@@ -105,6 +93,8 @@ class NatsTransport:
         reconnect_max_wait_s: float = 5.0,
         pending_bytes: int = 2 * 1024 * 1024,
         close_timeout_s: float = 1.5,
+        shard: int = 0,
+        shards: int = 1,
     ) -> None:
         self.servers = [u.strip() for u in url.split(",") if u.strip()]
         self.cluster = cluster
@@ -118,7 +108,8 @@ class NatsTransport:
         self._reconnect_wait_s, self._reconnect_max_wait_s = reconnect_wait_s, reconnect_max_wait_s
         self._nc: Client | None = None
         self._kv: SnapshotBucket | None = None
-        self._subjects: dict[str, str] = {}  # collector id -> subject, built once
+        self._subjects: dict[tuple[str, int], str] = {}  # (collector id, bucket) -> subject
+        self.shard, self.shards = shard, shards  # which buckets this aggregator subscribes to
         self._last_error: Exception | None = None
         self._auth_failed = asyncio.Event()
         self._closing = False
@@ -226,13 +217,14 @@ class NatsTransport:
         delay = min(self._reconnect_max_wait_s, self._reconnect_wait_s * 2 ** min(s.reconnects, 16))
         return s, delay * random.uniform(0.5, 1.0)
 
-    async def publish_snapshot(self, collector_id: str, data: bytes) -> None:
-        """Publish one snapshot (and queue it for the KV bucket); failures are counted."""
-        subject = self._subjects.get(collector_id)
+    async def publish_snapshot(self, collector_id: str, data: bytes, bucket: int = WHOLE) -> None:
+        """Publish one snapshot part (and queue it for the KV bucket); failures are counted."""
+        key = (collector_id, bucket)
+        subject = self._subjects.get(key)
         if subject is None:
-            subject = self._subjects[collector_id] = snapshot_subject(self.cluster, collector_id)
+            subject = self._subjects[key] = snapshot_subject(self.cluster, collector_id, bucket)
         if await self._publish(subject, data) and self._kv is not None:
-            self._kv.put(subject_token(collector_id), data)
+            self._kv.put(kv_key(collector_id, bucket), data)
 
     async def publish_event(self, kind: str, data: bytes) -> None:
         """Publish one condition transition (JSON bytes)."""
@@ -269,36 +261,56 @@ class NatsTransport:
             log.warning("%s (counted as dropped, reason=%s; warned once)", message, reason)
 
     async def subscribe_snapshots(self, handler: Handler) -> None:
-        """Deliver this cluster's snapshots to `handler` (while it is busy: the newest per collector)."""
+        """Deliver this shard's snapshot parts to `handler` (while it is busy: the newest per
+        subject, i.e. per collector and bucket)."""
         # Snapshots are cumulative, so a replaced one loses nothing; it is counted as `coalesced`.
-        await self._subscribe(snapshot_wildcard(self.cluster), handler, True, True)
+        subjects = snapshot_wildcards(self.cluster, self.shard, self.shards)
+        await self._subscribe(subjects, handler, True, True)
 
     async def subscribe_events(self, handler: Handler) -> None:
         """Deliver every condition event of this cluster to `handler`."""
-        await self._subscribe(event_wildcard(self.cluster), handler, False)
+        await self._subscribe([event_wildcard(self.cluster)], handler, False)
 
     async def _subscribe(
-        self, subject: str, handler: Handler, count: bool, coalesce: bool = False
+        self, subjects: list[str], handler: Handler, count: bool, coalesce: bool = False
     ) -> None:
         nc = self._nc
         if nc is None:
             raise RuntimeError("NatsTransport.connect() was not called")
-
+        subject = subjects[0]
         box = None
         if coalesce:  # nats-py would queue 512k messages behind a slow handler before dropping
             box = Coalescer(lambda data: self._handle(handler, data, subject, count), self.counters)
             self._deliveries.append(box.task)
 
-        async def on_msg(msg: Msg) -> None:
-            if box is not None:
-                box.put(msg.subject, msg.data)
-            else:
-                await self._handle(handler, msg.data, subject, count)
-
-        await nc.subscribe(subject, cb=on_msg)
+        for one in subjects:
+            subs: list[Subscription] = []  # the subscription, once made: its backlog
+            subs.append(
+                await nc.subscribe(one, cb=self._on_msg(handler, subject, count, box, subs))
+            )
         # Make sure the server has registered the interest before callers rely on it.
         with contextlib.suppress(nats.errors.Error, TimeoutError):
             await nc.flush(timeout=max(1, int(self._connect_timeout_s)))
+
+    def _on_msg(
+        self,
+        handler: Handler,
+        subject: str,
+        count: bool,
+        box: Coalescer | None,
+        subs: list[Subscription],
+    ) -> Callable[[Msg], Awaitable[None]]:
+        """A subscription's callback: with no backlog (nothing queued in nats-py or in the
+        coalescer) the handler runs at once, a loop turn sooner and cheaper; else the message
+        waits in the coalescer, which keeps only the newest per subject."""
+
+        async def on_msg(msg: Msg) -> None:
+            if box is None or (box.idle and (not subs or subs[0].pending_msgs == 0)):
+                await self._handle(handler, msg.data, subject, count)
+            else:
+                box.put(msg.subject, msg.data)
+
+        return on_msg
 
     async def _handle(self, handler: Handler, data: bytes, subject: str, count: bool) -> None:
         """Run the subscriber's handler on one message; it raising is counted, never fatal."""
@@ -317,7 +329,9 @@ class NatsTransport:
 
     async def retained_snapshots(self) -> list[tuple[bytes, float]]:
         """(snapshot bytes, wall-clock time it was stored) per collector in the KV bucket."""
-        return [] if self._kv is None else await self._kv.read_all()
+        if self._kv is None:
+            return []
+        return await self._kv.read_all(kv_filters(self.shard, self.shards))
 
     async def close(self) -> None:
         """Stop the KV writer, drain (or close) the connection within `close_timeout_s`."""

@@ -1,7 +1,7 @@
 """The optional JetStream KV bucket that keeps each collector's last snapshot (warm restarts).
 
-Collectors put every snapshot they publish (key = collector id, history 1, TTL); a restarted
-aggregator reads the bucket once and is warm at once. A slow bucket never holds up publishing:
+Collectors put every snapshot part they publish (key `<bucket>.<collector id>`, history 1, TTL);
+a restarted aggregator reads the keys of its buckets once and is warm at once. A slow bucket never holds up publishing:
 only the newest unsent snapshot per collector is kept, and failures are counted.
 """
 
@@ -77,14 +77,22 @@ class SnapshotBucket:
                 except (TimeoutError, nats.errors.Error) as exc:
                     self._warn_once("kv_error", f"nats: KV put of {key!r} failed: {exc!r}")
 
-    async def read_all(self) -> list[tuple[bytes, float]]:
-        """(snapshot bytes, wall-clock time it was stored) per key; what it could read."""
+    async def read_all(self, filters: list[str]) -> list[tuple[bytes, float]]:
+        """(snapshot bytes, wall-clock time it was stored) per key matching one of `filters`;
+        what it could read."""
         out: list[tuple[bytes, float]] = []
+        for keys in filters:
+            if not await self._read(keys, out):
+                break
+        return out
+
+    async def _read(self, keys: str, out: list[tuple[bytes, float]]) -> bool:
+        """Append the values of the keys matching `keys`; False when the bucket failed."""
         try:
-            watcher = await self.kv.watchall(ignore_deletes=True)
+            watcher = await self.kv.watch(keys, ignore_deletes=True)
         except (TimeoutError, nats.errors.Error) as exc:
             log.warning("nats: cannot read KV bucket %s, starting cold: %r", self.name, exc)
-            return out
+            return False
         try:
             async with asyncio.timeout(self._read_timeout_s):
                 async for entry in watcher:
@@ -97,10 +105,11 @@ class SnapshotBucket:
             log.warning(
                 "nats: reading KV bucket %s failed after %d entries: %r", self.name, len(out), exc
             )
+            return False
         finally:
             with contextlib.suppress(Exception):
                 await watcher.stop()
-        return out
+        return True
 
     async def close(self) -> None:
         """Stop the writer task; safe to call twice."""

@@ -119,7 +119,7 @@ def test_accepts_gzip() -> None:
 
 async def test_metrics_follow_the_state_at_scrape_time(rich: tuple[HttpServer, FleetState]) -> None:
     srv, state = rich
-    snap = state._entries["node-1"].snapshot
+    snap = state.snapshot("node-1")
     newer = Snapshot(snap.collector, seq=snap.seq + 1, time=NOW, workers=snap.workers)
     newer.streams = [StreamStats("sglang-a", 2, up=True, batches_total=77)]
     assert state.update(newer, NOW)

@@ -15,6 +15,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from kvobserve.config import ConfigError, load_config
 from tests.integration.k8s_helpers import (
     K8S,
     LWS_EXAMPLE,
@@ -46,7 +47,7 @@ pytestmark = pytest.mark.integration
 # The one pin: the Kubernetes version whose schemas (bundled by kubernetes-validate, test extras)
 # every core object must satisfy. docs/kubernetes.md names it too.
 KUBERNETES_VERSION = "1.37.0"
-CORE_KINDS = {"Namespace", "ConfigMap", "Service", "Deployment", "StatefulSet"}
+CORE_KINDS = {"Namespace", "ConfigMap", "Service", "StatefulSet"}
 CRD_KINDS = {"LeaderWorkerSet", "ServiceMonitor", "PrometheusRule"}
 # The sections of kvobserve.toml: a KVOBSERVE_<SECTION>_* variable is read as a setting.
 KVOBSERVE_SECTIONS = ("cluster", "collector", "worker", "aggregator", "http", "nats")
@@ -92,7 +93,7 @@ def test_core_objects_are_valid_for_the_pinned_kubernetes() -> None:
 
 
 def test_strict_validation_rejects_a_misspelled_field() -> None:
-    broken = copy.deepcopy(find("Deployment", "kvobserve-aggregator"))
+    broken = copy.deepcopy(find("StatefulSet", "kvobserve-aggregator"))
     spec = broken["spec"]["template"]["spec"]
     spec["containers"][0]["readinesProbe"] = spec["containers"][0].pop("readinessProbe")
     with pytest.raises(kubernetes_validate.ValidationError):
@@ -162,7 +163,8 @@ def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
 def test_services_select_their_pods_and_the_ports_match() -> None:
     templates = pod_templates()
     for service, owner in (
-        ("kvobserve", "Deployment/kvobserve-aggregator"),
+        ("kvobserve", "StatefulSet/kvobserve-aggregator"),
+        ("kvobserve-shards", "StatefulSet/kvobserve-aggregator"),
         ("nats", "StatefulSet/nats"),
     ):
         svc = find("Service", service)
@@ -179,17 +181,47 @@ def test_services_select_their_pods_and_the_ports_match() -> None:
             assert port["targetPort"] in ports, f"Service {service}: no container port {port}"
             assert ports[port["targetPort"]]["containerPort"] == port["port"]
     assert find("StatefulSet", "nats")["spec"]["serviceName"] == "nats"
+    shards = find("StatefulSet", "kvobserve-aggregator")["spec"]["serviceName"]
+    assert find("Service", shards)["spec"]["clusterIP"] == "None"  # the governing Service
     monitor = find("ServiceMonitor", "kvobserve")
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     svc = find("Service", "kvobserve")
-    assert _selects(monitor["spec"]["selector"]["matchLabels"], svc["metadata"]["labels"])
+    scraped = [
+        o["metadata"]["name"]
+        for _, o in objects()
+        if o["kind"] == "Service"
+        and _selects(monitor["spec"]["selector"]["matchLabels"], o["metadata"]["labels"])
+    ]
+    assert scraped == ["kvobserve"], "each shard is scraped through one Service, once"
     assert [e["port"] for e in monitor["spec"]["endpoints"]] == ["http"]
     assert monitor["spec"]["endpoints"][0]["path"] == "/metrics"
     nats = {p["name"]: p["port"] for p in find("Service", "nats")["spec"]["ports"]}
     assert configmap_data("kvobserve-env")["KVOBSERVE_NATS_URL"] == f"nats://nats:{nats['client']}"
-    agg = find("Deployment", "kvobserve-aggregator")["spec"]["template"]["spec"]["containers"][0]
-    listen = container_env(agg, "kvobserve-aggregator-x")["KVOBSERVE_HTTP_LISTEN"]
+    agg = find("StatefulSet", "kvobserve-aggregator")["spec"]["template"]["spec"]["containers"][0]
+    listen = container_env(agg, "kvobserve-aggregator-0", POD_INDEX_0)["KVOBSERVE_HTTP_LISTEN"]
     assert listen == f"0.0.0.0:{svc['spec']['ports'][0]['port']}"
+
+
+# What the StatefulSet controller puts on its pods (Kubernetes >= 1.28): the ordinal as a label.
+POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
+POD_INDEX_0 = {POD_INDEX_LABEL: "0"}
+
+
+def test_every_aggregator_pod_is_a_shard_of_as_many_as_there_are_replicas() -> None:
+    sts = find("StatefulSet", "kvobserve-aggregator")
+    replicas = sts["spec"]["replicas"]
+    (c,) = sts["spec"]["template"]["spec"]["containers"]
+    for i in range(replicas):
+        env = container_env(c, f"kvobserve-aggregator-{i}", {POD_INDEX_LABEL: str(i)})
+        assert env["KVOBSERVE_AGGREGATOR_SHARD"] == str(i)
+        assert int(env["KVOBSERVE_AGGREGATOR_SHARDS"]) == replicas
+        # the pod's settings load: shard below shards, every variable a known setting
+        cfg = load_config(None, {}, {k: v for k, v in env.items() if k.startswith("KVOBSERVE_")})
+        assert (cfg.aggregator.shard, cfg.aggregator.shards) == (i, replicas)
+    # a pod past the shard count (replicas raised alone) refuses to start
+    env = container_env(c, "x", {POD_INDEX_LABEL: str(replicas)})
+    with pytest.raises(ConfigError, match="must be < "):
+        load_config(None, {}, {k: v for k, v in env.items() if k.startswith("KVOBSERVE_")})
 
 
 def test_no_service_name_injects_a_kvobserve_setting() -> None:

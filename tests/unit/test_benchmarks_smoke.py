@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import random
 import time
 from pathlib import Path
 
@@ -74,11 +76,20 @@ def test_scale_snapshot_round_trips_and_renders() -> None:
 
 def test_scale_short_run_measures_both_renderers(tmp_path: Path) -> None:
     figs = asyncio.run(scale.run(2, 2, cold=1, warm=1, idle_s=0.2, workdir=tmp_path))
-    old, new = figs[4]
-    for f in (old, new):
+    assert list(figs[4]) == ["main", "new"]
+    main, new = figs[4]["main"], figs[4]["new"]
+    for f in (main, new):
         assert f.streams == 4 and all(len(t) == 1 for t in f.times.values())
         assert 0 < f.gzip_bytes < f.plain_bytes
-    assert old.samples > new.samples  # per-stream counters and histograms only in the old one
+    assert main.samples == new.samples  # the same series, written two ways
+
+
+def test_scale_short_run_over_shards(tmp_path: Path) -> None:
+    figs = asyncio.run(scale.run(24, 1, cold=1, warm=1, idle_s=0.2, workdir=tmp_path, shards=2))
+    shards = figs[24]
+    assert list(shards) == ["shard 0", "shard 1"]
+    assert sum(f.streams for f in shards.values()) == 24  # every stream in one shard
+    assert all(f.streams > 0 and f.samples > 0 for f in shards.values())
 
 
 def test_e2e_payload_decodes_as_one_stored_event() -> None:
@@ -111,7 +122,7 @@ def test_label_values_needing_escapes_render_as_prometheus_client_does() -> None
     view = rich_view()
     st = view.streams[0].stats
     odd = msgspec.structs.replace(st, endpoint='tcp://a"b\\c\nd', worker_id="w\\x")
-    view.streams[0] = type(view.streams[0])(odd, *list(vars(view.streams[0]).values())[1:])
+    view.streams[0] = dataclasses.replace(view.streams[0], stats=odd)
     reg = CollectorRegistry(auto_describe=False)
     reg.register(FleetCollector(lambda: view))
     want = generate_latest(reg)
@@ -120,8 +131,14 @@ def test_label_values_needing_escapes_render_as_prometheus_client_does() -> None
 
 
 @pytest.mark.parametrize(
-    "v", [0, 1, -1, 999_999, 1_000_000, -1_000_000, 123_456_789, 0.5, 1e-9, 2.5e20, True, False]
-)
+    "v",
+    [
+        0, 1, -1, 999_999, 1_000_000, -1_000_000, 123_456_789, 0.5, 1e-9, 2.5e20, True, False,
+        1_000_000.0, 1_795_291_773.25, 16_000_000, 10**10, 12_345_678_901_234, 2**53 - 1, 2**53,
+        10**20, 9.999_999_999_999_998e15, 1e16, -1_795_291_773.25, -(2**40), float("inf"),
+        float("-inf"), float("nan"), -0.0, 1_000_000.5, 123_456_789.000_001,
+    ],
+)  # fmt: skip
 def test_value_formatting_matches_float_to_go_string(v: float) -> None:
     assert format_value(v) == floatToGoString(v)
 
@@ -154,3 +171,13 @@ def test_ingest_without_analytics_runs_the_same_loop() -> None:
 def test_ingest_inprocess_comparison_runs_both_ways() -> None:
     cpu = ingest.inprocess(32, rounds=1)
     assert set(cpu) == {"off", "on"} and all(v > 0 for v in cpu.values())
+
+
+def test_value_formatting_matches_float_to_go_string_at_random() -> None:
+    r = random.Random(16)
+    for _ in range(20_000):
+        v = r.choice([
+            r.randrange(-(10**17), 10**17), r.uniform(-1e17, 1e17), r.randrange(10**6, 2**53),
+            r.uniform(1e6, 1e16), float(r.randrange(-(10**7), 10**7)), 10 ** r.randrange(20),
+        ])  # fmt: skip
+        assert format_value(v) == floatToGoString(v), v

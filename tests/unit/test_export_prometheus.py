@@ -110,7 +110,7 @@ def test_worker_sums_by_default(reg: CollectorRegistry) -> None:
 def test_a_repeated_stream_is_summed_once() -> None:
     # node-1 claims node_rank 0 too: its copy of rank 1 is the same stream as node-0's.
     state = rich_state()
-    state._entries["node-1"].snapshot.collector.node_rank = 0
+    state.snapshot("node-1").collector.node_rank = 0
     view = state.view(NOW)
     r = CollectorRegistry()
     r.register(FleetCollector(lambda: view))
@@ -206,7 +206,7 @@ def test_passthrough_families(reg: CollectorRegistry) -> None:
 def test_duplicate_label_sets_are_emitted_once() -> None:
     # Two collectors that both claim node_rank 0 and watch the same stream.
     state = rich_state()
-    snap = state._entries["node-1"].snapshot
+    snap = state.snapshot("node-1")
     snap.collector.node_rank = 0
     view = state.view(NOW)
     r = CollectorRegistry()

@@ -22,7 +22,12 @@ from kvobserve.export.scrape import ScrapeCache
 from tests.unit.test_export_fleet import NOW, rich_state
 
 EXTRA = [catalog_metric("kvobserve_nats_connected", [({}, 1.0)])]
-DETAILS = [Detail(), Detail(histograms=True, counters=True), Detail(histograms=True)]
+DETAILS = [
+    Detail(),
+    Detail(histograms=True, counters=True),
+    Detail(histograms=True),
+    Detail(shard="1"),  # one of several sharded aggregators: per-collector series labelled
+]
 
 
 def reference(view: FleetView, detail: Detail, om: bool, extra: list[Metric] = EXTRA) -> bytes:
@@ -34,6 +39,7 @@ def reference(view: FleetView, detail: Detail, om: bool, extra: list[Metric] = E
             lambda: extra,
             per_stream_histograms=detail.histograms,
             per_stream_counters=detail.counters,
+            shard=detail.shard,
         )
     )
     return (om_generate_latest if om else generate_latest)(reg)
@@ -65,11 +71,11 @@ def synthetic(collectors: int, seq: int, now: float) -> FleetState:
 
 
 @pytest.mark.parametrize("om", [False, True])
-@pytest.mark.parametrize("detail", DETAILS, ids=["default", "detail", "histograms"])
+@pytest.mark.parametrize("detail", DETAILS, ids=["default", "detail", "histograms", "shard"])
 def test_cached_bytes_equal_prometheus_client(om: bool, detail: Detail) -> None:
     now = time.time()
     clash = rich_state()
-    clash._entries["node-1"].snapshot.collector.node_rank = 0  # two collectors claim a stream
+    clash.snapshot("node-1").collector.node_rank = 0  # two collectors claim a stream
     views = [rich_state().view(NOW), synthetic(6, 3, now).view(now), FleetView(), clash.view(NOW)]
     for view in views:
         cache = ScrapeCache(detail)
@@ -116,7 +122,7 @@ def test_capacity_joined_from_another_collector_invalidates_the_chunk() -> None:
         b'kvobserve_kv_capacity_tokens{dp_rank="1",node_rank="1",worker_id="sglang-a"} 640.0'
         in first
     )
-    snap = state._entries["node-0"].snapshot
+    snap = state.snapshot("node-0")
     sched = [msgspec.structs.replace(s, max_total_tokens=1280) for s in snap.scheduler]
     state.update(msgspec.structs.replace(snap, seq=snap.seq + 1, scheduler=sched), NOW)
     second = check(cache, state.view(NOW), False)
@@ -149,3 +155,31 @@ def test_a_forgotten_collector_leaves_the_cache() -> None:
     fs.update(scale.synthetic_snapshot(0, 8, 4, now + 100), now + 100)
     body = check(cache, fs.view(now + 100), False)
     assert body.count(b"kvobserve_collector_up{") == 1
+
+
+def test_templates_follow_shape_changes_and_keep_percent_signs() -> None:
+    # A stream's lines come from its collector's template: a new medium, replay result, a
+    # stream going stale and label values with % (the template's own marker) change it.
+    state = rich_state()
+    cache = ScrapeCache()
+    check(cache, state.view(NOW), False)
+    snap = state.snapshot("node-0")
+    assert snap is not None
+    st = snap.streams[1]
+    odd = msgspec.structs.replace(
+        st,
+        endpoint="tcp://h:1/%s%%d",
+        topic="100%",
+        replay_requests={"timeout": 2, "ok": 5},  # not in key order
+        media=[*st.media, msgspec.structs.replace(st.media[0], medium="CPU%")],
+        batches_total=st.batches_total + 1,
+    )
+    streams = [snap.streams[0], odd, *snap.streams[2:]]
+    state.update(msgspec.structs.replace(snap, seq=snap.seq + 1, streams=streams), NOW)
+    body = check(cache, state.view(NOW), False)
+    assert b'endpoint="tcp://h:1/%s%%d"' in body and b'medium="CPU%"' in body
+    check(cache, state.view(NOW + 100), True)  # every collector stale: gauges go
+    fresh = ScrapeCache(templates=False)  # line by line: the same bytes
+    assert fresh.render(state.view(NOW), EXTRA, encoder(False)) == reference(
+        state.view(NOW), Detail(), False
+    )
