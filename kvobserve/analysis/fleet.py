@@ -264,9 +264,7 @@ class FleetState:
             for st in snap.streams:
                 if _maybe_problem(up, st, now):
                     v.streams.append(StreamView(st, snap.collector, up, None, 0, None, snap.time))
-        v.streams.sort(
-            key=lambda s: (s.stats.worker_id, s.stats.dp_rank, s.collector.collector_id)
-        )
+        v.streams.sort(key=lambda s: (s.stats.worker_id, s.stats.dp_rank, s.collector.collector_id))
         return v.conditions
 
     @staticmethod

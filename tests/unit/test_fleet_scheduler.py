@@ -103,7 +103,8 @@ def test_a_new_leader_snapshot_reaches_the_owner_chunk() -> None:
     fs = _state()
     cache = ScrapeCache(Detail())
     check(cache, fs.view(NOW), False)
-    leader = fs._entries["node-0"].snapshot
+    leader = fs.snapshot("node-0")
+    assert leader is not None
     moved = SchedulerStats("w", 2, "kv_metrics", 9, 9, 0.9, 0.1, 3000, updated=NOW + 1)
     fs.update(
         Snapshot(
