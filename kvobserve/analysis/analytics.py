@@ -68,6 +68,7 @@ class CacheAnalytics:
         self.options = o = options or AnalyticsOptions()
         self.trust = trust or Trust()
         self.silent_loss = {REMOVE_UNKNOWN: 0, PARENT_UNKNOWN: 0}
+        self.silent_seen = (0, 0.0)  # (evidence total, wall time it last grew): for snapshots
         self.recent: dict[str, RecentRemovals] = {}
         self.moves: dict[tuple[str, str], int] = {}
         self.read_back: dict[str, set[BlockHash]] = {}  # lower-tier hashes loaded back up

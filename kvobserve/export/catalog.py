@@ -7,6 +7,8 @@ from dataclasses import dataclass
 STREAM = ("worker_id", "node_rank", "dp_rank")
 BLOCK = (*STREAM, "medium")
 WORKER_MEDIUM = ("worker_id", "medium")
+DRIFT = (*STREAM, "medium", "method")
+CACHE_DETAIL = "per_stream_counters"  # the create_app flag ([aggregator] per_stream_detail)
 
 # The reference stream of the series budget (docs/metrics.md): two storage tiers, one replay
 # result and one decode-error reason seen, a worker of 16 ranks, 8 streams per collector.
@@ -27,6 +29,7 @@ class MetricDef:
     per: str = "fleet"  # what one series stands for: see PER (the series budget)
     n: int = 1  # series per `per`
     detail: str = ""  # the FleetCollector flag that serves it per stream instead (labels STREAM+)
+    optin: str = ""  # the FleetCollector flag without which it is not served at all
 
     @property
     def detail_labels(self) -> tuple[str, ...]:
@@ -36,13 +39,15 @@ class MetricDef:
     def per_stream(self, detail: bool = False) -> float:
         """Series per stream in the reference fleet (REFERENCE), by default or with its opt-in."""
         r = REFERENCE
+        if self.optin and not detail:
+            return 0.0
         if self.per == "histogram":
             n = (r["buckets"] + 3) * r["medium"]
             return float(n) if detail else n / r["worker"]
         if self.per in ("worker_medium", "worker_type"):
             n = self.n * (r["medium"] if self.per == "worker_medium" else 1)
             return float(n) if detail else n / r["worker"]
-        scale = {"stream": 1, "medium": r["medium"], "value": r["value"], "fault": 0}
+        scale = {"stream": 1, "medium": r["medium"], "value": r["value"], "fault": 0, "drift": 0}
         if self.per in scale:
             return float(self.n * scale[self.per])
         if self.per in ("worker", "collector"):
@@ -62,6 +67,7 @@ PER = {
     "medium": "per stream and storage tier",
     "value": "per stream and label value seen",
     "fault": "per stream while the fault lasts",
+    "drift": "per stream and tier a router indexes, with a drift source only (docs/dynamo.md)",
     "worker": "per worker, shared by its ranks",
     "worker_medium": "per worker and storage tier, shared by its ranks",
     "worker_type": "per worker and event type, shared by its ranks",
@@ -82,13 +88,14 @@ def _d(
     per: str | None = None,
     n: int = 1,
     detail: str = "",
+    optin: str = "",
 ) -> MetricDef:
     if stale is None and (labels[:3] == STREAM or detail):
         # Counters and histograms are cumulative, so a stale value is still true: serve them.
         stale = typ != "gauge"
     if per is None:
         per = "stream" if labels[:3] == STREAM else "fleet"
-    return MetricDef(name, typ, labels, text, stale, timely, per, n, detail)
+    return MetricDef(name, typ, labels, text, stale, timely, per, n, detail, optin)
 
 
 CATALOG: tuple[MetricDef, ...] = (
@@ -154,6 +161,76 @@ CATALOG: tuple[MetricDef, ...] = (
        "Engine timestamp of the last applied batch (Unix seconds).", timely=True),
     _d("kvobserve_kv_event_lag_seconds", "gauge", STREAM,
        "Receive time - engine timestamp of the last batch.", timely=True),
+    # cache analytics (docs/cache-analytics.md): trust, silent loss, thrash, placement
+    _d("kvobserve_kv_view_trust_ranks", "gauge", ("worker_id", "trust"),
+       "Live ranks of the worker whose block-index view is in each trust state: complete, "
+       "replay_filled, partial (a state no rank is in is not served).", per="worker"),
+    _d("kvobserve_kv_silent_loss_evidence_total", "counter", (*STREAM, "reason"),
+       "Evidence of KV events lost without a sequence gap, by reason: remove_unknown (blocks "
+       "removed that were not resident), parent_unknown (stores whose parent is not resident); "
+       "served once nonzero.", per="fault"),
+    _d("kvobserve_kv_resident_over_capacity", "gauge", STREAM,
+       "1 while the GPU tier's resident tokens exceed the rank's capacity (removals were lost); "
+       "served only then.", per="fault"),
+    _d("kvobserve_kv_blocks_restored_total", "counter", WORKER_MEDIUM,
+       "Blocks stored again on the same rank and tier within the restore window (300 s) after "
+       "their removal (eviction thrash); summed over the worker's ranks.", per="worker_medium"),
+    _d("kvobserve_kv_restore_untracked_total", "counter", ("worker_id",),
+       "Removals the restore window could not track (its cap), summed over the worker's ranks: "
+       "restores are a lower bound once it grows; served once nonzero.", per="fault"),
+    _d("kvobserve_worker_kv_redundancy_ratio", "gauge", ("worker_id",),
+       "Top-tier resident blocks summed over the worker's ranks / distinct blocks among them "
+       "(1 = no block on two ranks).", per="worker"),
+    _d("kvobserve_worker_kv_recomputed_elsewhere_total", "counter", ("worker_id",),
+       "Blocks stored on a rank while another rank of the worker (in the same collector) held "
+       "them.", per="worker"),
+    _d("kvobserve_kv_block_restore_gap_seconds", "histogram", ("worker_id",),
+       "Removal-to-restore time of restored blocks, over the worker's ranks and tiers.",
+       per="worker", n=17, optin=CACHE_DETAIL),
+    _d("kvobserve_kv_tier_moves_total", "counter", ("worker_id", "from", "to"),
+       "Blocks stored on tier `to` that tier `from` of the same rank held or had just removed "
+       "(GPU to CPU: offload; CPU to GPU: onboard), summed over the worker's ranks.",
+       per="worker", n=2, optin=CACHE_DETAIL),
+    _d("kvobserve_kv_tier_unread_blocks", "gauge", WORKER_MEDIUM,
+       "Lower-tier resident blocks not read back to the top tier so far, summed over the "
+       "worker's ranks.", per="worker", optin=CACHE_DETAIL),
+    _d("kvobserve_kv_tier_unread_removed_total", "counter", WORKER_MEDIUM,
+       "Lower-tier blocks removed without having been read back, summed over the worker's "
+       "ranks.", per="worker", optin=CACHE_DETAIL),
+    _d("kvobserve_kv_lora_blocks", "gauge", ("worker_id", "medium", "lora_name"),
+       "Resident blocks per LoRA adapter (names capped per stream; later ones as _other), "
+       "summed over the worker's ranks.", per="worker", optin=CACHE_DETAIL),
+    _d("kvobserve_worker_kv_blocks_distinct", "gauge", ("worker_id",),
+       "Distinct top-tier resident blocks over the worker's ranks (a sketch estimate across "
+       "collectors).", per="worker", optin=CACHE_DETAIL),
+    _d("kvobserve_worker_kv_blocks_replicated", "gauge", ("worker_id", "ranks"),
+       "Distinct top-tier blocks resident on exactly `ranks` ranks of the worker (2, 3, ...; "
+       "8 or more as 8+).", per="worker", optin=CACHE_DETAIL),
+    _d("kvobserve_worker_kv_placement_relative_error", "gauge", ("worker_id",),
+       "One standard error of the distinct-block estimate, relative (0 when exact).",
+       per="worker", optin=CACHE_DETAIL),
+    # router-index drift (docs/dynamo.md): the last comparison of a router's index with ours
+    _d("kvobserve_router_index_phantom_blocks", "gauge", DRIFT,
+       "Blocks the router's index holds that the engine evicted (settled blocks only).",
+       per="drift"),
+    _d("kvobserve_router_index_missing_blocks", "gauge", DRIFT,
+       "Blocks the engine holds that the router's index lacks (settled blocks only).",
+       per="drift"),
+    _d("kvobserve_router_index_jaccard", "gauge", DRIFT,
+       "Jaccard similarity of the router's and the engine's block sets (method dump only).",
+       per="drift"),
+    _d("kvobserve_router_index_router_blocks", "gauge", DRIFT,
+       "Blocks the router's index holds for the stream and tier.", per="drift"),
+    _d("kvobserve_router_index_engine_blocks", "gauge", DRIFT,
+       "Blocks kvobserve's event-derived index holds for the stream and tier.", per="drift"),
+    _d("kvobserve_collector_router_index_comparisons_total", "counter",
+       ("collector", "worker_id", "result"),
+       "Comparisons with a router or indexer, by result (ok, http, connection, decode, busy).",
+       per="drift"),
+    _d("kvobserve_collector_router_index_last_success_timestamp_seconds", "gauge",
+       ("collector", "worker_id"),
+       "Time of the last successful comparison with the router (Unix seconds).", timely=True,
+       per="drift"),
     # fleet: ownership and workers
     _d("kvobserve_dp_rank_owners", "gauge", ("worker_id", "dp_rank"),
        "Live collectors owning the rank (0 = uncovered, >1 = duplicated).", per="stream"),
@@ -273,13 +350,16 @@ are summed over the worker's ranks by default (labels `worker_id` plus `medium`,
 stale streams' values included, a clash counted once). `[aggregator] per_stream_detail = true`
 (`--per-stream-detail`) serves them per stream instead, with the stream's labels (in the table:
 "with `per_stream_counters`" / "`per_stream_histograms`", the two keyword arguments of
-`create_app` that the setting turns on). A per-worker sum drops when
+`create_app` that the setting turns on; it also serves the cache-analytics detail families marked
+"only with `per_stream_counters`": restore gaps, tier moves, LoRA blocks, placement). A per-worker sum drops when
 one of its streams' collectors restarts; `rate()` reads that as a counter reset, as for any
 restarted exporter.
 
 Series per stream of each family in the reference fleet: every stream with {medium} storage tiers
 (e.g. `GPU`, `CPU_PINNED`), one replay result and one decode-error reason seen, the worker's
-{worker} ranks spread over collectors of {collector} streams, {buckets} lifetime buckets.
+{worker} ranks spread over collectors of {collector} streams, {buckets} lifetime buckets, the cache
+analytics on (one LoRA adapter, blocks on 2 ranks, moves both ways between the two tiers), no
+router-index drift source (with one: 5 series per stream and indexed tier, docs/dynamo.md).
 `tests/unit/test_series_budget.py` renders such a fleet and checks this table against it.
 
 | name | one series | per stream | per stream with the opt-in |
@@ -305,13 +385,15 @@ def render_docs() -> str:
             labels += (
                 f" (with `{m.detail}`: " + ", ".join(f"`{lb}`" for lb in m.detail_labels) + ")"
             )
+        if m.optin:
+            labels += f" (only with `{m.optin}`)"
         stale = "-" if m.stale is None else "yes" if m.stale else "no"
         rows.append(f"| `{m.name}` | {m.type} | {labels} | {stale} | {m.help} |\n")
     budget = [_BUDGET.format(budget=BUDGET, **REFERENCE)]
     for m in CATALOG:
         if m.per == "fleet":
             continue
-        opt = _num(m.per_stream(True)) if m.detail else ""
+        opt = _num(m.per_stream(True)) if m.detail or m.optin else ""
         budget.append(f"| `{m.name}` | {PER[m.per]} | {_num(m.per_stream())} | {opt} |\n")
     total, detailed = reference_total(), reference_total(True)
     budget.append(f"| **total** | | **{_num(total)}** | {_num(detailed)} (both options) |\n")

@@ -14,6 +14,7 @@ from prometheus_client.utils import floatToGoString
 
 from kvobserve import __version__
 from kvobserve.analysis.fleet import CollectorView, FleetView, StreamView
+from kvobserve.export import cache
 from kvobserve.export import templates as templates_mod
 from kvobserve.export.exposition import TextFamilies, _escape, format_value
 from kvobserve.export.rollup import COUNTER_LABEL, LIFETIME, WorkerSums
@@ -52,7 +53,8 @@ def claims(c: CollectorView, g: Group) -> tuple[Claims, bool]:
         and all(len({m.medium for m in s.stats.media}) == len(s.stats.media) for s in g.streams)
     )
     extra = {("s", w, node, str(r)) for w, r, _ in unexpected}
-    return frozenset(streams | sched | errors | extra), clean
+    drift = {("s", d.worker_id, node, str(d.dp_rank)) for d in c.snapshot.drift}
+    return frozenset(streams | sched | errors | extra | drift), clean
 
 
 class _Lines:
@@ -147,6 +149,9 @@ def render(
             text[name] = joined.encode()
     if hist is not None and hist.lines[LIFETIME]:
         text[LIFETIME] = "".join(hist.lines[LIFETIME]).encode()
+    own = TextFamilies()  # few lines: the reference writer's own, so the bytes agree
+    cache.collector_samples(own, c, g.streams, sums, detail.counters, detail.shard)
+    text.update(own.chunks())
     return Chunk(text, sums, cl)
 
 
@@ -329,7 +334,11 @@ _OWNERS: dict[tuple[str, tuple[tuple[int, int], ...]], str] = {}
 
 
 def fleet_level(
-    v: FleetView, order: list[CollectorView], sums: WorkerSums, shard: str = ""
+    v: FleetView,
+    order: list[CollectorView],
+    sums: WorkerSums,
+    shard: str = "",
+    cache_detail: bool = False,
 ) -> dict[str, bytes]:
     """samples.fleet_level's lines per family, written directly (rebuilt every scrape)."""
     fv = format_value
@@ -382,4 +391,7 @@ def fleet_level(
         hist.append(f"{LIFETIME}_count{ls}{top}\n{LIFETIME}_sum{ls}{fv(h.sum)}\n")
     if hist:
         out[LIFETIME] = "".join(hist).encode()
+    own = TextFamilies()  # per worker: a few series each (export/cache.py)
+    cache.fleet_samples(own, v, sums.cache, cache_detail)
+    out.update(own.chunks())
     return out

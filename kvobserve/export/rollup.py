@@ -10,6 +10,7 @@ from functools import reduce
 from itertools import accumulate
 from operator import add, attrgetter
 
+from kvobserve.export.cache import CacheSums
 from kvobserve.wire.snapshot import Histogram
 
 LIFETIME = "kvobserve_kv_block_lifetime_seconds"
@@ -69,14 +70,15 @@ def cumulative(h: Histogram) -> tuple[list[int], int]:
 class WorkerSums:
     """Counters keyed by (family, worker_id, label value) and histograms by (worker_id, medium)."""
 
-    __slots__ = ("counters", "hists")
+    __slots__ = ("cache", "counters", "hists")
 
     def __init__(self) -> None:
         self.counters: dict[tuple[str, str, str], float] = {}
         self.hists: dict[tuple[str, str], _Hist] = {}
+        self.cache = CacheSums()  # the cache analytics' per-worker sums (export/cache.py)
 
     def __bool__(self) -> bool:
-        return bool(self.counters or self.hists)
+        return bool(self.counters or self.hists or self.cache)
 
     def counter(self, name: str, worker_id: str, value_label: str, v: float) -> None:
         """Add one stream's counter value."""
@@ -122,6 +124,7 @@ class WorkerSums:
             if acc is None:
                 acc = self.hists[hkey] = _Hist(h.bounds)
             acc.add(h.bounds, h.cum, h.count, h.sum)
+        self.cache.merge(other.cache)
 
     def counter_samples(self) -> list[tuple[str, dict[str, str], float]]:
         """(family, labels, value) of every summed counter, sorted."""

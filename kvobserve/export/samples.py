@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from kvobserve import __version__
 from kvobserve.analysis.fleet import CollectorView, FleetView, StreamView
+from kvobserve.export import cache
 from kvobserve.export.exposition import Sink
 from kvobserve.export.rollup import COUNTER_LABEL, LIFETIME, WorkerSums
 from kvobserve.wire.snapshot import SchedulerStats, UnexpectedStream
@@ -78,11 +79,16 @@ def fleet(f: Sink, v: FleetView, detail: Detail) -> None:
         part = WorkerSums()
         collector(f, c, by_c.get(c.info.collector_id) or Group(), part, detail)
         sums.merge(part)
-    fleet_level(f, v, order, sums, detail.shard)
+    fleet_level(f, v, order, sums, detail.shard, detail.counters)
 
 
 def fleet_level(
-    f: Sink, v: FleetView, order: list[CollectorView], sums: WorkerSums, shard: str = ""
+    f: Sink,
+    v: FleetView,
+    order: list[CollectorView],
+    sums: WorkerSums,
+    shard: str = "",
+    cache_detail: bool = False,
 ) -> None:
     """The samples that are not one collector's: build info, ownership, ages, worker sums."""
     sh = Detail(shard=shard).sharded
@@ -103,6 +109,7 @@ def fleet_level(
         f.add(name, labels, value)
     for labels, h in sums.histogram_samples():
         f.histogram(LIFETIME, labels, h)
+    cache.fleet_samples(f, v, sums.cache, cache_detail)
 
 
 def collector(f: Sink, c: CollectorView, g: Group, sums: WorkerSums, detail: Detail) -> None:
@@ -144,6 +151,7 @@ def collector(f: Sink, c: CollectorView, g: Group, sums: WorkerSums, detail: Det
             val = getattr(sch, attr)
             if val is not None:
                 f.add(name, lb, val)
+    cache.collector_samples(f, c, g.streams, sums, detail.counters, detail.shard)
 
 
 def _counter(

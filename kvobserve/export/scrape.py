@@ -90,7 +90,7 @@ class ScrapeCache:
             sums = WorkerSums()
             for ch in cs:
                 sums.merge(ch.sums)
-            level = chunks.fleet_level(view, order, sums, self.detail.shard)
+            level = chunks.fleet_level(view, order, sums, self.detail.shard, self.detail.counters)
             taken: set[str] = set()
             deflate = _Deflate(self.gzip_level) if gzip else None
             if deflate is None or not per_piece:  # whole families: no segment per collector

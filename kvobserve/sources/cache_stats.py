@@ -47,13 +47,20 @@ def top_tier(idx: BlockIndex) -> dict[BlockHash, float]:
     return {}
 
 
-def fill_stream(s: StreamStats, seq: StreamSequencer, holders: Sequence[BlockIndex]) -> None:
-    """Add the analytics fields to a built `StreamStats` (and its media) in place."""
+def fill_stream(
+    s: StreamStats, seq: StreamSequencer, holders: Sequence[BlockIndex], wall: float = 0.0
+) -> None:
+    """Add the analytics fields to a built `StreamStats` (and its media) in place; `wall` is
+    the collector's wall clock (when new silent-loss evidence was first reported)."""
     s.trust, s.trust_reason = seq.trust.state, seq.trust.reason
     a = seq.index.analytics
     if a is None:
         return
     s.silent_loss = {k: v for k, v in a.silent_loss.items() if v}
+    total = sum(a.silent_loss.values())
+    if total != a.silent_seen[0]:
+        a.silent_seen = (total, wall)
+    s.last_silent_loss_time = a.silent_seen[1]
     s.restore_refused = a.restore_refused
     s.recomputed_elsewhere = a.recomputed_elsewhere
     s.lora_refused = a.lora_refused

@@ -396,7 +396,7 @@ class IngestLoop:
             if st.history is not None:
                 st.history.update(st.seq, st.decode_errors, now, wall)
             s = stream_stats(st, st.seq, now, wall)
-            cache_stats.fill_stream(s, st.seq, [q.index for q in siblings[spec.worker_id]])
+            cache_stats.fill_stream(s, st.seq, [q.index for q in siblings[spec.worker_id]], wall)
             streams.append(s)
             refused["medium_events"] += st.seq.index.media_refused_events
         placement: list[WorkerPlacement] = []

@@ -107,6 +107,7 @@ class StreamStats(Struct, omit_defaults=True, gc=False):
     trust: str = ""  # complete, replay_filled, partial ("" = an older collector)
     trust_reason: str = ""
     silent_loss: dict[str, int] = {}  # reason (remove_unknown, parent_unknown) -> count
+    last_silent_loss_time: float = 0.0  # collector wall clock when silent_loss last grew
     restore_refused: int = 0  # removals the restore window could not track (its cap)
     recomputed_elsewhere: int = 0  # blocks stored here while another rank held them
     hot: list[HotBlock] = []

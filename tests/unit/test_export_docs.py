@@ -39,6 +39,10 @@ def test_every_served_kvobserve_family_is_in_the_catalog_and_the_docs() -> None:
         FleetCollector(lambda: view, lambda: aggregator_metrics(FleetState(), {"x": 1}, bus))
     )
     served = {f.name for f in r.collect() if f.name.startswith("kvobserve_")}
+    # the opt-in families (docs/metrics.md, series budget) with per_stream_detail
+    r2 = CollectorRegistry()
+    r2.register(FleetCollector(lambda: view, per_stream_counters=True))
+    served |= {f.name for f in r2.collect() if f.name.startswith("kvobserve_")}
     assert served - set(BY_FAMILY) == set()
     docs = render_docs()
     for fam in served:

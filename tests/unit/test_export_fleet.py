@@ -6,6 +6,8 @@ from kvobserve.analysis.fleet import FleetState, FleetView
 from kvobserve.wire.snapshot import (
     CollectorCounters,
     CollectorInfo,
+    DriftSource,
+    DriftStats,
     Family,
     Histogram,
     MediumStats,
@@ -16,6 +18,7 @@ from kvobserve.wire.snapshot import (
     StreamStats,
     UnexpectedStream,
     WorkerInfo,
+    WorkerPlacement,
 )
 
 NOW = 2000.0
@@ -32,9 +35,27 @@ def _node0() -> Snapshot:
         batches_total=100,
         events={"stored": 80, "removed": 15, "cleared": 5},
         media=[
-            MediumStats("GPU", 10, 160, 50, 40, Histogram([1.0, 10.0], [3, 7], 9, 42.5)),
-            MediumStats("CPU", 4, 64, 6, 2),
+            MediumStats(
+                "GPU",
+                10,
+                160,
+                50,
+                40,
+                Histogram([1.0, 10.0], [3, 7], 9, 42.5),
+                restored_total=6,
+                restore_gap=Histogram([1.0, 10.0], [2, 5], 6, 20.0),
+                moved_in={"CPU": 1},
+                lora_blocks={"ad\\apter": 3},
+            ),
+            MediumStats(
+                "CPU", 4, 64, 6, 2, moved_in={"GPU": 5}, unread_removed_total=2, unread_blocks=3
+            ),
         ],
+        trust="partial",
+        trust_reason="lost_batches",
+        silent_loss={"remove_unknown": 3, "parent_unknown": 1},
+        restore_refused=7,
+        recomputed_elsewhere=2,
         gaps=2,
         missed=5,
         recovered=3,
@@ -59,7 +80,7 @@ def _node0() -> Snapshot:
     )  # fmt: skip
     v0 = StreamStats(
         "vllm-b", 0, engine="vllm", endpoint="tcp://10.0.0.6:5557", topic="", up=True,
-        batches_total=7, events={"stored": 7}, media=[MediumStats("GPU", 150, 2400, 150, 0)],
+        batches_total=7, events={"stored": 7}, media=[MediumStats("GPU", 150, 12000, 150, 0)],
         state_complete=True,
     )  # fmt: skip
     v1 = StreamStats(
@@ -76,6 +97,14 @@ def _node0() -> Snapshot:
         streams=[r0, r1, v0, v1],
         unexpected=[UnexpectedStream("sglang-a", 4, "tcp://10.0.0.5:5561", 7, True)],
         refused={"medium_events": 3},
+        drift=[
+            DriftStats("sglang-a", 0, "GPU", "dump", 12, 10, 3, 1, 0, 0.75, True, NOW - 1),
+            DriftStats("vllm-b", 0, "GPU", "size", 150, 150),
+        ],
+        drift_sources=[
+            DriftSource("sglang-a", "http://127.0.0.1:9/dump", "dump", {"ok": 4}, NOW - 1)
+        ],
+        placement=[WorkerPlacement("sglang-a", [0, 1], 18, 15, {2: 3}, 2)],
         counters=CollectorCounters(12345, 1, 5, {"buffer_full": 2}),
         scheduler_errors=[SourceErrors("sglang-a", "kv_metrics", "pickle_refused", 2)],
         scheduler=[
@@ -131,8 +160,10 @@ def _node2() -> Snapshot:
     st = StreamStats(
         "sglang-a", 3, engine="sglang", endpoint="tcp://10.0.0.7:5560", topic="kv-events", up=True,
         batches_total=50, events={"stored": 45, "removed": 5}, gaps=1, missed=4, lost=4,
-        media=[MediumStats("GPU", 5, 80, 9, 4, Histogram([1.0, 10.0], [1, 4], 4, 8.0))],
-        state_complete=True, last_batch_ts=1989.0, lag_seconds=0.1,
+        media=[MediumStats("GPU", 5, 80, 9, 4, Histogram([1.0, 10.0], [1, 4], 4, 8.0),
+                           restored_total=2, restore_gap=Histogram([1.0, 10.0], [1, 2], 2, 3.0))],
+        state_complete=True, last_batch_ts=1989.0, lag_seconds=0.1, trust="complete",
+        silent_loss={"parent_unknown": 2},
     )  # fmt: skip
     return Snapshot(
         CollectorInfo("node-2", 2, "gpu-2", 900.0),

@@ -123,7 +123,9 @@ def test_a_repeated_stream_is_summed_once() -> None:
 def test_configured_capacity_wins_over_scheduler(reg: CollectorRegistry) -> None:
     v0 = {"worker_id": "vllm-b", "node_rank": "0", "dp_rank": "0"}
     assert val(reg, "kvobserve_kv_capacity_tokens", **v0) == 10000
-    assert val(reg, "kvobserve_kv_cache_usage_ratio", **v0) == 0.24
+    assert val(reg, "kvobserve_kv_cache_usage_ratio", **v0) == 1.2
+    # more resident than the rank holds: removals were lost (docs/cache-analytics.md)
+    assert val(reg, "kvobserve_kv_resident_over_capacity", **v0) == 1
 
 
 def test_stale_stream_keeps_counters_and_drops_gauges(

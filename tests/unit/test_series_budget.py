@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry
 
 from kvobserve.analysis.blocks import DEFAULT_LIFETIME_BUCKETS
 from kvobserve.analysis.fleet import FleetState
+from kvobserve.analysis.thrash import RESTORE_BUCKETS
 from kvobserve.export.catalog import BUDGET, BY_FAMILY, CATALOG, REFERENCE, reference_total
 from kvobserve.export.prometheus import FleetCollector
 from kvobserve.wire.snapshot import (
@@ -18,6 +19,7 @@ from kvobserve.wire.snapshot import (
     Snapshot,
     StreamStats,
     WorkerInfo,
+    WorkerPlacement,
 )
 
 NOW = 5000.0
@@ -25,21 +27,42 @@ WORKERS, DP, PER_NODE = 4, REFERENCE["worker"], REFERENCE["collector"]
 MEDIA = ("GPU", "CPU_PINNED")
 
 
+def _medium(m: str, r: int) -> MediumStats:
+    """A tier with the cache analytics on: restores, moves both ways, unread CPU blocks, LoRA."""
+    bounds = list(DEFAULT_LIFETIME_BUCKETS)
+    gap = Histogram(
+        list(RESTORE_BUCKETS), [min(i, 5) for i in range(len(RESTORE_BUCKETS))], 5, 12.5
+    )
+    top = m == MEDIA[0]
+    return MediumStats(
+        m, 10, 160, 50 + r, 40, Histogram(bounds, [i for i in range(15)], 20, 9.5),
+        restored_total=5, restore_gap=gap, moved_in={MEDIA[1] if top else MEDIA[0]: 2},
+        unread_removed_total=0 if top else 3, unread_blocks=0 if top else 4,
+        lora_blocks={"adapter-a": 4} if top else {},
+    )  # fmt: skip
+
+
+def _placement(worker: str, ranks: list[int], node: int) -> WorkerPlacement:
+    """Each node's whole top-tier set in its sketch; two keys on both nodes (exact union)."""
+    keys = range(node * 3, node * 3 + 5)
+    return WorkerPlacement(
+        worker, ranks, 80, 70, {2: 10}, 24, sketch_k=1024,
+        sketch=b"".join(k.to_bytes(8, "big") for k in keys), sketch_counts=b"\x00\x01" * 5,
+    )  # fmt: skip
+
+
 def _snapshot(w: int, node: int) -> Snapshot:
     """Node `node` of worker `w`: PER_NODE ranks, two tiers, replays, decode errors, a leader."""
     worker, first = f"sglang-{w}", node * PER_NODE
-    bounds = list(DEFAULT_LIFETIME_BUCKETS)
     streams = [
         StreamStats(
             worker, r, engine="sglang", endpoint=f"tcp://10.0.{w}.{node}:{5557 + r}",
             topic="kv-events", up=True, batches_total=100 + r,
             events={"stored": 90, "removed": 40, "cleared": 1},
-            media=[
-                MediumStats(m, 10, 160, 50 + r, 40, Histogram(bounds, [i for i in range(15)], 20, 9.5))
-                for m in MEDIA
-            ],
+            media=[_medium(m, r) for m in MEDIA],
             gaps=1, missed=2, recovered=2, replay_requests={"ok": 1}, decode_errors={"msgpack": 2},
             state_complete=True, last_batch_ts=NOW - 0.1, lag_seconds=0.01,
+            trust="complete", trust_reason="from_start", recomputed_elsewhere=3,
         )
         for r in range(first, first + PER_NODE)
     ]  # fmt: skip
@@ -56,6 +79,7 @@ def _snapshot(w: int, node: int) -> Snapshot:
         streams=streams,
         scheduler=sched,
         counters=CollectorCounters(10_000, 0, 100),
+        placement=[_placement(worker, list(range(first, first + PER_NODE)), node)],
     )
 
 
@@ -89,7 +113,7 @@ def test_each_family_costs_what_the_catalog_says(detail: bool) -> None:
     for m in CATALOG:
         if m.per == "fleet":
             continue  # the aggregator's own series (build info here), not per stream
-        want = m.per_stream(detail) if m.detail else m.per_stream()
+        want = m.per_stream(detail) if m.detail or m.optin else m.per_stream()
         assert counts.get(m.name, 0) / streams == pytest.approx(want), m.name
 
 
