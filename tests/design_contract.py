@@ -12,7 +12,7 @@ DESIGN_ALERTS = tuple(
 KVEventSequenceGap KVEventsLost KVEventDuplicateStream KVEventRankMismatch
 KVEventUnexpectedStream KVEventPublisherRestarted KVEventStreamDown KVEventStreamStalled
 KVEventDecodeErrors KVCacheNearFull KVIndexIncomplete DPRankUncovered DPRankMultipleOwners
-MultipleSchedulerLeaders KVObserveCollectorDown
+MultipleSchedulerLeaders KVObserveCollectorDown KVEventSilentLoss KVCacheThrash KVRouterIndexDrift
 """.split()  # noqa: SIM905 (a compact copy of the contract)
 )
 

@@ -55,6 +55,9 @@ _ROWS: Final = (
     Kind("dp_rank_multiple_owners", "DPRankMultipleOwners", "warning", "rank watched twice"),
     Kind("multiple_scheduler_leaders", "MultipleSchedulerLeaders", "warning", "several leaders"),
     Kind("collector_down", "KVObserveCollectorDown", "critical", "collector down"),
+    Kind("silent_loss", "KVEventSilentLoss", "warning", "events lost without a gap"),
+    Kind("cache_thrash", "KVCacheThrash", "warning", "evicted blocks stored again"),
+    Kind("router_index_drift", "KVRouterIndexDrift", "warning", "router index drifted"),
 )
 KINDS: Final[dict[str, Kind]] = {k.kind: k for k in _ROWS}
 BY_ALERT: Final[dict[str, Kind]] = {k.alert: k for k in _ROWS}

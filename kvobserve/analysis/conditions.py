@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvobserve.analysis.alerting import KINDS, RECENT_S
+from kvobserve.wire.snapshot import DriftStats, StreamStats
 
 if TYPE_CHECKING:
     from kvobserve.analysis.fleet import FleetView, StreamView
@@ -21,6 +22,32 @@ NEAR_FULL = 0.95  # scheduler token usage above this: cache_near_full (the rule'
 # A stream counts as down after this long: a publisher restart's second of silence is no outage
 # (the alert waits 5 minutes; the page shows the stream's state at once either way).
 DOWN_AFTER_S = 5.0
+# cache_thrash: a rank's top-tier restores / stores since its collector started, past this many
+# stores (the rule, alerts/kvobserve-rules.yml, uses 15-minute rates per worker)
+THRASH_RATIO = 0.3
+THRASH_MIN_STORES = 1000
+TOP_MEDIA = frozenset({"GPU", "DEVICE"})
+# router_index_drift: phantom + missing above this share of the engine's blocks, and this many
+DRIFT_SHARE = 0.05
+DRIFT_MIN_BLOCKS = 10
+
+
+def thrashing(st: StreamStats) -> tuple[int, int] | None:
+    """(restored, stored) of the stream's top tier when they make it a cache_thrash, else None."""
+    for m in st.media:
+        stored, restored = m.stored_total, m.restored_total
+        if (
+            m.medium in TOP_MEDIA
+            and stored >= THRASH_MIN_STORES
+            and restored > THRASH_RATIO * stored
+        ):
+            return restored, stored
+    return None
+
+
+def drifted(d: DriftStats) -> bool:
+    """Whether a drift comparison shows more disagreement than the threshold."""
+    return d.phantom + d.missing > max(DRIFT_SHARE * d.engine_blocks, DRIFT_MIN_BLOCKS)
 
 
 @dataclass(frozen=True)
@@ -83,6 +110,19 @@ def conditions(v: FleetView) -> Iterable[Condition]:
                 labels(worker_id=w),
                 f"{w} has {len(ids)} scheduler-metrics leaders: {', '.join(ids)}",
             )
+    for c in v.collectors:
+        if not c.up:
+            continue
+        for d in c.snapshot.drift:
+            if drifted(d):
+                yield Condition.of(
+                    "router_index_drift",
+                    labels(worker_id=d.worker_id, dp_rank=d.dp_rank, medium=d.medium),
+                    f"{d.worker_id} rank {d.dp_rank} {d.medium}: the router's index holds "
+                    f"{d.phantom} evicted blocks and lacks {d.missing} resident ones of "
+                    f"{d.engine_blocks} ({d.method})",
+                    d.at,
+                )
     running = {(s.worker_id, s.dp_rank): s.running_requests for s, _ in v.scheduler}
     for s in v.streams:
         yield from _stream(s, v.now, running.get((s.stats.worker_id, s.stats.dp_rank)))
@@ -168,6 +208,22 @@ def _stream(s: StreamView, now: float, running: float | None) -> Iterable[Condit
             where,
             f"{name}: {st.rank_mismatch_batches} batches name another DP rank (port rule?)",
             st.last_rank_mismatch_time,
+        )
+    if recent(st.last_silent_loss_time) and st.silent_loss:
+        reasons = ", ".join(f"{k} {n}" for k, n in sorted(st.silent_loss.items()))
+        yield Condition.of(
+            "silent_loss",
+            where,
+            f"{name}: evidence of events lost without a sequence gap ({reasons})",
+            st.last_silent_loss_time,
+        )
+    thrash = thrashing(st)
+    if thrash is not None:
+        yield Condition.of(
+            "cache_thrash",
+            where,
+            f"{name}: {thrash[0]} of {thrash[1]} top-tier block stores restored a block "
+            "evicted minutes before",
         )
     quiet_since = st.last_message_time or st.state_since
     if (

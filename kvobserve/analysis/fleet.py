@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvobserve.analysis.alerting import RECENT_S
-from kvobserve.analysis.conditions import Condition, conditions
+from kvobserve.analysis.conditions import Condition, conditions, thrashing
 from kvobserve.analysis.placement import PlacementEstimate, merge_placement
 from kvobserve.wire.snapshot import (
     CollectorInfo,
@@ -117,8 +117,9 @@ def _maybe_problem(live: bool, st: StreamStats, now: float) -> bool:
         st.last_restart_time,
         st.last_decode_error_time,
         st.last_rank_mismatch_time,
+        st.last_silent_loss_time,
     )
-    return last > 0 and now - last <= RECENT_S
+    return (last > 0 and now - last <= RECENT_S) or thrashing(st) is not None
 
 
 class FleetState:
