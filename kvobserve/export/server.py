@@ -175,6 +175,7 @@ async def _index(request: web.Request) -> web.Response:
         generated=time.time(),
         refresh_s=request.app[REFRESH],
         events=_recent(request),
+        hot=api.hot_json(v, status_page.HOT_SHOWN),
     )
     return web.Response(text=page, content_type="text/html", charset="utf-8")
 

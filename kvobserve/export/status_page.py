@@ -174,8 +174,15 @@ def _stream_row(s: Json, cond: dict[str, str], clock: _Clock) -> str:
     if not s["batches"] and not s["duplicate_stream"]:
         dup = "-"
     index = "-" if complete is None else "exact" if complete else "lower bound"
-    if complete is False and s.get("incomplete_reason"):
+    if s.get("trust") and s["batches"]:  # docs/cache-analytics.md, "Trust state"
+        index = f'{_e(s["trust"])}<br><span class="small">{_e(s.get("trust_reason") or "")}</span>'
+    elif complete is False and s.get("incomplete_reason"):
         index += f'<br><span class="small">{_e(s["incomplete_reason"])}</span>'
+    evidence = ", ".join(f"{_e(k)} {_e(n)}" for k, n in sorted(s.get("silent_loss", {}).items()))
+    if s.get("over_capacity"):
+        evidence = ", ".join(x for x in (evidence, "over capacity") if x)
+    if evidence:
+        index += f'<br><span class="small st">silent loss: {evidence}</span>'
     errs = sum(s["decode_errors"].values())
     errors = f"{errs}" + (
         f" / {s['rank_mismatch_batches']} rank" if s["rank_mismatch_batches"] else ""
@@ -283,6 +290,39 @@ def _collectors(collectors: list[Json]) -> str:
     return _table(head, rows, "No collector has reported yet.")
 
 
+HOT_SHOWN = 5  # hot prefixes per worker on the page (/api/v1/hot lists more)
+
+
+def _stores(b: Json) -> str:
+    """A hot prefix's store count, with its upper bound when the count may fall short."""
+    lo, hi = b["stores"], b["stores_max"]
+    return f"{_e(lo)}" if hi == lo else f"{_e(lo)} &ndash; {_e(hi)}"
+
+
+def _hot(hot: Json | None) -> str:
+    """Per worker: its top hot prefixes (hashes, store counts, ranks holding them) and placement."""
+    out = []
+    for w in (hot or {}).get("workers", []):
+        p = w.get("placement") or {}
+        ratio = p.get("redundancy")
+        place = (
+            f" &middot; redundancy {ratio:.2f} &middot; recomputed elsewhere "
+            f"{_e(p.get('recomputed_elsewhere', 0))}"
+            if ratio is not None
+            else ""
+        )
+        rows = [
+            f'<tr><td class="small">{_e(b["hash"])}</td><td class=n>{_stores(b)}</td>'
+            f"<td class=n>{_e(b['holders'])}</td></tr>"
+            for b in w["blocks"][:HOT_SHOWN]
+        ]
+        out.append(
+            f'<h3 class="small">{_e(w["worker_id"])}{place}</h3>'
+            + _table(("block hash", "stores", "ranks holding"), rows, "No hot prefixes yet.")
+        )
+    return "".join(out) or '<p class="muted">No cache analytics.</p>'
+
+
 def _workers(workers: list[Json]) -> str:
     out = []
     for w in workers:
@@ -308,6 +348,7 @@ def render(
     generated: float,
     refresh_s: float,
     events: list[Json] | None = None,
+    hot: Json | None = None,
 ) -> str:
     """The whole page from the /api/v1 documents; every value is HTML-escaped."""
     clock = _Clock(generated)
@@ -337,6 +378,7 @@ def render(
         f"{_strays(fleet['unexpected'])}</div>"
         f'<h2>Scheduler sources</h2><div id="sources">'
         f"{_sources(fleet.get('scheduler_sources', []), clock)}</div>"
+        f'<h2>Hot prefixes</h2><div id="hot">{_hot(hot)}</div>'
         f'<h2>Nodes</h2><div id="collectors">{_collectors(fleet["collectors"])}</div>'
         f'<h2>Workers and DP-rank owners</h2><div id="workers">{_workers(fleet["workers"])}</div>'
         "</body></html>"

@@ -1,4 +1,4 @@
-"""The status page of a real fleet in six cases, rendered by headless Chromium, with screenshots.
+"""The status page of a real fleet in seven cases, rendered by headless Chromium, with screenshots.
 
 Each case runs a simulated engine with one fault profile (or a wrong configuration), the embedded
 kvobserve with HTTP, waits for the condition the case is about, then dumps the DOM and takes a
@@ -72,7 +72,16 @@ def _clean(v: FleetView) -> bool:
 
 # case -> (fault profile, what to wait for, strings the page must show)
 CASES: dict[str, tuple[str, Callable[[FleetView], bool], list[str]]] = {
-    "clean": ("clean", _clean, ["No active conditions.", 'data-state="up"']),
+    "clean": (
+        "clean",
+        _clean,
+        ["No active conditions.", 'data-state="up"', "complete<br>", "from_start", 'id="hot"'],
+    ),
+    "silent": (
+        "silent",
+        _has("silent_loss", 1),
+        ["KVEventSilentLoss", "silent loss: ", "evidence of events lost without a sequence gap"],
+    ),
     "gap": (
         "gap",
         _has("sequence_gap", 1),
