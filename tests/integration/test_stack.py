@@ -53,6 +53,27 @@ ALLOWED_EMPTY = {
     "snapshot; the collectors send none",
     "kvobserve_collector_publish_dropped_total": "per reason, only once a collector could not "
     "publish a snapshot; NATS stays up in the stack",
+    # the cache dashboard: evidence is served only once nonzero ...
+    "kvobserve_kv_silent_loss_evidence_total": "only once a rank shows evidence of silent loss; "
+    "the `mixed` profile numbers every batch it drops",
+    "kvobserve_kv_resident_over_capacity": "only while a rank holds more than its capacity",
+    "kvobserve_kv_restore_untracked_total": "only once the restore window's cap refused one",
+    # ... the detail families need [aggregator] per_stream_detail, off in the compose file ...
+    "kvobserve_kv_block_restore_gap_seconds": "per_stream_detail only",
+    "kvobserve_kv_tier_moves_total": "per_stream_detail only (and a second tier)",
+    "kvobserve_kv_tier_unread_blocks": "per_stream_detail only (and a second tier)",
+    "kvobserve_kv_tier_unread_removed_total": "per_stream_detail only (and a second tier)",
+    "kvobserve_kv_lora_blocks": "per_stream_detail only (and LoRA adapters)",
+    "kvobserve_worker_kv_blocks_replicated": "per_stream_detail only",
+    "kvobserve_worker_kv_blocks_distinct": "per_stream_detail only",
+    "kvobserve_worker_kv_placement_relative_error": "per_stream_detail only",
+    # ... and router-index drift a Dynamo worker with a drift source (docs/dynamo.md)
+    "kvobserve_router_index_phantom_blocks": "no drift source in the compose file",
+    "kvobserve_router_index_missing_blocks": "no drift source in the compose file",
+    "kvobserve_router_index_jaccard": "no drift source in the compose file",
+    "kvobserve_router_index_router_blocks": "no drift source in the compose file",
+    "kvobserve_router_index_engine_blocks": "no drift source in the compose file",
+    "kvobserve_collector_router_index_comparisons_total": "no drift source in the compose file",
 }
 GRAFANA_VARS = {"job": ".*", "worker_id": ".*", "node_rank": ".*", "dp_rank": ".*"}
 

@@ -23,6 +23,7 @@ UIDS = {
     "kvobserve-streams.json": "kvobserve-streams",
     "kvobserve-scheduler.json": "kvobserve-scheduler",
     "kvobserve-self.json": "kvobserve-self",
+    "kvobserve-cache.json": "kvobserve-cache",
 }
 VARIABLES = ("datasource", "job", "worker_id", "node_rank", "dp_rank")
 GRAFANA_BUILTINS = {"__rate_interval", "__interval", "__range", "__all"}
