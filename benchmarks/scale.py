@@ -46,6 +46,7 @@ from benchmarks._common import (
 )
 from kvobserve.analysis.blocks import DEFAULT_LIFETIME_BUCKETS
 from kvobserve.transport.subjects import snapshot_subject
+from kvobserve.wire.parts import worker_bucket
 from kvobserve.wire.snapshot import (
     BUCKETS,
     CollectorInfo,
@@ -56,7 +57,6 @@ from kvobserve.wire.snapshot import (
     StreamStats,
     WorkerInfo,
     encode_snapshot,
-    worker_bucket,
 )
 
 CLUSTER = "bench"

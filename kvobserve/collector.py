@@ -36,6 +36,7 @@ from kvobserve.sources.passthrough import relabel
 from kvobserve.sources.plan import SchedulerSpec, StreamSpec, WorkerPlan, plan_worker
 from kvobserve.sources.scheduler import SchedulerSources, SchedulerValues
 from kvobserve.sources.stream_events import RecentEvents
+from kvobserve.wire.parts import split_parts
 from kvobserve.wire.snapshot import (
     CollectorCounters,
     CollectorInfo,
@@ -46,7 +47,6 @@ from kvobserve.wire.snapshot import (
     SourceErrors,
     SourceState,
     encode_snapshot,
-    split_parts,
 )
 
 log = logging.getLogger(__name__)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from kvobserve.analysis.alerting import RECENT_S
 from kvobserve.analysis.conditions import Condition, conditions, thrashing
 from kvobserve.analysis.placement import PlacementEstimate, merge_placement
+from kvobserve.wire.parts import merge_parts
 from kvobserve.wire.snapshot import (
     CollectorInfo,
     SchedulerStats,
@@ -19,7 +20,6 @@ from kvobserve.wire.snapshot import (
     StreamStats,
     UnexpectedStream,
     WorkerPlacement,
-    merge_parts,
 )
 
 GPU_MEDIA = frozenset({"GPU", "DEVICE"})

@@ -1,7 +1,7 @@
 """kvobserve's NATS names: subjects and the JetStream KV bucket (docs/nats.md, docs/scale.md).
 
-A collector publishes one snapshot part per shard bucket of its workers (wire/snapshot.py,
-`worker_bucket`), on `kvobserve.v1.<cluster>.snapshot.<bucket>.<collector_id>`. Shard `i` of
+A collector publishes one snapshot part per shard bucket of its workers (`worker_bucket`,
+wire/parts.py), on `kvobserve.v1.<cluster>.snapshot.<bucket>.<collector_id>`. Shard `i` of
 `n` aggregators subscribes to the buckets `b` with `b % n == i`, so NATS delivers each worker to
 exactly one shard; a single aggregator subscribes to every bucket, and to the version-1 subject
 `kvobserve.v1.<cluster>.snapshot.<collector_id>` of older collectors.

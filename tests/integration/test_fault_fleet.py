@@ -49,14 +49,16 @@ def engine(sims: Sims) -> SimulatedWorker:
     return sims.start(dataclasses.replace(cfg, start_delay_s=START_DELAY))
 
 
-def collector_toml(tmp_path: Path, sim: SimulatedWorker, nats: str, **extra: Any) -> Path:
+def collector_toml(
+    tmp_path: Path, sim: SimulatedWorker, nats: str, interval_s: float = 0.5, **extra: Any
+) -> Path:
     """A `kvobserve collect` config watching both ranks of `sim`; `extra` goes into [nats]."""
     c = sim.cfg
     return write_toml(
         tmp_path / "node-0.toml",
         {
             "cluster": CLUSTER,
-            "collector": {"id": "node-0", "interval_s": 0.5},
+            "collector": {"id": "node-0", "interval_s": interval_s},
             "http": {"listen": f"127.0.0.1:{free_port()}"},
             "worker": [
                 {
@@ -138,7 +140,9 @@ def test_a_restarted_aggregator_is_warm_from_jetstream_kv(
     nats_server: NatsServer, procs: Procs, sims: Sims, tmp_path: Path
 ) -> None:
     sim = engine(sims)
-    cfg = collector_toml(tmp_path, sim, nats_server.url, jetstream_kv=True)
+    # A snapshot read from the bucket is live for 3 intervals after the restart: 2 s intervals
+    # keep the read fleet live long enough to be scraped whole on a loaded machine.
+    cfg = collector_toml(tmp_path, sim, nats_server.url, interval_s=2.0, jetstream_kv=True)
     col = procs.kvobserve("collect", "collect", "-c", str(cfg))
     agg1, base1 = aggregate(procs, "aggregate-1", nats_server.url, "--jetstream-kv")
     collected(procs, base1, sim)

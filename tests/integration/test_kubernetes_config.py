@@ -50,11 +50,16 @@ def test_each_collector_pod_loads_the_shared_config(tmp_path: Path, worker: int)
 
 
 def test_the_aggregator_pod_loads_the_shared_config(tmp_path: Path) -> None:
-    (container,) = find("Deployment", "kvobserve-aggregator")["spec"]["template"]["spec"][
-        "containers"
-    ]
-    env = container_env(container, "kvobserve-aggregator-5d9c7-x2x4q")
+    sts = find("StatefulSet", "kvobserve-aggregator")
+    (container,) = sts["spec"]["template"]["spec"]["containers"]
+    env = container_env(
+        container,
+        "kvobserve-aggregator-1",
+        labels={"apps.kubernetes.io/pod-index": "1"},
+    )
+    env["KVOBSERVE_AGGREGATOR_SHARDS"] = "2"  # two replicas: the pod with index 1 is shard 1
     cfg = load_config(_shared_file(tmp_path), {}, env)
+    assert (cfg.aggregator.shards, cfg.aggregator.shard) == (2, 1)
     assert cfg.http.listen == "0.0.0.0:9477"
     assert cfg.nats is not None and cfg.nats.url == "nats://nats:4222"
     assert cfg.nats.jetstream_kv is True

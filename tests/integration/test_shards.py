@@ -19,7 +19,7 @@ import pytest
 
 from kvobserve.export.catalog import SHARD_LABELLED
 from kvobserve.simulate import SimConfig, SimulatedWorker, nodes_of
-from kvobserve.wire.snapshot import worker_bucket
+from kvobserve.wire.parts import worker_bucket
 from tests.integration.conftest import NatsServer, free_port
 from tests.integration.fleet_helpers import Procs, Scrape, poll, scrape, write_toml
 

@@ -17,6 +17,7 @@ from kvobserve.transport.subjects import (
     snapshot_subject,
     snapshot_wildcards,
 )
+from kvobserve.wire.parts import merge_parts, split_parts, worker_bucket
 from kvobserve.wire.snapshot import (
     BUCKETS,
     WHOLE,
@@ -35,9 +36,6 @@ from kvobserve.wire.snapshot import (
     WorkerInfo,
     decode_snapshot,
     encode_snapshot,
-    merge_parts,
-    split_parts,
-    worker_bucket,
 )
 from tests.unit.test_export_fleet import NOW, rich_state
 
