@@ -65,20 +65,28 @@ class HotBlocks:
 
 
 def merge_top(
-    lists: Iterable[tuple[Iterable[tuple[BlockHash, int, int]], int]], k: int
+    lists: Iterable[tuple[Iterable[tuple[BlockHash, int, int]], int, str]], k: int
 ) -> tuple[list[tuple[BlockHash, int, int]], int]:
-    """Merge per-stream tops `([(hash, stores, holders)], offset)`: the k largest and the bound.
+    """Merge per-stream tops `([(hash, stores, holders)], offset, collector)`: the k largest
+    and the bound.
 
     A hash missing from one stream's list may still have up to that stream's offset stores
-    there, so the merged bound is the sum of the offsets.
+    there, so the merged bound is the sum of the offsets. `holders` counts the ranks of one
+    collector that hold the hash, the same for every stream of that collector: it is taken once
+    per collector (the largest seen) and summed over collectors.
     """
     stores: dict[BlockHash, int] = {}
-    holders: dict[BlockHash, int] = {}
+    held_in: dict[tuple[BlockHash, str], int] = {}
     bound = 0
-    for entries, offset in lists:
+    for entries, offset, collector in lists:
         bound += offset
         for h, n, held in entries:
             stores[h] = stores.get(h, 0) + n
-            holders[h] = holders.get(h, 0) + held
+            key = (h, collector)
+            if held > held_in.get(key, 0):
+                held_in[key] = held
+    holders: dict[BlockHash, int] = {}
+    for (h, _), held in held_in.items():
+        holders[h] = holders.get(h, 0) + held
     best = nlargest(k, stores.items(), key=_count)
-    return [(h, n, holders[h]) for h, n in best], bound
+    return [(h, n, holders.get(h, 0)) for h, n in best], bound

@@ -212,7 +212,11 @@ def hot_json(v: FleetView, top: int = HOT_TOP) -> Json:
         streams = by_worker.get(w_id, [])
         blocks, bound = merge_top(
             (
-                ([(b.hash, b.stores, b.holders) for b in s.stats.hot], s.stats.hot_error)
+                (
+                    [(b.hash, b.stores, b.holders) for b in s.stats.hot],
+                    s.stats.hot_error,
+                    s.collector.collector_id,
+                )
                 for s in streams
             ),
             top,

@@ -152,6 +152,10 @@ async def test_hot_prefixes_and_placement_are_served_as_json(sims: Sims) -> None
     assert all(isinstance(b["hash"], str) and b["stores"] >= 1 for b in blocks)
     assert blocks == sorted(blocks, key=lambda b: -b["stores"])
     assert w["error_bound"] == sum(s.hot_error for s in snap.streams)
+    # the ranks holding each hash now, once each (both streams report their collector's count)
+    holding = {str(b.hash): b.holders for s in snap.streams for b in s.hot}
+    assert {b["hash"]: b["holders"] for b in blocks} == holding
+    assert all(0 <= b["holders"] <= 2 for b in blocks)  # of the worker's 2 ranks, now
     (p,) = snap.placement
     assert w["placement"]["blocks_sum"] == p.blocks_sum
     assert w["placement"]["exact"] is True

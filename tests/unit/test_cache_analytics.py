@@ -162,8 +162,14 @@ def test_hot_counts_are_lower_bounds_within_the_offset(keys: list[int], cap: int
 
 
 def test_merged_tops_sum_counts_and_offsets() -> None:
-    top, bound = merge_top([([(1, 5, 1), (2, 3, 1)], 2), ([(1, 4, 0), (3, 9, 1)], 1)], 2)
+    top, bound = merge_top([([(1, 5, 1), (2, 3, 1)], 2, "a"), ([(1, 4, 0), (3, 9, 1)], 1, "b")], 2)
     assert top == [(1, 9, 1), (3, 9, 1)] and bound == 3
+
+
+def test_merged_holders_count_each_collectors_ranks_once() -> None:
+    # two ranks of collector a both hold hash 1 (each stream reports 2 holders), one rank of b
+    lists = [([(1, 3, 2)], 0, "a"), ([(1, 4, 2)], 0, "a"), ([(1, 1, 1)], 0, "b")]
+    assert merge_top(lists, 1) == ([(1, 8, 3)], 0)
 
 
 # --- placement sketch ----------------------------------------------------------------------------
