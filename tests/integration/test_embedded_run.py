@@ -296,12 +296,20 @@ def _expected(t: dict[str, Any], faults: FaultConfig, kv_base: int) -> dict[str,
         ("rank_mismatch", lambda s: s["rank_mismatch_batches"] > 0),
     ):
         conditions |= {(kind, r) for r, s in streams.items() if happened(s)}
+    # batches dropped before numbering may leave evidence (silent_loss: only what the batches
+    # that follow contradict; tests/integration/test_cache_analytics.py); no drop, no evidence
+    may = set()
+    for r in streams:
+        cur = [i for i in t["ranks"][str(r)]["instances"] if i["kind"] == "primary"][-1]
+        if cur["unnumbered_dropped"]:
+            may.add(("silent_loss", r))
     if stray:
         conditions.add(("unexpected_stream", f"tcp://127.0.0.1:{kv_base + 2}"))
     return {
         "streams": streams,
         "unexpected": [(2, f"tcp://127.0.0.1:{kv_base + 2}", stray, bool(stray))],
         "conditions": conditions,
+        "may": may,  # conditions allowed but not owed
     }
 
 
@@ -322,13 +330,15 @@ def _actual(view: FleetView, want: dict[str, Any]) -> dict[str, Any]:
         where = (
             labels["endpoint"] if c.kind == "unexpected_stream" else int(labels.get("dp_rank", -1))
         )
-        conditions.add((c.kind, where))
+        if (c.kind, where) not in want["may"]:
+            conditions.add((c.kind, where))
     return {
         "streams": streams,
         "unexpected": [
             (u.dp_rank, u.endpoint, u.batches_total, u.active) for u, _ in view.unexpected
         ],
         "conditions": conditions,
+        "may": want["may"],
     }
 
 
