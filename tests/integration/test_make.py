@@ -3,6 +3,7 @@ The package metadata builds without the setuptools license deprecation warning."
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tomllib
@@ -17,9 +18,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _dry_run(target: str, venv: Path) -> list[str]:
+    # run under `make test` too: a sub-make would print "make[1]: Entering directory" lines
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
     proc = subprocess.run(
-        ["make", "-n", target, f"VENV={venv}"], cwd=ROOT, capture_output=True, text=True,
-        timeout=60, check=True,
+        ["make", "--no-print-directory", "-n", target, f"VENV={venv}"], cwd=ROOT, env=env,
+        capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
     return proc.stdout.splitlines()
 
