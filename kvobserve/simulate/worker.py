@@ -186,7 +186,7 @@ class SimulatedWorker:
                 now = time.monotonic()
                 with self._lock:
                     bursts = 0
-                    while now >= next_due and bursts < 256:
+                    while now >= next_due and bursts < 256 and not self._stop.is_set():
                         self._tick(now)
                         next_due += interval
                         bursts += 1
@@ -210,6 +210,8 @@ class SimulatedWorker:
                 elif wait:
                     self._stop.wait(wait)
         except Exception:  # the loop must not die silently: report and stop publishing
+            if self._stop.is_set():
+                return  # stop() closed the sockets under a late tick: nothing failed
             log.exception("simulated worker %s failed", c.worker_id)
 
     def _poller(self) -> tuple[zmq.Poller, dict[Any, RankState]]:

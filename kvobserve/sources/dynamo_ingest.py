@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # nats-py is imported only when a NATS plane runs (`run` with
     from nats.aio.msg import Msg
 
 log = logging.getLogger(__name__)
+_YIELD_EVERY = 64  # ZMQ messages handled before other tasks (stats, monitors) get a turn
 T = TypeVar("T")
 _EXPIRE_EVERY_S = 5.0
 
@@ -153,12 +154,19 @@ class _ZmqPlane:
 
     async def _recv(self, sock: zmq.asyncio.Socket, ep: str) -> None:
         on_zmq, index = self.table.on_zmq, self.index
+        n = 0
         while True:
             try:
                 frames = await sock.recv_multipart()
             except zmq.ZMQError:
                 return  # closed under us
             on_zmq(index, ep, frames)
+            n += 1
+            if n % _YIELD_EVERY == 0:
+                # a recv that finds a message waiting completes without yielding: under a
+                # backlog this loop would hold the thread's event loop, and stats() (the
+                # collector's snapshot) would wait until the socket ran dry
+                await asyncio.sleep(0)
 
     async def _monitor(self, mon: zmq.asyncio.Socket, ep: str) -> None:
         while True:
