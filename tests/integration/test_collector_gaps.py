@@ -70,7 +70,7 @@ async def test_drops_missing_from_the_ring_are_lost_the_rest_recovered(sims: Sim
             col,
             lambda s: (
                 [x.batches_total for x in s.streams] == [60, 59]
-                and sum(stream(s, 1).replay_requests.values()) == 2
+                and stream(s, 1).recovered + stream(s, 1).lost == stream(s, 1).missed == 3
             ),
             what="every batch applied, replays done",
         )
@@ -79,7 +79,9 @@ async def test_drops_missing_from_the_ring_are_lost_the_rest_recovered(sims: Sim
         assert (st0.gaps, st0.missed, st0.lost, st0.replay_requests) == (0, 0, 0, {})
         assert st0.state_complete is True
         assert (st1.gaps, st1.missed, st1.recovered, st1.lost) == (2, 3, 2, 1)
-        assert st1.replay_requests == {"ok": 1, "partial": 1}
+        # one replay per gap; on a loaded machine the second gap can be seen while the first
+        # replay is being asked for, and both are recovered by one (partial) replay
+        assert st1.replay_requests in ({"ok": 1, "partial": 1}, {"partial": 1})
         assert st1.state_complete is False
         assert await resident(col, "w", 0) == truth_resident(truth_instance(truth, 0))
 
