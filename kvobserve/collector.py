@@ -31,7 +31,8 @@ from kvobserve.sources.dynamo_ingest import DynamoIngest
 from kvobserve.sources.dynamo_plan import plan_dynamo
 from kvobserve.sources.dynamo_streams import DynamoOptions
 from kvobserve.sources.health import OK_STATES, Health
-from kvobserve.sources.kv_stream import IngestLoop, IngestOptions
+from kvobserve.sources.ingest_options import IngestOptions
+from kvobserve.sources.kv_stream import IngestLoop
 from kvobserve.sources.passthrough import relabel
 from kvobserve.sources.plan import SchedulerSpec, StreamSpec, WorkerPlan, plan_worker
 from kvobserve.sources.scheduler import SchedulerSources, SchedulerValues

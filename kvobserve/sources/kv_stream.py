@@ -16,64 +16,31 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from kvobserve.analysis.analytics import DEFAULT_ANALYTICS, AnalyticsOptions
 from kvobserve.analysis.mirror import MirrorDetector
 from kvobserve.analysis.sequence import (
-    DEFAULT_LIMITS,
-    SequencerLimits,
     StreamSequencer,
 )
 from kvobserve.sources import cache_stats
-from kvobserve.sources.link import DEFAULT_LINK_TIMES, MONITOR_EVENTS, Link, LinkTimes
+from kvobserve.sources.ingest_options import IngestOptions, IngestStats
+from kvobserve.sources.link import MONITOR_EVENTS, Link
 from kvobserve.sources.plan import StreamSpec
 from kvobserve.sources.replays import DRAIN_LIMIT, ReplayClient
 from kvobserve.sources.stream_events import RecentEvents, StreamHistory
 from kvobserve.sources.stream_state import WatchedStream, count_bad, new_link, stream_stats
 from kvobserve.sources.topic_probe import TopicProbes
 from kvobserve.wire.errors import WireError
-from kvobserve.wire.kv_events import DEFAULT_MAX_PAYLOAD, decode_message
+from kvobserve.wire.kv_events import decode_message
 from kvobserve.wire.snapshot import StreamStats, UnexpectedStream, WorkerPlacement
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _RCVMORE = int(zmq.RCVMORE)
-
-
-@dataclass(frozen=True)
-class IngestOptions:
-    """Tunables of the ingest loop."""
-
-    max_payload: int = DEFAULT_MAX_PAYLOAD
-    max_concurrent_replays: int = 4
-    rcvhwm: int = 100_000
-    reconnect_ivl_ms: int = 100
-    reconnect_ivl_max_ms: int = 5_000
-    unexpected_quiet_s: float = 30.0  # a probe port counts as active this long after a batch
-    tick_s: float = 0.05
-    limits: SequencerLimits = DEFAULT_LIMITS
-    max_streams: int = 4096  # streams (incl. probes) per collector: a label cardinality cap
-    link: LinkTimes = DEFAULT_LINK_TIMES
-    # docs/cache-analytics.md; None = residency and sequence only (benchmarks compare both)
-    analytics: AnalyticsOptions | None = DEFAULT_ANALYTICS
-
-
-@dataclass(frozen=True)
-class IngestStats:
-    """What the ingest thread reports for one snapshot."""
-
-    streams: list[StreamStats]
-    unexpected: list[UnexpectedStream]
-    refused: dict[str, int]  # what a cardinality cap refused: streams, medium_events
-    messages_received: int = 0
-    loop_errors: int = 0
-    placement: list[WorkerPlacement] = field(default_factory=list)
 
 
 class IngestLoop:

@@ -18,7 +18,7 @@ import zmq
 from kvobserve.collector import Collector
 from kvobserve.config import Config, load_config
 from kvobserve.simulate import SimConfig, SimulatedWorker
-from kvobserve.sources.kv_stream import IngestOptions
+from kvobserve.sources.ingest_options import IngestOptions
 from kvobserve.transport.local import LocalBus
 from kvobserve.wire.snapshot import Snapshot, StreamStats
 

@@ -13,7 +13,7 @@ from kvobserve.analysis.analytics import AnalyticsOptions
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.export.server import create_app, serve
 from kvobserve.simulate.profiles import PROFILES
-from kvobserve.sources.kv_stream import IngestOptions
+from kvobserve.sources.ingest_options import IngestOptions
 from kvobserve.wire.snapshot import encode_snapshot
 from tests.integration.collector_helpers import (
     Sims,

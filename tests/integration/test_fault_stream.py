@@ -14,7 +14,7 @@ import zmq
 from kvobserve.analysis.blocks import BlockIndex
 from kvobserve.simulate import FaultConfig, SimulatedWorker
 from kvobserve.simulate.encoders import encode_batch, get_format
-from kvobserve.sources.kv_stream import IngestOptions
+from kvobserve.sources.ingest_options import IngestOptions
 from kvobserve.wire.kv_events import decode_message, decode_payload
 from kvobserve.wire.snapshot import Snapshot
 from tests.integration.collector_helpers import (

@@ -31,7 +31,7 @@ from kvobserve.config import HttpConfig
 from kvobserve.export.server import create_app, serve
 from kvobserve.simulate.encoders import encode_batch, get_format
 from kvobserve.simulate.group import free_port_range
-from kvobserve.sources.kv_stream import IngestOptions
+from kvobserve.sources.ingest_options import IngestOptions
 from tests.integration.collector_helpers import (
     Sims,
     capture_publisher,

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from kvobserve.sources.kv_stream import IngestLoop, IngestOptions, StreamSpec
+from kvobserve.sources.ingest_options import IngestOptions
+from kvobserve.sources.kv_stream import IngestLoop, StreamSpec
 from tests.integration.conftest import free_port
 
 

@@ -16,7 +16,7 @@ from kvobserve.analysis.fleet import FleetState
 from kvobserve.config import CollectorConfig, Config, WorkerConfig
 from kvobserve.export import api
 from kvobserve.simulate import SimulatedWorker
-from kvobserve.sources.kv_stream import IngestOptions
+from kvobserve.sources.ingest_options import IngestOptions
 from kvobserve.sources.link import LinkTimes
 from kvobserve.wire.snapshot import Snapshot
 from tests.integration.collector_helpers import Sims, running_collector, sim_config, wait_snapshot

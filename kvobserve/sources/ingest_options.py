@@ -1,0 +1,41 @@
+"""The ingest loop's settings and what it reports for a snapshot (sources/kv_stream.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvobserve.analysis.analytics import DEFAULT_ANALYTICS, AnalyticsOptions
+from kvobserve.analysis.sequence import DEFAULT_LIMITS, SequencerLimits
+from kvobserve.sources.link import DEFAULT_LINK_TIMES, LinkTimes
+from kvobserve.wire.kv_events import DEFAULT_MAX_PAYLOAD
+from kvobserve.wire.snapshot import StreamStats, UnexpectedStream, WorkerPlacement
+
+
+@dataclass(frozen=True)
+class IngestOptions:
+    """Tunables of the ingest loop."""
+
+    max_payload: int = DEFAULT_MAX_PAYLOAD
+    max_concurrent_replays: int = 4
+    rcvhwm: int = 100_000
+    reconnect_ivl_ms: int = 100
+    reconnect_ivl_max_ms: int = 5_000
+    unexpected_quiet_s: float = 30.0  # a probe port counts as active this long after a batch
+    tick_s: float = 0.05
+    limits: SequencerLimits = DEFAULT_LIMITS
+    max_streams: int = 4096  # streams (incl. probes) per collector: a label cardinality cap
+    link: LinkTimes = DEFAULT_LINK_TIMES
+    # docs/cache-analytics.md; None = residency and sequence only (benchmarks compare both)
+    analytics: AnalyticsOptions | None = DEFAULT_ANALYTICS
+
+
+@dataclass(frozen=True)
+class IngestStats:
+    """What the ingest thread reports for one snapshot."""
+
+    streams: list[StreamStats]
+    unexpected: list[UnexpectedStream]
+    refused: dict[str, int]  # what a cardinality cap refused: streams, medium_events
+    messages_received: int = 0
+    loop_errors: int = 0
+    placement: list[WorkerPlacement] = field(default_factory=list)
