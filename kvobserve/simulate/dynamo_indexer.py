@@ -11,7 +11,6 @@ of at most 64 blocks each (not walked as a radix tree: only the blocks matter to
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 from collections import deque
@@ -22,6 +21,7 @@ from aiohttp import web
 
 from kvobserve.simulate import dynamo_encode as enc
 from kvobserve.simulate.dynamo_relay import apply
+from kvobserve.simulate.serve import ThreadedApp
 
 ViewKey = tuple[int, int, str]  # (worker_id, dp_rank, tier)
 
@@ -44,12 +44,7 @@ class SimIndexer:
         self._pending: dict[tuple[int, int], deque[tuple[Any, str]]] = {}
         self.events_seen = 0
         self.port = 0
-        self._host = "127.0.0.1"
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop_ev: asyncio.Event | None = None
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
+        self._server: ThreadedApp | None = None
 
     # --- the router's view ------------------------------------------------------------------
 
@@ -116,37 +111,16 @@ class SimIndexer:
 
     def start(self, host: str, port: int) -> int:
         """Serve on host:port (0 = a free port) in a thread of its own; returns the port."""
-        self._host, self.port = host, port
-        self._thread = threading.Thread(
-            target=lambda: asyncio.run(self._main()), name="sim-indexer", daemon=True
-        )
-        self._thread.start()
-        self._ready.wait(5.0)
-        if self._error is not None or self._loop is None:
-            raise OSError(f"indexer_port: cannot serve on {host}:{port}: {self._error}")
+        self._server = ThreadedApp(host, port, "sim-indexer", "indexer_port")
+        self.port = self._server.start(self._app)
         return self.port
 
-    async def _main(self) -> None:
+    def _app(self) -> web.Application:
         app = web.Application()
         app.router.add_get("/dump", self._json(self.dump))
         app.router.add_post("/query", self._json(self._query))
         app.router.add_get("/health", self._json(lambda: {"status": "ok"}))
-        runner = web.AppRunner(app, access_log=None)
-        try:
-            await runner.setup()
-            site = web.TCPSite(runner, self._host, self.port)
-            await site.start()
-            self.port = runner.addresses[0][1]
-            self._loop = asyncio.get_running_loop()
-            self._stop_ev = asyncio.Event()
-        except BaseException as exc:
-            self._error = exc
-            self._ready.set()
-            await runner.cleanup()
-            return
-        self._ready.set()
-        await self._stop_ev.wait()
-        await runner.cleanup()
+        return app
 
     @staticmethod
     def _json(body: Callable[[], Any]) -> Callable[[web.Request], Awaitable[web.Response]]:
@@ -160,9 +134,5 @@ class SimIndexer:
 
     def stop(self) -> None:
         """Stop serving; idempotent."""
-        if self._loop is not None and self._stop_ev is not None:
-            self._loop.call_soon_threadsafe(self._stop_ev.set)
-            self._loop = None
-        if self._thread is not None:
-            self._thread.join(2.0)
-            self._thread = None
+        if self._server is not None:
+            self._server.stop()

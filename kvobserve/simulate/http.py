@@ -8,8 +8,6 @@ a vLLM API server serves the ranks it manages (every rank on node 0 with interna
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -19,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvobserve.simulate.discovery import kv_event_sources, server_info
+from kvobserve.simulate.serve import ThreadedApp
 
 if TYPE_CHECKING:
     from kvobserve.simulate.ranks import RankState
@@ -113,11 +112,7 @@ class SimHttpServer:
         self.port = port
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(_EngineMetrics(w))
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop_ev: asyncio.Event | None = None
-        self._thread: threading.Thread | None = None
+        self._server = ThreadedApp(host, port, "sim-http", "http_port")
 
     def _app(self) -> web.Application:
         w = self.w
@@ -153,38 +148,11 @@ class SimHttpServer:
     async def _sources(self, request: web.Request) -> web.Response:
         return web.json_response(kv_event_sources(self.w))
 
-    async def _main(self) -> None:
-        runner = web.AppRunner(self._app(), access_log=None)
-        try:
-            await runner.setup()
-            site = web.TCPSite(runner, self.host, self.port)
-            await site.start()
-            self.port = runner.addresses[0][1]
-            self._loop = asyncio.get_running_loop()
-            self._stop_ev = asyncio.Event()
-        except BaseException as exc:
-            self._error = exc
-            self._ready.set()
-            await runner.cleanup()
-            return
-        self._ready.set()
-        await self._stop_ev.wait()
-        await runner.cleanup()
-
     def start(self) -> int:
         """Serve in a background thread; the bound port (OSError if it cannot bind)."""
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
-        self._thread.start()
-        self._ready.wait(5.0)
-        if self._error is not None or self._loop is None:
-            raise OSError(f"http_port: cannot serve on {self.host}:{self.port}: {self._error}")
+        self.port = self._server.start(self._app)
         return self.port
 
     def stop(self) -> None:
         """Stop serving; idempotent."""
-        if self._loop is not None and self._stop_ev is not None:
-            self._loop.call_soon_threadsafe(self._stop_ev.set)
-            self._loop = None
-        if self._thread is not None:
-            self._thread.join(2.0)
-            self._thread = None
+        self._server.stop()

@@ -12,9 +12,12 @@ import urllib.request
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
+
+if TYPE_CHECKING:
+    from kvobserve.simulate import SimConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
@@ -192,3 +195,23 @@ def write_toml(path: Path, doc: Mapping[str, Any]) -> Path:
     """Write `doc` as TOML to `path`; returns the path."""
     path.write_text(toml_text(doc))
     return path
+
+
+def worker_tables(plan: list[list[SimConfig]]) -> list[dict[str, Any]]:
+    """One `[[worker]]` table per simulated worker (its first node's config), on 127.0.0.1."""
+    workers: list[dict[str, Any]] = []
+    for nodes in plan:
+        c = nodes[0]
+        w: dict[str, Any] = {
+            "id": c.worker_id,
+            "engine": c.wire.engine,
+            "kv_endpoint": f"tcp://127.0.0.1:{c.kv_port}",
+            "replay_endpoint": f"tcp://127.0.0.1:{c.replay_port}",
+            "dp_size": c.dp_size,
+        }
+        if c.topic:
+            w["topic"] = c.topic
+        if c.wire.engine == "sglang":
+            w["dp_attention"] = True
+        workers.append(w)
+    return workers

@@ -17,7 +17,14 @@ import pytest
 
 from kvobserve.simulate import SimConfig, SimulatedWorker, nodes_of
 from tests.integration.conftest import NatsServer, free_port
-from tests.integration.fleet_helpers import Procs, Scrape, poll, scrape, write_toml
+from tests.integration.fleet_helpers import (
+    Procs,
+    Scrape,
+    poll,
+    scrape,
+    worker_tables,
+    write_toml,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -76,21 +83,7 @@ def engines() -> Iterator[Engines]:
 def _collector_toml(
     path: Path, cid: str, node_rank: int, listen: str, nats: str, plan: list[list[SimConfig]]
 ) -> Path:
-    workers: list[dict[str, Any]] = []
-    for nodes in plan:
-        c = nodes[0]
-        w: dict[str, Any] = {
-            "id": c.worker_id,
-            "engine": c.wire.engine,
-            "kv_endpoint": f"tcp://127.0.0.1:{c.kv_port}",
-            "replay_endpoint": f"tcp://127.0.0.1:{c.replay_port}",
-            "dp_size": c.dp_size,
-        }
-        if c.topic:
-            w["topic"] = c.topic
-        if c.wire.engine == "sglang":
-            w["dp_attention"] = True
-        workers.append(w)
+    workers = worker_tables(plan)
     doc = {
         "cluster": CLUSTER,
         "collector": {

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -21,7 +20,14 @@ from kvobserve.export.catalog import SHARD_LABELLED
 from kvobserve.simulate import SimConfig, SimulatedWorker, nodes_of
 from kvobserve.wire.parts import worker_bucket
 from tests.integration.conftest import NatsServer, free_port
-from tests.integration.fleet_helpers import Procs, Scrape, poll, scrape, write_toml
+from tests.integration.fleet_helpers import (
+    Procs,
+    Scrape,
+    poll,
+    scrape,
+    worker_tables,
+    write_toml,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -53,21 +59,7 @@ def engines() -> Iterator[list[SimulatedWorker]]:
 
 
 def _collector_toml(path: Path, k: int, nats: str, plan: list[list[SimConfig]]) -> Path:
-    workers: list[dict[str, Any]] = []
-    for nodes in plan:
-        c = nodes[0]
-        w: dict[str, Any] = {
-            "id": c.worker_id,
-            "engine": c.wire.engine,
-            "kv_endpoint": f"tcp://127.0.0.1:{c.kv_port}",
-            "replay_endpoint": f"tcp://127.0.0.1:{c.replay_port}",
-            "dp_size": c.dp_size,
-        }
-        if c.topic:
-            w["topic"] = c.topic
-        if c.wire.engine == "sglang":
-            w["dp_attention"] = True
-        workers.append(w)
+    workers = worker_tables(plan)
     doc = {
         "cluster": CLUSTER,
         "collector": {"id": f"node-{k}", "node_rank": k, "nnodes": 2, "interval_s": 0.5},
