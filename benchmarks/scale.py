@@ -1,21 +1,24 @@
-"""Fleet scale: /metrics of aggregators over NATS; main's renderer beside this one, or shards.
+"""Fleet scale: /metrics of aggregators over NATS; today's renderer beside this one, or shards.
 
 Run: `python -m benchmarks.scale [--collectors 512] [--ranks 8]` (4,096 streams and a quarter of
 that), `--shards 4 --collectors 2048` for 16,384 streams over 4 sharded aggregators, `--quick`
 for a smoke run. Synthetic snapshots (no ZMQ) are published once a second per collector, spread
 over the second, through a real nats-server to aggregator subprocesses (Aggregator + create_app,
-as `kvobserve aggregate` wires them). The aggregators of one measurement run side by side and
-are scraped in turn (interleaved, the first one rotating), so machine load hits them alike:
+as `kvobserve aggregate` wires them). The aggregators of one measurement run side by side, so
+machine load hits them alike:
 
 - idle: each aggregator's CPU (/proc/<pid>/stat) with no scrape, i.e. snapshot intake;
-- cold scrapes, 1.5 s apart (every collector sent a new snapshot since the last one, as for a
-  Prometheus scraping every 15 s), plain and gzip: response time (request to last byte) and the
-  aggregator's CPU for the scrape (its CPU over the request minus the idle rate);
-- back-to-back scrapes, plain and gzip (HA pairs or short intervals: few collectors changed).
+- steady: as Prometheus scrapes, every `--interval` s (every collector has sent new snapshots
+  in between) from two scrapers per aggregator, plain and gzip, all phases spread over the
+  interval: response time (request to last byte) of the scrapes from the fourth on (render-ahead
+  needs two agreeing intervals first), and the aggregator's CPU per scrape (its CPU over the
+  phase minus the idle rate, over the scrapes: renders ahead included);
+- one-off cold scrapes, 1.5 s apart, each from a new loopback address (curl, a first scrape):
+  rendered on request, plain and gzip, response time and CPU;
+- back-to-back scrapes, plain and gzip (fast pollers: rendered on request).
 
-"main" emulates the aggregator before this change (cached per collector but written line by
-line, conditions from a whole view every second, no frozen heap); "new" is this one; both with
-the default series budget. Cores at a 15 s scrape interval = idle CPU + cold-scrape CPU / 15.
+"main" is the aggregator before render-ahead (`render_ahead_s = 0`: every body rendered on
+request); "new" is this one. Cores at a 15 s scrape interval = idle CPU + steady CPU / 15.
 """
 
 from __future__ import annotations
@@ -23,15 +26,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gzip
+import http.client
+import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import nats
 
@@ -122,12 +127,23 @@ async def publish_fleet(url: str, collectors: int, ranks: int, stop: asyncio.Eve
     return sent
 
 
-def scrape(url: str, packed: bool = False) -> tuple[float, bytes]:
-    """(seconds from request to last byte, body as sent) of one GET."""
+def scrape(url: str, packed: bool = False, source: str = "") -> tuple[float, bytes]:
+    """(seconds from request to last byte, body as sent) of one GET, from `source` if given."""
+    host, _, rest = url.removeprefix("http://").partition("/")
+    name, _, port = host.rpartition(":")
     headers = {"Accept-Encoding": "gzip"} if packed else {}
     t0 = time.perf_counter()
-    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=60) as resp:
+    conn = http.client.HTTPConnection(
+        name, int(port), timeout=60, source_address=(source, 0) if source else None
+    )
+    try:
+        conn.request("GET", "/" + rest, headers=headers)
+        resp = conn.getresponse()
         body = resp.read()
+    finally:
+        conn.close()
+    if resp.status != 200:
+        raise RuntimeError(f"GET {url}: HTTP {resp.status}")
     return time.perf_counter() - t0, body
 
 
@@ -135,11 +151,10 @@ async def serve_aggregator(
     nats_url: str, listen: str, renderer: str, shard: int = 0, shards: int = 1
 ) -> None:
     """The aggregator subprocess: NATS in, /metrics out, until SIGTERM."""
-    from kvobserve.aggregator import Aggregator, settle_heap
+    from kvobserve.aggregator import Aggregator, tune_runtime
     from kvobserve.analysis.fleet import FleetState
     from kvobserve.export.prometheus import aggregator_metrics
-    from kvobserve.export.scrape import ScrapeCache
-    from kvobserve.export.server import CACHE, FLEET, create_app, serve
+    from kvobserve.export.server import create_app, serve
     from kvobserve.transport.nats import NatsTransport
 
     transport = NatsTransport(
@@ -152,17 +167,11 @@ async def serve_aggregator(
         agg.view,
         extra_metrics=lambda: aggregator_metrics(agg.fleet, agg.decode_errors, transport, label),
         shard=label,
+        render_ahead_s=0.0 if renderer == "main" else 2.0,  # main: before render-ahead
     )
-    if renderer == "main":  # as on main before this change: see the module docstring
-        app[CACHE] = ScrapeCache(app[FLEET].detail, templates=False)
-
-        async def check_conditions() -> None:
-            agg.transitions(agg.fleet.view(agg.clock()).conditions)
-
-        agg.check_conditions = check_conditions  # type: ignore[method-assign]
+    app.router.add_get("/bench/served", lambda _: _served(app))  # the steady phase's counts
     await agg.start(transport)
-    if renderer != "main":
-        settle_heap()  # as `kvobserve aggregate` does once started
+    tune_runtime()  # as `kvobserve aggregate` does once started
     http = await serve(app, listen)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -171,6 +180,22 @@ async def serve_aggregator(
     await http.close()
     await agg.stop()
     await transport.close()
+
+
+async def _served(app: Any) -> Any:
+    """How the aggregator answered /metrics so far (export/ahead.py)."""
+    from aiohttp import web
+
+    from kvobserve.export.server import AHEAD
+
+    return web.json_response(app[AHEAD].served)
+
+
+def served(url: str) -> dict[str, int]:
+    """The aggregator's answers so far: ahead, in_flight, on_request."""
+    _, body = scrape(url.replace("/metrics", "/bench/served"))
+    got: dict[str, int] = json.loads(body)
+    return got
 
 
 @dataclass
@@ -182,22 +207,28 @@ class Figures:
     plain_bytes: int = 0
     gzip_bytes: int = 0
     samples: int = 0
-    times: dict[str, list[float]] = field(default_factory=dict)  # cold/warm x plain/gzip
-    cpu: list[float] = field(default_factory=list)  # aggregator CPU s per cold scrape
+    times: dict[str, list[float]] = field(default_factory=dict)  # (steady|cold|warm)[_gz]
+    steady_cpu: float = 0.0  # aggregator CPU s per steady scrape (renders ahead included)
+    served: dict[str, int] = field(default_factory=dict)  # steady requests by how answered
+    cold_cpu: list[float] = field(default_factory=list)  # aggregator CPU s per one-off scrape
 
     def p(self, key: str, q: float) -> float:
         """Percentile `q` of the response times `key`, in ms."""
         return 1e3 * (median(self.times[key]) if q == 0.5 else percentile(self.times[key], q))
 
     @property
-    def cpu_per_scrape(self) -> float:
-        """Median aggregator CPU seconds of a cold scrape."""
-        return median(self.cpu)
-
-    @property
     def cores_at_15s(self) -> float:
-        """Intake plus one cold scrape every 15 s."""
-        return self.idle_cores + self.cpu_per_scrape / 15.0
+        """Intake plus one steady scrape every 15 s."""
+        return self.idle_cores + self.steady_cpu / 15.0
+
+    def keep(self, body: bytes, packed: bool) -> None:
+        """Note a body's size and samples."""
+        if packed:
+            self.gzip_bytes = len(body)
+            body = gzip.decompress(body)
+        else:
+            self.plain_bytes = len(body)
+        self.samples = sum(1 for line in body.splitlines() if not line.startswith(b"#"))
 
 
 @dataclass
@@ -226,13 +257,38 @@ def start_aggregator(
     return Agg(name, proc, f"http://127.0.0.1:{port}/metrics", Figures(streams))
 
 
-async def measure(aggs: list[Agg], cold: int, warm: int, idle_s: float, srv: NatsServer) -> float:
-    """Measure aggregators side by side, scraped in turn; returns NATS bytes/s (in + out)."""
+@dataclass
+class Plan:
+    """How many scrapes of each kind, and the steady interval."""
+
+    steady: int = 10  # per steady scraper; the first LEARN are rendered on request
+    interval_s: float = 3.0
+    cold: int = 8  # one-off scrapes per encoding
+    warm: int = 20  # back-to-back scrapes per encoding
+    idle_s: float = 10.0
+
+
+LEARN = 3  # render-ahead needs two agreeing intervals: the fourth request is the first ahead
+
+
+async def _steady_scraper(a: Agg, packed: bool, offset: float, plan: Plan, t0: float) -> None:
+    """Scrape `a` every plan.interval_s from t0 + offset, as Prometheus does."""
+    key = "steady_gz" if packed else "steady"
+    for k in range(plan.steady):
+        await asyncio.sleep(max(0.0, t0 + offset + k * plan.interval_s - time.monotonic()))
+        took_s, body = await asyncio.to_thread(scrape, a.url, packed)
+        if k >= LEARN:
+            a.fig.times[key].append(took_s)
+        a.fig.keep(body, packed)
+
+
+async def measure(aggs: list[Agg], plan: Plan, srv: NatsServer) -> float:
+    """Measure aggregators side by side; returns NATS bytes/s (in + out)."""
     try:
         for a in aggs:
             wait_for_port(int(a.url.rsplit(":", 1)[1].split("/")[0]), 30)
         deadline = time.monotonic() + 90
-        for a in aggs:  # warm-up: every stream seen
+        for a in aggs:  # warm-up: every stream seen (fast polls: rendered on request)
             while time.monotonic() < deadline:
                 await asyncio.sleep(1.0)
                 _, body = await asyncio.to_thread(scrape, a.url)
@@ -241,28 +297,45 @@ async def measure(aggs: list[Agg], cold: int, warm: int, idle_s: float, srv: Nat
         await asyncio.sleep(1.5)
         c0 = [cpu_seconds(a.proc.pid) for a in aggs]
         v0, t0 = srv.varz(), time.monotonic()
-        await asyncio.sleep(idle_s)
+        await asyncio.sleep(plan.idle_s)
         took = time.monotonic() - t0
         v1 = srv.varz()
         for a, c in zip(aggs, c0, strict=True):
             a.fig.idle_cores = (cpu_seconds(a.proc.pid) - c) / took
-            a.fig.times = {k: [] for k in ("cold", "cold_gz", "warm", "warm_gz")}
-        for i in range(2 * cold):
+            a.fig.times = {
+                k: [] for k in ("steady", "steady_gz", "cold", "cold_gz", "warm", "warm_gz")
+            }
+        # steady: 2 scrapers per aggregator, their phases spread over the interval
+        scrapers = [(a, packed) for a in aggs for packed in (False, True)]
+        c0 = [cpu_seconds(a.proc.pid) for a in aggs]
+        s0 = [served(a.url) for a in aggs]
+        t0 = time.monotonic() + 0.5
+        await asyncio.gather(
+            *(
+                _steady_scraper(a, packed, i * plan.interval_s / len(scrapers), plan, t0)
+                for i, (a, packed) in enumerate(scrapers)
+            )
+        )
+        took = time.monotonic() - t0
+        for a, c, s in zip(aggs, c0, s0, strict=True):
+            extra = cpu_seconds(a.proc.pid) - c - a.fig.idle_cores * took
+            a.fig.steady_cpu = extra / (2 * plan.steady)
+            a.fig.served = {k: n - s[k] for k, n in served(a.url).items()}
+        await asyncio.sleep(plan.interval_s)  # the last renders ahead are over
+        for i in range(2 * plan.cold):  # one-off: a new address each (127.0.1.x), never steady
             packed = i % 2 == 1
             await asyncio.sleep(1.5)  # every collector has sent a new snapshot
+            source = f"127.0.{1 + i // 200}.{1 + i % 200}"
             for a in aggs[i % len(aggs) :] + aggs[: i % len(aggs)]:
-                f = a.fig
                 c, t = cpu_seconds(a.proc.pid), time.monotonic()
-                took_s, body = await asyncio.to_thread(scrape, a.url, packed)
-                f.cpu.append(cpu_seconds(a.proc.pid) - c - f.idle_cores * (time.monotonic() - t))
+                took_s, body = await asyncio.to_thread(scrape, a.url, packed, source)
+                f = a.fig
+                f.cold_cpu.append(
+                    cpu_seconds(a.proc.pid) - c - f.idle_cores * (time.monotonic() - t)
+                )
                 f.times["cold_gz" if packed else "cold"].append(took_s)
-                if packed:
-                    f.gzip_bytes = len(body)
-                    body = gzip.decompress(body)
-                else:
-                    f.plain_bytes = len(body)
-                f.samples = sum(1 for line in body.splitlines() if not line.startswith(b"#"))
-        for i in range(2 * warm):
+                f.keep(body, packed)
+        for i in range(2 * plan.warm):
             for a in aggs[i % len(aggs) :] + aggs[: i % len(aggs)]:
                 took_s, _ = await asyncio.to_thread(scrape, a.url, i % 2 == 1)
                 a.fig.times["warm_gz" if i % 2 else "warm"].append(took_s)
@@ -284,12 +357,17 @@ def report(title: str, figs: dict[str, Figures], nats_bps: float) -> None:
         ("/metrics MB gzip", lambda f: f.gzip_bytes / 1e6, "{:.2f}"),
         ("samples per stream", lambda f: f.samples / max(f.streams, 1), "{:.1f}"),
     ]
-    for key, what in (("cold", "cold plain"), ("cold_gz", "cold gzip"),
+    for key, what in (("steady", "steady plain"), ("steady_gz", "steady gzip"),
+                      ("cold", "one-off plain"), ("cold_gz", "one-off gzip"),
                       ("warm", "back-to-back plain"), ("warm_gz", "back-to-back gzip")):  # fmt: skip
         for q, qn in ((0.5, "p50"), (0.99, "p99")):
             rows.append((f"{what} {qn} ms", lambda f, k=key, q=q: f.p(k, q), "{:.0f}"))
     rows += [
-        ("CPU s per cold scrape", lambda f: f.cpu_per_scrape, "{:.3f}"),
+        ("steady: served ahead", lambda f: f.served["ahead"], "{:.0f}"),
+        ("steady: waited for a render", lambda f: f.served["in_flight"], "{:.0f}"),
+        ("steady: rendered on request", lambda f: f.served["on_request"], "{:.0f}"),
+        ("CPU s per steady scrape", lambda f: f.steady_cpu, "{:.3f}"),
+        ("CPU s per one-off scrape", lambda f: median(f.cold_cpu), "{:.3f}"),
         ("idle CPU (intake), cores", lambda f: f.idle_cores, "{:.3f}"),
         ("cores at a 15 s scrape interval", lambda f: f.cores_at_15s, "{:.3f}"),
     ]
@@ -314,13 +392,7 @@ def _mine(collectors: int, shard: int, shards: int) -> int:
 
 
 async def run(
-    collectors: int,
-    ranks: int,
-    cold: int,
-    warm: int,
-    idle_s: float,
-    workdir: Path,
-    shards: int = 1,
+    collectors: int, ranks: int, plan: Plan, workdir: Path, shards: int = 1
 ) -> dict[int, dict[str, Figures]]:
     """Main's and this renderer side by side at a quarter and the whole fleet (shards == 1),
     or `shards` sharded aggregators over the whole fleet; one nats-server."""
@@ -343,7 +415,7 @@ async def run(
                         for i in range(shards)
                     ]
                 load0 = _load()
-                bps = await measure(aggs, cold, warm, idle_s, srv)
+                bps = await measure(aggs, plan, srv)
             finally:
                 stop.set()
                 await pub
@@ -366,7 +438,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--collectors", type=int, default=512)
     p.add_argument("--ranks", type=int, default=8)
     p.add_argument("--shards", type=int, default=1, help=f"sharded aggregators (1-{BUCKETS})")
-    p.add_argument("--cold", type=int, default=8, help="cold scrapes per encoding")
+    p.add_argument("--steady", type=int, default=10, help="scrapes per steady scraper")
+    p.add_argument("--interval", type=float, default=3.0, help="steady scrape interval, s")
+    p.add_argument("--cold", type=int, default=8, help="one-off scrapes per encoding")
     p.add_argument("--warm", type=int, default=20, help="back-to-back scrapes per encoding")
     p.add_argument("--idle", type=float, default=10.0, help="seconds of intake-only CPU")
     p.add_argument("--quick", action="store_true", help="a smoke run: 8 collectors, 2 scrapes")
@@ -381,15 +455,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     if args.quick:
-        args.collectors, args.cold, args.warm, args.idle = 8 * args.shards, 2, 2, 1.0
+        args.collectors, args.steady, args.interval = 8 * args.shards, LEARN + 2, 1.0
+        args.cold, args.warm, args.idle = 2, 2, 1.0
+    plan = Plan(args.steady, args.interval, args.cold, args.warm, args.idle)
     print(f"python -m benchmarks.scale --collectors {args.collectors} --ranks {args.ranks} "
-          f"--shards {args.shards} --cold {args.cold} --warm {args.warm} --idle {args.idle:g}")  # fmt: skip
+          f"--shards {args.shards} --steady {plan.steady} --interval {plan.interval_s:g} "
+          f"--cold {plan.cold} --warm {plan.warm} --idle {plan.idle_s:g}")  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="kvobserve-scale-") as tmp:
-        asyncio.run(
-            run(
-                args.collectors, args.ranks, args.cold, args.warm, args.idle, Path(tmp), args.shards
-            )
-        )
+        asyncio.run(run(args.collectors, args.ranks, plan, Path(tmp), args.shards))
     return 0
 
 

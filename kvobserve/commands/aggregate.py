@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 
-from kvobserve.aggregator import Aggregator, settle_heap
+from kvobserve.aggregator import Aggregator, tune_runtime
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.commands.common import Stop, fail, load, setup_logging, start_http, stop_event
 from kvobserve.config import Config, ConfigError, add_config_flags
@@ -67,11 +67,12 @@ async def serve(cfg: Config) -> int:
                 transport=transport,
                 per_stream_detail=cfg.aggregator.per_stream_detail,
                 shard=str(a.shard) if a.shards > 1 else "",
+                render_ahead_s=a.render_ahead_s,
             )
         except OSError as exc:
             return fail("aggregate", f"http.listen {cfg.http.listen}: {exc.strerror or exc}", 1)
         await agg.start(transport)
-        settle_heap()
+        tune_runtime()
         log.info(
             "aggregating cluster %r from %s (shard %d of %d, jetstream_kv=%s); ready",
             cfg.cluster, cfg.nats.url, a.shard, a.shards, cfg.nats.jetstream_kv,

@@ -63,6 +63,7 @@ async def start_http(
     transport: Transport | None = None,
     per_stream_detail: bool = False,
     shard: str = "",
+    render_ahead_s: float = 2.0,
 ) -> Stop:
     """Serve `agg` on [http] listen (and push OTLP when asked); returns the function that stops both."""
     from kvobserve.export import server
@@ -81,6 +82,7 @@ async def start_http(
         events=lambda: list(agg.events),
         runbook_url=http.runbook_url,
         shard=shard,
+        render_ahead_s=render_ahead_s,
     )
     tls = server.make_ssl_context(*http.tls) if http.tls else None
     served = await server.serve(app, http.listen, tls)

@@ -48,8 +48,13 @@ async def start_embedded(
             await c.start()
         if http is not None and http.listen:
             detail = any(c.aggregator.per_stream_detail for c in configs)
+            ahead = min(c.aggregator.render_ahead_s for c in configs)
             emb.stop_http = await start_http(
-                agg, http, otlp_endpoint=otlp_endpoint, per_stream_detail=detail
+                agg,
+                http,
+                otlp_endpoint=otlp_endpoint,
+                per_stream_detail=detail,
+                render_ahead_s=ahead,
             )
     except BaseException:
         await emb.close()

@@ -58,6 +58,7 @@ _FLAG_NAMES: dict[str, tuple[str, ...] | None] = {
     "nats.url": ("--nats",),
     "nats.jetstream_kv": ("--jetstream-kv",),
     "nats.connect_timeout_s": ("--nats-connect-timeout",),
+    "aggregator.render_ahead_s": ("--render-ahead",),
 }
 # Settings that moved; naming the old spelling is an error that gives the new one.
 _MOVED = {
@@ -371,6 +372,7 @@ def _build(raw: dict[str, Any], path: str | None) -> Config:
     if aggregator.shards > MAX_SHARDS:
         raise ConfigError(f"aggregator.shards: must be <= {MAX_SHARDS}, got {aggregator.shards!r}")
     at_least(aggregator.shard, 0, "aggregator.shard")
+    at_least(aggregator.render_ahead_s, 0, "aggregator.render_ahead_s")
     if aggregator.shard >= aggregator.shards:
         raise ConfigError(
             f"aggregator.shard: {aggregator.shard} must be < aggregator.shards ({aggregator.shards})"

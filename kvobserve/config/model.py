@@ -133,6 +133,7 @@ class AggregatorConfig:
     per_stream_detail: bool = False  # per-stream histograms and block counters (series budget)
     shards: int = 1  # aggregators sharing the cluster, each serving its workers (docs/scale.md)
     shard: int = 0  # this aggregator's index, 0 .. shards - 1
+    render_ahead_s: float = 2.0  # /metrics rendered before steady scrapers come; 0: on request
 
 
 MAX_SHARDS = 64  # = kvobserve.wire.snapshot.BUCKETS: a shard serves at least one bucket

@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import hmac
 import json
 import ssl
 import time
 import zlib
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -23,6 +24,7 @@ from prometheus_client.metrics_core import Metric
 from kvobserve.analysis.alerting import DEFAULT_RUNBOOK_URL
 from kvobserve.config import split_host_port
 from kvobserve.export import api, status_page
+from kvobserve.export.ahead import Format, RenderAhead
 from kvobserve.export.prometheus import ExtraProvider, FleetCollector, ViewProvider
 from kvobserve.export.scrape import GZIP_LEVEL, ScrapeCache
 
@@ -30,6 +32,7 @@ MAX_REQUEST_BYTES = 4096
 REGISTRY = web.AppKey("registry", CollectorRegistry)
 FLEET = web.AppKey("fleet", FleetCollector)
 CACHE = web.AppKey("scrape_cache", object)  # ScrapeCache, or None: render every scrape afresh
+AHEAD = web.AppKey("render_ahead", RenderAhead)
 VIEW = web.AppKey("view", object)  # ViewProvider; AppKey wants a runtime type
 READY = web.AppKey("ready", object)
 AUTH = web.AppKey("auth", object)
@@ -98,13 +101,14 @@ async def _metrics(request: web.Request) -> web.Response:
     # The view and the extras are taken on the loop (the fleet state is only touched there);
     # rendering works on that immutable view, so it runs off the loop. The catalog families
     # come from per-collector text kept until the collector's next snapshot (export/scrape.py,
-    # same bytes, docs/performance.md); other format variants are prometheus_client's.
+    # same bytes, docs/performance.md), rendered ahead for steady scrapers (export/ahead.py);
+    # other format variants are prometheus_client's.
     openmetrics = _fast_format(content_type)
     fleet: FleetCollector = request.app[FLEET]
     cache: ScrapeCache | None = request.app[CACHE]  # type: ignore[assignment]
     if openmetrics is not None and cache is not None:
-        view, extra = fleet.take()
-        body = await asyncio.to_thread(cache.render, view, extra, encoder, openmetrics, gzip)
+        fmt = Format(content_type, gzip, openmetrics, encoder)
+        body = await request.app[AHEAD].body(request.remote or "", fmt)
     else:
         render: Callable[[], bytes]
         if openmetrics is None:
@@ -118,6 +122,25 @@ async def _metrics(request: web.Request) -> web.Response:
     if gzip:
         headers["Content-Encoding"] = "gzip"
     return web.Response(body=body, headers=headers)
+
+
+async def _render_cached(app: web.Application, fmt: Format) -> bytes:
+    """A body from the scrape cache (on request or ahead)."""
+    fleet: FleetCollector = app[FLEET]
+    cache: ScrapeCache = app[CACHE]  # type: ignore[assignment]
+    view, extra = fleet.take()
+    return await asyncio.to_thread(
+        cache.render, view, extra, fmt.encoder, fmt.openmetrics, fmt.gzip
+    )
+
+
+async def _render_ahead(app: web.Application) -> AsyncIterator[None]:
+    """Run the render-ahead loop while the app runs (cleanup_ctx)."""
+    task = asyncio.create_task(app[AHEAD].run())
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 def _gzipped(render: Callable[[], bytes]) -> bytes:
@@ -227,6 +250,7 @@ def create_app(
     per_stream_histograms: bool = False,
     per_stream_counters: bool = False,
     scrape_cache: bool = True,
+    render_ahead_s: float = 2.0,
     events: Callable[[], list[dict[str, Any]]] | None = None,
     runbook_url: str = DEFAULT_RUNBOOK_URL,
     shard: str = "",
@@ -236,6 +260,8 @@ def create_app(
     `per_stream_histograms`/`per_stream_counters` serve block lifetimes and block/event
     counters per stream instead of per worker (docs/metrics.md, series budget);
     `scrape_cache=False` renders every scrape afresh (the renderer before the cache);
+    `render_ahead_s`: bodies for steady scrapers are rendered just before their requests and at
+    most this old when served (export/ahead.py; 0: on request only);
     `events` gives the recent events of /api/v1/events; `runbook_url` is docs/alerts.md's URL.
     `shard` (one of several sharded aggregators) labels the per-collector series.
     """
@@ -255,6 +281,9 @@ def create_app(
     app[REGISTRY] = registry
     app[FLEET] = fleet
     app[CACHE] = ScrapeCache(fleet.detail) if scrape_cache else None
+    app[AHEAD] = RenderAhead(partial(_render_cached, app), render_ahead_s)
+    if scrape_cache and render_ahead_s > 0:
+        app.cleanup_ctx.append(_render_ahead)
     app[VIEW] = view_provider
     app[READY] = ready
     app[REFRESH] = float(refresh_s)

@@ -198,6 +198,9 @@ def test_mixed_profile_fires_its_alerts_and_feeds_every_dashboard(stack_factory:
             failures.append(f"{where}: {promql}")
     assert not failures, "panel queries without data:\n" + "\n".join(failures)
     assert empty_allowed == set(ALLOWED_EMPTY), "an allow-list entry matches no panel"
+    # Prometheus scrapes every 1 s: a steady scraper, whose bodies the aggregator renders ahead
+    log = stack.logs["aggregator"].read_text(errors="replace")
+    assert "scrapes /metrics every 1.0 s (" in log and "rendering ahead of it" in log, log[-2000:]
 
 
 def test_clean_profile_fires_nothing(stack_factory: Any) -> None:

@@ -75,17 +75,19 @@ def test_scale_snapshot_round_trips_and_renders() -> None:
 
 
 def test_scale_short_run_measures_both_renderers(tmp_path: Path) -> None:
-    figs = asyncio.run(scale.run(2, 2, cold=1, warm=1, idle_s=0.2, workdir=tmp_path))
+    plan = scale.Plan(steady=scale.LEARN + 1, interval_s=1.0, cold=1, warm=1, idle_s=0.2)
+    figs = asyncio.run(scale.run(2, 2, plan, tmp_path))
     assert list(figs[4]) == ["main", "new"]
     main, new = figs[4]["main"], figs[4]["new"]
     for f in (main, new):
-        assert f.streams == 4 and all(len(t) == 1 for t in f.times.values())
+        assert f.streams == 4 and all(len(t) == 1 for t in f.times.values()), f.times
         assert 0 < f.gzip_bytes < f.plain_bytes
-    assert main.samples == new.samples  # the same series, written two ways
+    assert main.samples == new.samples  # the same series, rendered on request and ahead
 
 
 def test_scale_short_run_over_shards(tmp_path: Path) -> None:
-    figs = asyncio.run(scale.run(24, 1, cold=1, warm=1, idle_s=0.2, workdir=tmp_path, shards=2))
+    plan = scale.Plan(steady=1, interval_s=1.0, cold=1, warm=1, idle_s=0.2)
+    figs = asyncio.run(scale.run(24, 1, plan, tmp_path, shards=2))
     shards = figs[24]
     assert list(shards) == ["shard 0", "shard 1"]
     assert sum(f.streams for f in shards.values()) == 24  # every stream in one shard

@@ -122,6 +122,14 @@ def test_a_command_default_is_replaced_but_not_a_given_value(tmp_path: Path) -> 
     assert load_config(None, {}, env, defaults=collect).http.listen == "127.0.0.5:1"
 
 
+def test_render_ahead_flag_and_default() -> None:
+    assert overrides_from_args(parse_flags(["--render-ahead", "0"])) == {
+        "aggregator.render_ahead_s": "0"
+    }
+    assert load_config(None, {"aggregator.render_ahead_s": "0"}, {}).aggregator.render_ahead_s == 0
+    assert load_config(None, {}, {}).aggregator.render_ahead_s == 2.0
+
+
 def test_listen_flag_spellings_are_one_setting() -> None:
     for flag in ("--listen", "--collector-listen", "--aggregator-listen"):
         assert overrides_from_args(parse_flags([flag, "127.0.0.1:1"])) == {
@@ -309,6 +317,18 @@ BAD: list[tuple[str, dict[str, Any], dict[str, str], str]] = [
     ("", {"http.user": "u"}, {}, "http.password: missing (--http-user (http.user) is set)"),
     ("", {"http.tls_key": "k.pem"}, {}, "http.tls_cert: missing (--tls-key (http.tls_key) is set)"),
     ("[aggregator]\nstale_intervals = 0.5\n", {}, {}, "aggregator.stale_intervals: must be >= 1"),
+    (
+        "",
+        {"aggregator.render_ahead_s": "-1"},
+        {},
+        "--render-ahead (aggregator.render_ahead_s): must be >= 0, got -1.0",
+    ),
+    (
+        "",
+        {"aggregator.render_ahead_s": "2s"},
+        {},
+        "--render-ahead (aggregator.render_ahead_s): expected float, got '2s'",
+    ),
     (
         '[[worker]]\nengine = "sglang"\nkv_endpoint = "tcp://h:1"\ndp_size = -2\n',
         {},

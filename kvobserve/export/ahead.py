@@ -1,0 +1,173 @@
+"""Render /metrics just before a steady scraper's next request (render-ahead).
+
+Prometheus scrapes a target at a fixed interval. At a few thousand streams a body costs a
+render of a few hundred ms on a busy machine, and rendered on request that is the scrape's
+latency. So the aggregator notes when each scraper (its address and the body format it asks
+for) came. Once its last two intervals agree (within 10%, each at least MIN_INTERVAL_S), it
+expects the next request one interval after the last one and renders that body `lead` before
+it: twice the last render's wall time plus 0.1 s, at most three quarters of `max_age`.
+
+A request is served a body of its format begun after that scraper's previous request and at
+most `max_age` seconds before this one; a body being rendered is waited for; anything else (the
+first scrapes, curl, several scrapers behind one address) is rendered on request, as without
+this. Cost: one render per expected request, as on request. Effect on the values: at most
+`max_age` (typically `lead`) older than the newest snapshots, snapshot ages included. A scraper
+that stops is forgotten after three of its intervals; nothing is rendered ahead until some
+scraper is steady again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+MIN_INTERVAL_S = 1.0  # faster pollers (tests, scripts) are always rendered on request
+SERVED = ("ahead", "in_flight", "on_request")  # how requests were answered (RenderAhead.served)
+
+
+@dataclass(frozen=True, slots=True)
+class Format:
+    """What a scraper asked for; equal formats share their bodies."""
+
+    content_type: str
+    gzip: bool
+    openmetrics: bool = field(compare=False)
+    encoder: Callable[[Any], bytes] = field(compare=False, repr=False)
+
+
+@dataclass(slots=True)
+class _Scraper:
+    fmt: Format
+    last: float  # its latest request (clock seconds)
+    seen: float = -math.inf  # when the body it got last was begun
+    gaps: tuple[float, float] = (0.0, 0.0)  # its last two intervals
+
+    @property
+    def interval(self) -> float:
+        """Its steady interval, or 0.0 while its last two intervals disagree."""
+        a, b = self.gaps
+        return b if min(a, b) >= MIN_INTERVAL_S and abs(a - b) <= 0.1 * b else 0.0
+
+
+class RenderAhead:
+    """Bodies per format, rendered on request or ahead of the requests steady scrapers make."""
+
+    def __init__(
+        self,
+        render: Callable[[Format], Awaitable[bytes]],
+        max_age: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.max_age = max_age
+        self.render_s = 0.0  # wall time of the latest render
+        self.served = dict.fromkeys(SERVED, 0)
+        self._render = render
+        self._clock = clock
+        self._scrapers: dict[tuple[str, Format], _Scraper] = {}
+        self._bodies: dict[Format, tuple[float, bytes]] = {}  # begun at, body
+        self._pending: dict[Format, tuple[float, asyncio.Task[bytes]]] = {}
+        self._wake = asyncio.Event()
+
+    @property
+    def lead(self) -> float:
+        """How long before an expected request its body is begun."""
+        return min(2 * self.render_s + 0.1, 0.75 * self.max_age)
+
+    async def body(self, peer: str, fmt: Format) -> bytes:
+        """The body for one request from `peer`."""
+        now = self._clock()
+        s = self._scrapers.get((peer, fmt))
+        if s is None:
+            s = self._scrapers[(peer, fmt)] = _Scraper(fmt, now)
+            since = -math.inf
+        else:
+            was = s.interval
+            since = max(s.last, s.seen)  # newer than its previous request and than what it got
+            s.gaps, s.last = (s.gaps[1], now - s.last), now
+            if s.interval and not was and self.max_age > 0:
+                log.info(
+                    "%s scrapes /metrics every %.1f s (%s%s): rendering ahead of it",
+                    peer, s.interval, fmt.content_type, ", gzip" if fmt.gzip else "",
+                )  # fmt: skip
+        self._wake.set()
+        for _ in range(2):  # at most one render per format at a time: an older one finishes first
+            pending = self._pending.get(fmt)
+            if pending is None:
+                break
+            if pending[0] > since:
+                self.served["in_flight"] += 1
+                s.seen = pending[0]
+                return await asyncio.shield(pending[1])
+            with contextlib.suppress(Exception):
+                await asyncio.shield(pending[1])
+        hit = self._bodies.get(fmt)
+        if hit is not None and hit[0] > since and hit[0] >= now - self.max_age:
+            self.served["ahead"] += 1
+            s.seen = hit[0]
+            return hit[1]
+        self.served["on_request"] += 1
+        task = self._start(fmt)
+        s.seen = self._pending[fmt][0]
+        return await asyncio.shield(task)
+
+    def _start(self, fmt: Format) -> asyncio.Task[bytes]:
+        """A render of `fmt`, from now."""
+        began = self._clock()
+        task = asyncio.ensure_future(self._render_one(fmt, began))
+        self._pending[fmt] = (began, task)
+        return task
+
+    async def _render_one(self, fmt: Format, began: float) -> bytes:
+        try:
+            body = await self._render(fmt)
+        finally:
+            del self._pending[fmt]
+        self.render_s = self._clock() - began
+        self._bodies[fmt] = (began, body)
+        return body
+
+    def _due(self, now: float) -> tuple[list[Format], float]:
+        """(formats to render now, seconds until the next one is due); forgets stopped scrapers."""
+        due: list[Format] = []
+        wait = 1.0
+        for key, s in list(self._scrapers.items()):
+            interval = s.interval
+            if now - s.last > 3 * max(interval, s.gaps[1], MIN_INTERVAL_S):
+                del self._scrapers[key]
+                continue
+            if not interval or s.fmt in self._pending or s.fmt in due:
+                continue
+            expect = s.last + interval
+            began = self._bodies.get(s.fmt, (-math.inf,))[0]
+            if began > max(s.last, s.seen) and began >= expect - self.max_age:
+                continue  # begun for its next request (or another scraper's, close enough)
+            start = expect - self.lead
+            if now >= start:
+                due.append(s.fmt)
+            else:
+                wait = min(wait, start - now)
+        wanted = {s.fmt for s in self._scrapers.values()}
+        for fmt in [f for f in self._bodies if f not in wanted]:
+            del self._bodies[fmt]  # nobody asks for it any more
+        return due, wait
+
+    async def run(self) -> None:
+        """Render ahead until cancelled."""
+        while True:
+            due, wait = self._due(self._clock())
+            for fmt in due:
+                try:
+                    await self._start(fmt)
+                except Exception:  # a request for it renders again and answers with the error
+                    log.exception("rendering /metrics ahead failed")
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), wait)
