@@ -9,10 +9,11 @@ machine load hits them alike:
 
 - idle: each aggregator's CPU (/proc/<pid>/stat) with no scrape, i.e. snapshot intake;
 - steady: as Prometheus scrapes, every `--interval` s (every collector has sent new snapshots
-  in between) from two scrapers per aggregator, plain and gzip, all phases spread over the
-  interval: response time (request to last byte) of the scrapes from the fourth on (render-ahead
-  needs two agreeing intervals first), and the aggregator's CPU per scrape (its CPU over the
-  phase minus the idle rate, over the scrapes: renders ahead included);
+  in between) by one scraper per aggregator, plain and then gzip (one Prometheus asks for one
+  format), the aggregators' phases spread over the interval: response time (request to last
+  byte) of the scrapes from the fourth on (render-ahead needs two agreeing intervals first), and
+  the aggregator's CPU per scrape (its CPU over both phases minus the idle rate, over the
+  scrapes: renders ahead included);
 - one-off cold scrapes, 1.5 s apart, each from a new loopback address (curl, a first scrape):
   rendered on request, plain and gzip, response time and CPU;
 - back-to-back scrapes, plain and gzip (fast pollers: rendered on request).
@@ -298,30 +299,32 @@ async def measure(aggs: list[Agg], plan: Plan, srv: NatsServer) -> float:
         c0 = [cpu_seconds(a.proc.pid) for a in aggs]
         v0, t0 = srv.varz(), time.monotonic()
         await asyncio.sleep(plan.idle_s)
-        took = time.monotonic() - t0
+        idle = time.monotonic() - t0
         v1 = srv.varz()
         for a, c in zip(aggs, c0, strict=True):
-            a.fig.idle_cores = (cpu_seconds(a.proc.pid) - c) / took
+            a.fig.idle_cores = (cpu_seconds(a.proc.pid) - c) / idle
             a.fig.times = {
                 k: [] for k in ("steady", "steady_gz", "cold", "cold_gz", "warm", "warm_gz")
             }
-        # steady: 2 scrapers per aggregator, their phases spread over the interval
-        scrapers = [(a, packed) for a in aggs for packed in (False, True)]
+        # steady: one scraper per aggregator (one Prometheus asks for one format), plain then
+        # gzip; the aggregators' phases spread over the interval
         c0 = [cpu_seconds(a.proc.pid) for a in aggs]
         s0 = [served(a.url) for a in aggs]
-        t0 = time.monotonic() + 0.5
-        await asyncio.gather(
-            *(
-                _steady_scraper(a, packed, i * plan.interval_s / len(scrapers), plan, t0)
-                for i, (a, packed) in enumerate(scrapers)
+        t0 = time.monotonic()
+        for packed in (False, True):
+            start = time.monotonic() + 0.5
+            await asyncio.gather(
+                *(
+                    _steady_scraper(a, packed, i * plan.interval_s / len(aggs), plan, start)
+                    for i, a in enumerate(aggs)
+                )
             )
-        )
+            await asyncio.sleep(plan.interval_s)  # the last renders ahead are over
         took = time.monotonic() - t0
         for a, c, s in zip(aggs, c0, s0, strict=True):
             extra = cpu_seconds(a.proc.pid) - c - a.fig.idle_cores * took
             a.fig.steady_cpu = extra / (2 * plan.steady)
             a.fig.served = {k: n - s[k] for k, n in served(a.url).items()}
-        await asyncio.sleep(plan.interval_s)  # the last renders ahead are over
         for i in range(2 * plan.cold):  # one-off: a new address each (127.0.1.x), never steady
             packed = i % 2 == 1
             await asyncio.sleep(1.5)  # every collector has sent a new snapshot
@@ -343,7 +346,7 @@ async def measure(aggs: list[Agg], plan: Plan, srv: NatsServer) -> float:
         for a in aggs:
             stop_process(a.proc)
     moved = (v1["in_bytes"] - v0["in_bytes"]) + (v1["out_bytes"] - v0["out_bytes"])
-    return moved / took
+    return moved / idle
 
 
 def report(title: str, figs: dict[str, Figures], nats_bps: float) -> None:

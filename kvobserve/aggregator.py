@@ -121,7 +121,7 @@ class Aggregator:
                 ev["first_seq"], ev["last_seq"] = e.first_seq, e.last_seq
             self.events.append(ev)
         self._event_seq[key] = (info.start_time, last)
-        if len(self._event_seq) > 65 * len(self.fleet.collector_ids()) + 64:  # forgotten ones
+        if len(self._event_seq) > 65 * self.fleet.size() + 64:  # forgotten ones
             known = set(self.fleet.collector_ids())
             self._event_seq = {k: v for k, v in self._event_seq.items() if k[0] in known}
 

@@ -165,6 +165,10 @@ class FleetState:
         """Ids of every collector we hold a snapshot for."""
         return sorted(self._collectors)
 
+    def size(self) -> int:
+        """How many collectors we hold a snapshot for."""
+        return len(self._collectors)
+
     def _is_up(self, e: _Entry, now: float) -> bool:
         return now - e.received <= self.stale_intervals * max(e.snapshot.interval_s, 0.001)
 

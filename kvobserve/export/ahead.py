@@ -3,9 +3,10 @@
 Prometheus scrapes a target at a fixed interval. At a few thousand streams a body costs a
 render of a few hundred ms on a busy machine, and rendered on request that is the scrape's
 latency. So the aggregator notes when each scraper (its address and the body format it asks
-for) came. Once its last two intervals agree (within 10%, each at least MIN_INTERVAL_S), it
-expects the next request one interval after the last one and renders that body `lead` before
-it: twice the last render's wall time plus 0.1 s, at most three quarters of `max_age`.
+for) came. Once two of its intervals in a row agree (within 10%, each at least MIN_INTERVAL_S),
+it is steady while each later interval stays within 25% of that one. Its next request is
+expected one interval after its last one, and that body is rendered `lead` before it: twice the
+last render's wall time plus 0.1 s, at most three quarters of `max_age`.
 
 A request is served a body of its format begun after that scraper's previous request and at
 most `max_age` seconds before this one; a body being rendered is waited for; anything else (the
@@ -48,13 +49,20 @@ class _Scraper:
     fmt: Format
     last: float  # its latest request (clock seconds)
     seen: float = -math.inf  # when the body it got last was begun
-    gaps: tuple[float, float] = (0.0, 0.0)  # its last two intervals
+    gap: float = 0.0  # its latest interval
+    interval: float = 0.0  # its steady interval; 0.0 until two agree
 
-    @property
-    def interval(self) -> float:
-        """Its steady interval, or 0.0 while its last two intervals disagree."""
-        a, b = self.gaps
-        return b if min(a, b) >= MIN_INTERVAL_S and abs(a - b) <= 0.1 * b else 0.0
+    def came(self, now: float) -> None:
+        """A request at `now`: two intervals within 10% make it steady; a steady one stays so
+        while each interval is within 25% of it (a request noted late on a busy loop)."""
+        gap, self.last = now - self.last, now
+        if self.interval and abs(gap - self.interval) <= 0.25 * self.interval:
+            pass
+        elif min(gap, self.gap) >= MIN_INTERVAL_S and abs(gap - self.gap) <= 0.1 * gap:
+            self.interval = gap
+        else:
+            self.interval = 0.0
+        self.gap = gap
 
 
 class RenderAhead:
@@ -91,7 +99,7 @@ class RenderAhead:
         else:
             was = s.interval
             since = max(s.last, s.seen)  # newer than its previous request and than what it got
-            s.gaps, s.last = (s.gaps[1], now - s.last), now
+            s.came(now)
             if s.interval and not was and self.max_age > 0:
                 log.info(
                     "%s scrapes /metrics every %.1f s (%s%s): rendering ahead of it",
@@ -140,7 +148,7 @@ class RenderAhead:
         wait = 1.0
         for key, s in list(self._scrapers.items()):
             interval = s.interval
-            if now - s.last > 3 * max(interval, s.gaps[1], MIN_INTERVAL_S):
+            if now - s.last > 3 * max(interval, s.gap, MIN_INTERVAL_S):
                 del self._scrapers[key]
                 continue
             if not interval or s.fmt in self._pending or s.fmt in due:

@@ -95,6 +95,17 @@ async def test_irregular_fast_and_stopped_scrapers_are_not_rendered_ahead() -> N
     assert ahead._scrapers == {} and ahead._bodies == {}
 
 
+async def test_a_steady_scraper_stays_steady_through_a_late_request() -> None:
+    ahead, clock = _ahead()
+    last = await _steady(ahead, clock, 15.0, 3, PLAIN)
+    clock.t = last + 18.0  # 20% late (noted late on a busy loop): still steady
+    await ahead.body("10.0.0.9", PLAIN)
+    assert ahead._due(clock.t + 15.0 - ahead.lead + 1e-3)[0] == [PLAIN]
+    clock.t += 30.0  # a scrape missed: no longer steady until two intervals agree again
+    await ahead.body("10.0.0.9", PLAIN)
+    assert ahead._due(clock.t + 29.9)[0] == []
+
+
 async def test_each_format_and_phase_gets_its_own_render() -> None:
     ahead, clock = _ahead()
     start = clock.t
