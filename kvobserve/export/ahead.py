@@ -137,7 +137,8 @@ class RenderAhead:
         try:
             body = await self._render(fmt)
         finally:
-            del self._pending[fmt]
+            if self._pending.get(fmt, (None,))[0] == began:
+                del self._pending[fmt]
         self.render_s = self._clock() - began
         self._bodies[fmt] = (began, body)
         return body
