@@ -4,7 +4,8 @@ Run: `python -m benchmarks.scale [--collectors 512] [--ranks 8]` (4,096 streams 
 that), `--shards 4 --collectors 2048` for 16,384 streams over 4 sharded aggregators, `--quick`
 for a smoke run. Synthetic snapshots (no ZMQ) are published once a second per collector, spread
 over the second, through a real nats-server to aggregator subprocesses (Aggregator + create_app,
-as `kvobserve aggregate` wires them). The aggregators of one measurement run side by side, so
+as `kvobserve aggregate` wires them). Scrapes come from client processes of their own (as
+Prometheus is one), which time them. The aggregators of one measurement run side by side, so
 machine load hits them alike:
 
 - idle: each aggregator's CPU (/proc/<pid>/stat) with no scrape, i.e. snapshot intake;
@@ -29,12 +30,14 @@ import asyncio
 import gzip
 import http.client
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -272,12 +275,32 @@ class Plan:
 LEARN = 3  # render-ahead needs two agreeing intervals: the fourth request is the first ahead
 
 
-async def _steady_scraper(a: Agg, packed: bool, offset: float, plan: Plan, t0: float) -> None:
+class Clients:
+    """scrape() in client processes of their own, as Prometheus is one: in this process the
+    publisher would hold the GIL while a client thread reads a 10 MB body."""
+
+    def __init__(self, n: int) -> None:
+        self._pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"))
+
+    async def get(self, url: str, packed: bool = False, source: str = "") -> tuple[float, bytes]:
+        """scrape(url, packed, source) in a client process."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, scrape, url, packed, source
+        )
+
+    def close(self) -> None:
+        """Stop the client processes."""
+        self._pool.shutdown(cancel_futures=True)
+
+
+async def _steady_scraper(
+    a: Agg, packed: bool, offset: float, plan: Plan, t0: float, clients: Clients
+) -> None:
     """Scrape `a` every plan.interval_s from t0 + offset, as Prometheus does."""
     key = "steady_gz" if packed else "steady"
     for k in range(plan.steady):
         await asyncio.sleep(max(0.0, t0 + offset + k * plan.interval_s - time.monotonic()))
-        took_s, body = await asyncio.to_thread(scrape, a.url, packed)
+        took_s, body = await clients.get(a.url, packed)
         if k >= LEARN:
             a.fig.times[key].append(took_s)
         a.fig.keep(body, packed)
@@ -285,6 +308,7 @@ async def _steady_scraper(a: Agg, packed: bool, offset: float, plan: Plan, t0: f
 
 async def measure(aggs: list[Agg], plan: Plan, srv: NatsServer) -> float:
     """Measure aggregators side by side; returns NATS bytes/s (in + out)."""
+    clients = Clients(len(aggs))
     try:
         for a in aggs:
             wait_for_port(int(a.url.rsplit(":", 1)[1].split("/")[0]), 30)
@@ -292,7 +316,7 @@ async def measure(aggs: list[Agg], plan: Plan, srv: NatsServer) -> float:
         for a in aggs:  # warm-up: every stream seen (fast polls: rendered on request)
             while time.monotonic() < deadline:
                 await asyncio.sleep(1.0)
-                _, body = await asyncio.to_thread(scrape, a.url)
+                _, body = await clients.get(a.url)
                 if body.count(b"\nkvobserve_stream_up{") >= a.fig.streams:
                     break
         await asyncio.sleep(1.5)
@@ -315,7 +339,9 @@ async def measure(aggs: list[Agg], plan: Plan, srv: NatsServer) -> float:
             start = time.monotonic() + 0.5
             await asyncio.gather(
                 *(
-                    _steady_scraper(a, packed, i * plan.interval_s / len(aggs), plan, start)
+                    _steady_scraper(
+                        a, packed, i * plan.interval_s / len(aggs), plan, start, clients
+                    )
                     for i, a in enumerate(aggs)
                 )
             )
@@ -331,7 +357,7 @@ async def measure(aggs: list[Agg], plan: Plan, srv: NatsServer) -> float:
             source = f"127.0.{1 + i // 200}.{1 + i % 200}"
             for a in aggs[i % len(aggs) :] + aggs[: i % len(aggs)]:
                 c, t = cpu_seconds(a.proc.pid), time.monotonic()
-                took_s, body = await asyncio.to_thread(scrape, a.url, packed, source)
+                took_s, body = await clients.get(a.url, packed, source)
                 f = a.fig
                 f.cold_cpu.append(
                     cpu_seconds(a.proc.pid) - c - f.idle_cores * (time.monotonic() - t)
@@ -340,9 +366,10 @@ async def measure(aggs: list[Agg], plan: Plan, srv: NatsServer) -> float:
                 f.keep(body, packed)
         for i in range(2 * plan.warm):
             for a in aggs[i % len(aggs) :] + aggs[: i % len(aggs)]:
-                took_s, _ = await asyncio.to_thread(scrape, a.url, i % 2 == 1)
+                took_s, _ = await clients.get(a.url, i % 2 == 1)
                 a.fig.times["warm_gz" if i % 2 else "warm"].append(took_s)
     finally:
+        clients.close()
         for a in aggs:
             stop_process(a.proc)
     moved = (v1["in_bytes"] - v0["in_bytes"]) + (v1["out_bytes"] - v0["out_bytes"])

@@ -26,6 +26,8 @@ from kvobserve.wire.errors import WireError
 from kvobserve.wire.snapshot import Snapshot, decode_snapshot
 
 log = logging.getLogger(__name__)
+SWITCH_INTERVAL_S = 0.001  # tune_runtime()
+CHECK_SHARE = 40  # the condition check takes at most 1/40 of a core (a check's CPU x 40 apart)
 
 ConditionKey = tuple[str, tuple[tuple[str, str], ...]]
 MAX_EVENTS = 256  # recent events kept for /api/v1/events and the status page
@@ -40,6 +42,7 @@ class Aggregator:
         self.fleet = fleet
         self.clock = clock
         self.interval_s = interval_s
+        self.check_cpu_s = 0.0  # CPU seconds of the latest condition check
         # Self-metrics, read by the export layer.
         self.snapshots_received = 0
         self.decode_errors: dict[str, int] = {}  # WireError reason -> count
@@ -147,7 +150,10 @@ class Aggregator:
     async def check_conditions(self) -> None:
         """One tick: diff the conditions, log and publish the transitions."""
         # Every second: the conditions alone, not a whole view (docs/performance.md).
-        for ev in self.transitions(self.fleet.conditions(self.clock())):
+        cpu = time.thread_time()
+        events = self.transitions(self.fleet.conditions(self.clock()))
+        self.check_cpu_s = time.thread_time() - cpu
+        for ev in events:
             self.transitions_total[ev["state"]] = self.transitions_total.get(ev["state"], 0) + 1
             labels = " ".join(f"{k}={v}" for k, v in ev["labels"].items())
             log.info("condition %s: %s %s: %s", ev["state"], ev["kind"], labels, ev["description"])
@@ -189,16 +195,18 @@ class Aggregator:
                 if not failed:  # once per failure streak, not every second
                     log.exception("condition check failed")
                 failed = True
-            await asyncio.sleep(self.interval_s)
+            await asyncio.sleep(self.next_check_in())
+
+    def next_check_in(self) -> float:
+        """Seconds to the next condition check: the interval, or longer when the last check
+        took over 1/CHECK_SHARE of it (thousands of streams: docs/performance.md)."""
+        return max(self.interval_s, CHECK_SHARE * self.check_cpu_s)
 
     async def stop(self) -> None:
         """Stop the condition task; the transport belongs to the caller."""
         if self._task is not None:
             await cancel_and_wait(self._task)
             self._task = None
-
-
-SWITCH_INTERVAL_S = 0.001
 
 
 def tune_runtime() -> None:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from typing import Any
 
 import msgspec
 import pytest
 
-from kvobserve.aggregator import Aggregator
+from benchmarks import scale
+from kvobserve.aggregator import CHECK_SHARE, Aggregator
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.transport import TransportStatus
 from kvobserve.transport.local import LocalBus
@@ -167,3 +169,15 @@ def test_received_time_of_retained_snapshots(offset: float, up: bool) -> None:
     (c,) = agg.view().collectors
     assert c.up is up
     assert c.age_s == max(0.0, -offset)  # a stored time in the future is taken as now
+
+
+async def test_a_big_fleet_is_checked_less_often_than_every_interval() -> None:
+    agg = Aggregator(FleetState(), interval_s=1.0)
+    await agg.check_conditions()  # an empty fleet: a check costs next to nothing
+    assert agg.next_check_in() == 1.0
+    now = time.time()
+    for c in range(512):  # 4,096 streams, as benchmarks/scale.py's fleet
+        agg.apply(scale.synthetic_snapshot(c, 8, 1, now))
+    await agg.check_conditions()
+    assert agg.check_cpu_s > 0
+    assert agg.next_check_in() == max(1.0, CHECK_SHARE * agg.check_cpu_s)
