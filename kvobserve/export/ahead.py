@@ -5,8 +5,9 @@ render of a few hundred ms on a busy machine, and rendered on request that is th
 latency. So the aggregator notes when each scraper (its address and the body format it asks
 for) came. Once two of its intervals in a row agree (within 10%, each at least MIN_INTERVAL_S),
 it is steady while each later interval stays within 25% of that one. Its next request is
-expected one interval after its last one, and that body is rendered `lead` before it: twice the
-last render's wall time plus 0.1 s, at most three quarters of `max_age`.
+expected on the schedule through its last few (a request noted late on a busy loop does not
+move it), and that body is rendered `lead` before it: twice the last render's wall time plus
+0.1 s, at most three quarters of `max_age`.
 
 A request is served a body of its format begun after that scraper's previous request and at
 most `max_age` seconds before this one; a body being rendered is waited for; anything else (the
@@ -21,8 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import math
+import statistics
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -47,22 +50,42 @@ class Format:
 @dataclass(slots=True)
 class _Scraper:
     fmt: Format
-    last: float  # its latest request (clock seconds)
+    times: list[float]  # its latest requests (clock seconds), oldest first, up to 4
     seen: float = -math.inf  # when the body it got last was begun
-    gap: float = 0.0  # its latest interval
     interval: float = 0.0  # its steady interval; 0.0 until two agree
+
+    @property
+    def last(self) -> float:
+        """Its latest request."""
+        return self.times[-1]
+
+    @property
+    def gap(self) -> float:
+        """Its latest interval (0.0 after one request)."""
+        return self.times[-1] - self.times[-2] if len(self.times) > 1 else 0.0
 
     def came(self, now: float) -> None:
         """A request at `now`: two intervals within 10% make it steady; a steady one stays so
         while each interval is within 25% of it (a request noted late on a busy loop)."""
-        gap, self.last = now - self.last, now
+        t = self.times = [*self.times[-3:], now]
+        gap = self.gap
         if self.interval and abs(gap - self.interval) <= 0.25 * self.interval:
-            pass
-        elif min(gap, self.gap) >= MIN_INTERVAL_S and abs(gap - self.gap) <= 0.1 * gap:
+            self.interval = statistics.median([b - a for a, b in itertools.pairwise(t)])
+        elif (
+            len(t) > 2
+            and min(gap, t[-2] - t[-3]) >= MIN_INTERVAL_S
+            and (abs(gap - (t[-2] - t[-3])) <= 0.1 * gap)
+        ):
             self.interval = gap
+            self.times = t[-3:]  # its schedule starts with these
         else:
             self.interval = 0.0
-        self.gap = gap
+
+    def expect(self) -> float:
+        """Its next request on the schedule through its latest ones: each was noted at or
+        after its scheduled time, so the earliest projection is the closest."""
+        n = len(self.times)
+        return min(t + (n - i) * self.interval for i, t in enumerate(self.times))
 
 
 class RenderAhead:
@@ -94,7 +117,7 @@ class RenderAhead:
         now = self._clock()
         s = self._scrapers.get((peer, fmt))
         if s is None:
-            s = self._scrapers[(peer, fmt)] = _Scraper(fmt, now)
+            s = self._scrapers[(peer, fmt)] = _Scraper(fmt, [now])
             since = -math.inf
         else:
             was = s.interval
@@ -154,7 +177,7 @@ class RenderAhead:
                 continue
             if not interval or s.fmt in self._pending or s.fmt in due:
                 continue
-            expect = s.last + interval
+            expect = s.expect()
             began = self._bodies.get(s.fmt, (-math.inf,))[0]
             if began > max(s.last, s.seen) and began >= expect - self.max_age:
                 continue  # begun for its next request (or another scraper's, close enough)

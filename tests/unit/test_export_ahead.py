@@ -106,6 +106,17 @@ async def test_a_steady_scraper_stays_steady_through_a_late_request() -> None:
     assert ahead._due(clock.t + 29.9)[0] == []
 
 
+async def test_a_request_noted_late_does_not_move_the_schedule() -> None:
+    ahead, clock = _ahead()
+    first = clock.t
+    await _steady(ahead, clock, 15.0, 3, PLAIN)  # at first, +15, +30
+    clock.t = first + 47.0  # scheduled at +45, noted 2 s late (a busy loop)
+    await ahead.body("10.0.0.9", PLAIN)
+    lead = ahead.lead
+    assert ahead._due(first + 60.0 - lead - 0.5)[0] == []
+    assert ahead._due(first + 60.0 - lead + 1e-3)[0] == [PLAIN]  # for +60, not +62
+
+
 async def test_each_format_and_phase_gets_its_own_render() -> None:
     ahead, clock = _ahead()
     start = clock.t
