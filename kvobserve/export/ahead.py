@@ -33,7 +33,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-MIN_INTERVAL_S = 1.0  # faster pollers (tests, scripts) are always rendered on request
+MIN_INTERVAL_S = 0.9  # a scraper every 1 s or more, less its jitter; faster pollers: on request
 SERVED = ("ahead", "in_flight", "on_request")  # how requests were answered (RenderAhead.served)
 
 
