@@ -242,7 +242,7 @@ async def test_a_slow_aggregator_coalesces_per_collector_and_converges(
     await eventually(final, 1.5, "the final snapshot of every collector applied")
     counts = agg_t.counters
     await eventually(
-        lambda: counts.received + counts.dropped.get("coalesced", 0) == 3 * n, 2.0, "all seen"
+        lambda: counts.received + counts.dropped.get("coalesced", 0) == 3 * n, 10.0, "all seen"
     )
     assert counts.dropped.get("coalesced", 0) > 0 and set(counts.dropped) == {"coalesced"}
     assert counts.handler_errors == 0

@@ -186,7 +186,7 @@ def test_restart_and_stall(ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
 def test_periodic_stall_repeats_in_every_publisher_instance(
     ctx: zmq.Context[zmq.Socket[bytes]],
 ) -> None:
-    faults = FaultConfig(ranks=(0,), stall_after=5, stall_s=0.4, period=15, restart_every=30,
+    faults = FaultConfig(ranks=(0,), stall_after=5, stall_s=1.0, period=15, restart_every=30,
                          restart_pause_s=0.2)  # fmt: skip
     cfg = SimConfig(format="sglang-0.5.23", dp_size=1, rate=100, http_port=None,
                     start_delay_s=0.3, faults=faults)  # fmt: skip
@@ -196,12 +196,13 @@ def test_periodic_stall_repeats_in_every_publisher_instance(
         return 0 in s[1:] and s[-1] >= 21 and s.index(0, 1) < len(s) - 1
 
     with SimulatedWorker(cfg) as w:
-        msgs = collect(ctx, url(w, "kv", 0), second_instance_past_21, deadline_s=10.0)
+        msgs = collect(ctx, url(w, "kv", 0), second_instance_past_21, deadline_s=20.0)
     seqs = seqs_of(msgs)
     restart = next(i for i in range(1, len(seqs)) if seqs[i] == 0)
     for part in (msgs[:restart], msgs[restart:]):  # the instance seen from its start, and the next
         times = {int.from_bytes(f[1], "big"): t for t, f in part}
-        long_pauses = {s for s in times if s - 1 in times and times[s] - times[s - 1] >= 0.3}
+        # 1 s stalls against 10 ms batches: a loaded machine's hiccups stay well under 0.7 s
+        long_pauses = {s for s in times if s - 1 in times and times[s] - times[s - 1] >= 0.7}
         assert {5, 20} & set(times) <= long_pauses  # a stall before seq 5 and 20: every period
         assert long_pauses <= {5, 20}
 
