@@ -306,6 +306,13 @@ async def _steady_scraper(
         a.fig.keep(body, packed)
 
 
+def _turn(aggs: list[Agg], k: int) -> list[Agg]:
+    """The aggregators in their k-th order: each goes first in turn (k counts rounds of both
+    encodings, so neither encoding always meets the same aggregator first)."""
+    r = k % len(aggs)
+    return aggs[r:] + aggs[:r]
+
+
 async def measure(aggs: list[Agg], plan: Plan, srv: NatsServer) -> float:
     """Measure aggregators side by side; returns NATS bytes/s (in + out)."""
     clients = Clients(len(aggs))
@@ -355,7 +362,7 @@ async def measure(aggs: list[Agg], plan: Plan, srv: NatsServer) -> float:
             packed = i % 2 == 1
             await asyncio.sleep(1.5)  # every collector has sent a new snapshot
             source = f"127.0.{1 + i // 200}.{1 + i % 200}"
-            for a in aggs[i % len(aggs) :] + aggs[: i % len(aggs)]:
+            for a in _turn(aggs, i // 2):
                 c, t = cpu_seconds(a.proc.pid), time.monotonic()
                 took_s, body = await clients.get(a.url, packed, source)
                 f = a.fig
@@ -365,7 +372,7 @@ async def measure(aggs: list[Agg], plan: Plan, srv: NatsServer) -> float:
                 f.times["cold_gz" if packed else "cold"].append(took_s)
                 f.keep(body, packed)
         for i in range(2 * plan.warm):
-            for a in aggs[i % len(aggs) :] + aggs[: i % len(aggs)]:
+            for a in _turn(aggs, i // 2):
                 took_s, _ = await clients.get(a.url, i % 2 == 1)
                 a.fig.times["warm_gz" if i % 2 else "warm"].append(took_s)
     finally:
