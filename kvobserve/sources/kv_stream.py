@@ -172,6 +172,13 @@ class IngestLoop:
             if link is None:
                 continue
             link.tick(now, wall)
+            last, connected = link.last_data, link.zmq_at
+            if st.seq is not None and last is not None and connected is not None:
+                # an idle stream asks for batches after its last one (a lost tail shows no gap);
+                # a SUB that connected again since may face another publisher process
+                ask = st.seq.check_tail(now, last, reconnected=connected > last)
+                if ask is not None:
+                    self.replays.act(st, ask)
             if link.wants_probe(now):
                 self.topic_probes.open(link, now)
             elif link.wants_park(now) and st.sock is not None:
@@ -364,6 +371,9 @@ class IngestLoop:
                 st.history.update(st.seq, st.decode_errors, now, wall)
             s = stream_stats(st, st.seq, now, wall)
             cache_stats.fill_stream(s, st.seq, [q.index for q in siblings[spec.worker_id]], wall)
+            if st.link is not None:
+                link = st.link
+                s.trust_reason = st.seq.trust_reason(now, link.last_data, link.zmq_at is not None)
             streams.append(s)
             refused["medium_events"] += st.seq.index.media_refused_events
         placement: list[WorkerPlacement] = []

@@ -45,7 +45,7 @@ class WatchedStream:
         self.seq = seq  # None for probe ports
         self.sock: zmq.Socket[bytes] | None = None
         self.monitor: zmq.Socket[bytes] | None = None
-        self.replay: tuple[int, zmq.Socket[bytes]] | None = None
+        self.replay: tuple[int, zmq.Socket[bytes], bool] | None = None  # (id, DEALER, tail check)
         self.mirror: MirrorDetector | None = None
         self.decode_errors: dict[str, int] = {}
         self.bad_seqs: deque[int] = deque(maxlen=64)  # seqs that did not decode, live or replay
