@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvobserve.analysis.alerting import RECENT_S
-from kvobserve.analysis.conditions import Condition, conditions, thrashing
+from kvobserve.analysis.conditions import Condition, Key, began, conditions, thrashing
 from kvobserve.analysis.placement import PlacementEstimate, merge_placement
 from kvobserve.wire.parts import merge_parts
 from kvobserve.wire.snapshot import (
@@ -80,13 +80,18 @@ class FleetView:
     leaders: dict[str, list[str]] = field(default_factory=dict)
     now: float = 0.0  # the time the view is as of
     placement: dict[str, PlacementEstimate] = field(default_factory=dict)  # per worker
+    # an uncovered rank -> the down collector that owned it at its last snapshot (the latest)
+    last_owner: dict[tuple[str, int], CollectorView] = field(default_factory=dict)
+    # when each condition was first active, as the aggregator remembers it (analysis/conditions)
+    began: dict[Key, float] = field(default_factory=dict)
     _conditions: list[Condition] | None = field(default=None, repr=False, compare=False)
 
     @property
     def conditions(self) -> list[Condition]:
         """The active conditions, worked out on first use (/metrics never needs them)."""
         if self._conditions is None:
-            self._conditions = list(conditions(self))
+            got = self.began.get
+            self._conditions = [began(c, got(c.key)) for c in conditions(self)]
         return self._conditions
 
 
@@ -198,17 +203,23 @@ class FleetState:
         capacity reported per (worker_id, dp_rank)."""
         ups = []
         reported: dict[tuple[str, int], list[tuple[SchedulerStats, CollectorInfo]]] = {}
+        lost: dict[tuple[str, int], CollectorView] = {}  # the ranks of down collectors
         for e in entries:
             snap, up = e.snapshot, self._is_up(e, now)
             ups.append(up)
             info = snap.collector
             cid = info.collector_id
-            v.collectors.append(CollectorView(info, up, max(0.0, now - e.received), snap))
+            cv = CollectorView(info, up, max(0.0, now - e.received), snap)
+            v.collectors.append(cv)
             for w in snap.workers:
                 w_id = w.worker_id
                 v.dp_size[w_id] = max(v.dp_size.get(w_id, 0), w.dp_size)
                 leaders = v.leaders.setdefault(w_id, [])
                 if not up:
+                    for r in w.ranks_owned:  # by id: the latest snapshot wins, ties the last id
+                        had = lost.get((w_id, r))
+                        if had is None or snap.time >= had.snapshot.time:
+                            lost[(w_id, r)] = cv
                     continue
                 for r in w.ranks_owned:
                     ids = v.owners.get((w_id, r))
@@ -226,6 +237,9 @@ class FleetState:
             for r in range(size):
                 if (w_id, r) not in v.owners:
                     v.owners[(w_id, r)] = []
+        for key, cv in lost.items():
+            if key in v.owners and not v.owners[key]:  # no live collector owns it
+                v.last_owner[key] = cv
         capacity: dict[tuple[str, int], float] = {}
         sources = self._join_scheduler(v, reported, capacity)
         return ups, sources, capacity
@@ -258,10 +272,10 @@ class FleetState:
         v.placement = {w: merge_placement(ps) for w, ps in sorted(placements.items())}
         return v
 
-    def conditions(self, now: float) -> list[Condition]:
+    def conditions(self, now: float, began: dict[Key, float] | None = None) -> list[Condition]:
         """view(now).conditions, building views only of streams that may have one (the
-        per-second check)."""
-        v = FleetView(now=now)
+        per-second check); `began` as FleetView.began."""
+        v = FleetView(now=now, began=began or {})
         entries = self._entries(now)
         ups, _, _ = self._membership(v, entries, now)
         for e, up in zip(entries, ups, strict=True):

@@ -54,7 +54,8 @@ class StreamSequencer:
         self.trust = t.Trust()  # complete / replay_filled / partial, with the reason
         self.last_seq: int | None = None
         self.last_ts: float | None = None
-        self.duplicate_stream_seen: float | None = None
+        self.duplicate_stream_seen: float | None = None  # the latest evidence of a second publisher
+        self.duplicate_stream_began: float | None = None  # the first evidence of this episode
         # rare happenings for the event log (sources/stream_events.py): (kind, seq, seq, now)
         self.notes: deque[tuple[str, int, int, float]] = deque(maxlen=32)
         self._recent: deque[tuple[int, bytes]] = deque(maxlen=_RECENT)
@@ -209,6 +210,8 @@ class StreamSequencer:
 
     def mark_duplicate_stream(self, now: float) -> None:
         """Evidence of a second publisher on this stream (interleaving or a mirror)."""
+        if not self.duplicate_stream(now):  # a new episode, not more evidence of this one
+            self.duplicate_stream_began = now
         self.duplicate_stream_seen = now
 
     def duplicate_stream(self, now: float) -> bool:
@@ -324,7 +327,7 @@ class StreamSequencer:
             self._pending.clear()
             self._other, self._other_seen = cand, now
             self._other_confirmed, self._other_run = True, 0
-            self.duplicate_stream_seen = now
+            self.mark_duplicate_stream(now)
             self.trust.lose(t.SECOND_PUBLISHER)
             return self._route(batch, payload, now)
         if d_cand > 0:
@@ -431,7 +434,7 @@ class StreamSequencer:
         self._other, self._other_seen, self._other_confirmed = seq, now, True
         self.interleaved_batches += 1
         # two publishers' events in one index: it is not trustworthy any more
-        self.duplicate_stream_seen = now
+        self.mark_duplicate_stream(now)
         self.trust.lose(t.SECOND_PUBLISHER)
         return True
 
