@@ -234,6 +234,11 @@ CATALOG: tuple[MetricDef, ...] = (
     # fleet: ownership and workers
     _d("kvobserve_dp_rank_owners", "gauge", ("worker_id", "dp_rank"),
        "Live collectors owning the rank (0 = uncovered, >1 = duplicated).", per="stream"),
+    _d("kvobserve_dp_rank_last_owner_info", "gauge",
+       ("worker_id", "dp_rank", "collector", "node_rank"),
+       "Always 1, while no live collector owns the rank: the down collector that owned it "
+       "last (DPRankUncovered carries its labels for the inhibition, docs/alerts.md).",
+       per="fault"),
     _d("kvobserve_worker_dp_size", "gauge", ("worker_id",), "Declared data-parallel size.",
        per="worker"),
     _d("kvobserve_worker_leaders", "gauge", ("worker_id",),

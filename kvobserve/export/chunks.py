@@ -374,6 +374,11 @@ def fleet_level(
                 _OWNERS.clear()
             _OWNERS[key] = text
         owners.append(text)
+    for (w_id, rank), c in sorted(v.last_owner.items()):
+        i = c.info
+        owner = (f'{{collector="{_e(i.collector_id)}",dp_rank="{rank}",'
+                 f'node_rank="{i.node_rank}",worker_id="{_e(w_id)}"}} ')  # fmt: skip
+        add("kvobserve_dp_rank_last_owner_info", owner, "1.0")
     for (name, w_id, lv), n in sorted(sums.counters.items()):
         add(name, f'{{{COUNTER_LABEL[name]}="{_e(lv)}",worker_id="{_e(w_id)}"}} ', fv(n))
     out = {name: "".join(lines).encode() for name, lines in add.out.items()}

@@ -105,6 +105,10 @@ def fleet_level(
         f.add("kvobserve_worker_leaders", {"worker_id": w_id}, len(ids))
     for (w_id, rank), ids in sorted(v.owners.items()):
         f.add("kvobserve_dp_rank_owners", {"worker_id": w_id, "dp_rank": str(rank)}, len(ids))
+    for (w_id, rank), c in sorted(v.last_owner.items()):
+        labels = {"worker_id": w_id, "dp_rank": str(rank), "collector": c.info.collector_id,
+                  "node_rank": str(c.info.node_rank)}  # fmt: skip
+        f.add("kvobserve_dp_rank_last_owner_info", labels, 1)
     for name, labels, value in sums.counter_samples():
         f.add(name, labels, value)
     for labels, h in sums.histogram_samples():
