@@ -14,7 +14,7 @@ from typing import Any
 
 from kvobserve.commands.check_probe import Found, probe_all
 from kvobserve.commands.common import fail, load
-from kvobserve.config import SECTIONS, Config, ConfigError, add_config_flags
+from kvobserve.config import COLLECT_DEFAULTS, SECTIONS, Config, ConfigError, add_config_flags
 from kvobserve.sources.discovery import DiscoveredEngine, DiscoveryError, discover_urls
 from kvobserve.sources.dynamo_plan import DynamoPlan, plan_dynamo
 from kvobserve.sources.plan import WorkerPlan, plan_worker
@@ -176,7 +176,16 @@ def _print_dynamo(p: dict[str, Any]) -> None:
     print(f"  drift against: {p['indexer_url'] or 'none'}")
 
 
-def _print_text(cfg: Config, plans: list[dict[str, Any]]) -> None:
+def http_listens(cfg: Config, collect: Config | None) -> dict[str, str]:
+    """Where each command this config is for serves HTTP ("off": nowhere), first the one this
+    node runs: `run` without [nats]; with it `collect` (`collect`: the config as `collect` loads
+    it, with its own default port) and `aggregate`."""
+    if cfg.nats is None or collect is None:
+        return {"run": cfg.http.listen or "off"}
+    return {"collect": collect.http.listen or "off", "aggregate": cfg.http.listen or "off"}
+
+
+def _print_text(cfg: Config, plans: list[dict[str, Any]], listens: dict[str, str]) -> None:
     """The plan as a human-readable table; `*` marks the ranks this node watches."""
     c = cfg.collector
     print(f"config {cfg.path or '(flags/env only)'}: valid")
@@ -184,7 +193,10 @@ def _print_text(cfg: Config, plans: list[dict[str, Any]]) -> None:
         f"cluster {cfg.cluster}  collector {c.id}  node_rank {c.node_rank} of {c.nnodes}"
         f"  host {c.host}"
     )
-    print(f"http {cfg.http.listen or 'off'}  nats {cfg.nats.url if cfg.nats else 'embedded'}")
+    (command, listen), *rest = listens.items()
+    also = "".join(f"; {other} {where}" for other, where in rest)
+    nats = cfg.nats.url if cfg.nats else "embedded"
+    print(f"http {listen} ({command}{also})  nats {nats}")
     for p in plans:
         if p["engine"] == "dynamo":
             _print_dynamo(p)
@@ -230,6 +242,7 @@ def run(args: argparse.Namespace) -> int:
         return fail("check", f"--probe-seconds {args.probe_seconds}: must be > 0")
     try:
         cfg = load(args)
+        listens = http_listens(cfg, load(args, defaults=COLLECT_DEFAULTS) if cfg.nats else None)
         found, failed = (
             ({}, {}) if args.no_discovery else asyncio.run(_discover_all(cfg, args.timeout))
         )
@@ -265,6 +278,7 @@ def run(args: argparse.Namespace) -> int:
             "config": cfg.path,
             "cluster": cfg.cluster,
             "collector": {"id": c.id, "node_rank": c.node_rank, "nnodes": c.nnodes, "host": c.host},
+            "http": listens,
             "workers": plans,
         }
         for pj in plans:
@@ -273,7 +287,7 @@ def run(args: argparse.Namespace) -> int:
         json.dump(doc, sys.stdout, indent=2)
         print()
     else:
-        _print_text(cfg, plans)
+        _print_text(cfg, plans, listens)
         if not args.probe:
             print("\nendpoints not contacted: `kvobserve check --probe` connects to each")
         elif bad:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 __all__ = [
+    "COLLECT_DEFAULTS",
     "MAX_SHARDS",
     "SECTIONS",
     "AggregatorConfig",
@@ -122,6 +123,11 @@ class HttpConfig:
     def tls(self) -> tuple[str, str] | None:
         """(cert, key) when HTTPS is on."""
         return (self.tls_cert, self.tls_key) if self.tls_cert and self.tls_key else None
+
+
+# `kvobserve collect` serves its node's own view on another port than the aggregator's (`run`,
+# `aggregate`, `demo`: HttpConfig.listen), so both fit on one machine; [http] listen overrides it.
+COLLECT_DEFAULTS = {"http.listen": "127.0.0.1:9478"}
 
 
 @dataclass(frozen=True, slots=True)

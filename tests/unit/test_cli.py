@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import importlib
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from kvobserve.cli import COMMANDS, build_parser, module_name
+from kvobserve.cli import COMMANDS, build_parser, main, module_name
 
 
 @pytest.mark.parametrize("name", sorted(COMMANDS))
@@ -57,3 +59,35 @@ def test_unknown_flags_and_commands_get_a_suggestion(argv: list[str], hint: str)
         assert last.endswith(hint), last
     else:
         assert "could match --probe-extra-ports, --probe, --probe-seconds" in last
+
+
+@pytest.mark.parametrize(
+    ("extra", "line", "listens"),
+    [
+        # a node of a NATS fleet runs `collect` (its own view on 9478) or `aggregate` (9477)
+        ('[nats]\nurl = "nats://127.0.0.1:4222"\n',
+         "http 127.0.0.1:9478 (collect; aggregate 127.0.0.1:9477)  nats nats://127.0.0.1:4222",
+         {"collect": "127.0.0.1:9478", "aggregate": "127.0.0.1:9477"}),
+        ('[nats]\nurl = "nats://127.0.0.1:4222"\n[http]\nlisten = "127.0.0.2:9000"\n',
+         "http 127.0.0.2:9000 (collect; aggregate 127.0.0.2:9000)  nats nats://127.0.0.1:4222",
+         {"collect": "127.0.0.2:9000", "aggregate": "127.0.0.2:9000"}),
+        ("", "http 127.0.0.1:9477 (run)  nats embedded", {"run": "127.0.0.1:9477"}),
+    ],
+)  # fmt: skip
+def test_check_prints_where_each_command_serves_http(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    extra: str,
+    line: str,
+    listens: dict[str, str],
+) -> None:
+    """Issue 21: `check` printed 127.0.0.1:9477 for a node that runs `collect` (9478)."""
+    cfg = tmp_path / "kvobserve.toml"
+    cfg.write_text(
+        '[[worker]]\nid = "w"\nengine = "sglang"\nkv_endpoint = "tcp://*:5557"\ndp_size = 1\n'
+        + extra
+    )
+    assert main(["check", "-c", str(cfg), "--no-discovery"]) == 0
+    assert line in capsys.readouterr().out.splitlines()
+    assert main(["check", "-c", str(cfg), "--no-discovery", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["http"] == listens
