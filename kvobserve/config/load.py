@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import re
 import socket
 import ssl
@@ -30,6 +29,7 @@ from kvobserve.config.model import (
 )
 from kvobserve.config.values import (
     at_least,
+    check_choice,
     check_host,
     check_pair,
     check_subject_token,
@@ -37,8 +37,11 @@ from kvobserve.config.values import (
     check_url,
     check_zmq_endpoint,
     convert,
+    did_you_mean,
     split_host_port,
 )
+
+ENGINES = ("sglang", "vllm", "dynamo")  # [[worker]] engine
 
 # Settings whose flag is not --<key-with-dashes> (--nats-<key> in [nats]); None: file/env only.
 # Several spellings: the first is shown in --help, the others are accepted too.
@@ -122,8 +125,7 @@ def _hint(dotted: str, key: str, known: Iterable[str]) -> str:
     moved = _MOVED.get(re.sub(r"\[\d+\]", "", dotted))
     if moved:
         return f"; it moved to {moved}"
-    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.7)
-    return f"; did you mean {close[0]!r}?" if close else ""
+    return did_you_mean(key, known, cutoff=0.7)
 
 
 def _unknown(key: str, value: Any, where: str, known: Iterable[str]) -> ConfigError:
@@ -225,11 +227,9 @@ def _build_collector(c: dict[str, Any]) -> CollectorConfig:
 def _build_worker(i: int, w: dict[str, Any], node_rank: int) -> WorkerConfig:
     """Validate one [[worker]] table."""
     where = f"worker[{i}]"
-    engine = w.get("engine")
+    engine = check_choice(w.get("engine"), ENGINES, f"{where}.engine")
     if engine == "dynamo":
         return build_dynamo_worker(where, w, node_rank)
-    if engine not in ("sglang", "vllm"):
-        raise ConfigError(f"{where}.engine: must be 'sglang', 'vllm' or 'dynamo', got {engine!r}")
     reject_dynamo_keys(where, w, engine)
     urls = [u.strip() for u in str(w.get("url", "")).split(",")]
     if "url" in w:
