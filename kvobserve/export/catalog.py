@@ -112,8 +112,11 @@ CATALOG: tuple[MetricDef, ...] = (
     # per stream and medium: the block index
     _d("kvobserve_kv_blocks", "gauge", BLOCK, "Resident blocks in the stream's block index.",
        per="medium"),
-    _d("kvobserve_kv_tokens", "gauge", BLOCK, "Resident tokens (blocks x block size).",
-       per="medium"),
+    _d("kvobserve_kv_tokens", "gauge", BLOCK,
+       "Resident tokens: each resident block counts the tokens its BlockStored event gave it "
+       "(the event's block_size; SGLang's last page of a request holds fewer than the page "
+       "size; Dynamo events carry none: the worker's block_size), so at most blocks x block "
+       "size.", per="medium"),
     _d("kvobserve_kv_blocks_stored_total", "counter", WORKER_MEDIUM,
        "Blocks stored (BlockStored hashes); summed over the worker's ranks.",
        per="worker_medium", detail="per_stream_counters"),
