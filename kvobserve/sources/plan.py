@@ -10,6 +10,8 @@ their addresses). `kvobserve check` prints these plans; the collector runs them.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
@@ -22,6 +24,7 @@ from kvobserve.analysis.layout import (
     watched_ranks,
 )
 from kvobserve.config import WILDCARD_HOSTS, CollectorConfig, ConfigError, WorkerConfig
+from kvobserve.config.kubernetes import pod_topic
 from kvobserve.sources.discovery_parse import DiscoveredEngine
 from kvobserve.wire.snapshot import WorkerInfo
 
@@ -249,3 +252,27 @@ def plan_worker(
         dp_attention,
         found.block_size if found else None,
     )
+
+
+def plan_pods(
+    i: int, w: WorkerConfig, node: CollectorConfig, pods: Mapping[str, str], namespace: str
+) -> list[WorkerPlan]:
+    """The plans of a `[worker.kubernetes]` worker: one worker `{id}/{pod}` per streaming pod
+    (name -> IP), whose rank r publishes at the pod's IP on `port` + r. A pod is one node: this
+    collector watches every rank of it, whatever its own node_rank."""
+    k = w.kubernetes
+    assert k is not None, "a [worker.kubernetes] worker"
+    one_node = dataclasses.replace(node, node_rank=0, nnodes=1)
+    plans = []
+    for name, ip in sorted(pods.items()):
+        host = bracket(ip)
+        pod = dataclasses.replace(
+            w,
+            id=f"{w.id}/{name}",
+            kv_endpoint=f"tcp://{host}:{k.port}",
+            replay_endpoint=f"tcp://{host}:{k.replay_port}" if k.replay_port else None,
+            topic=pod_topic(k.topic, name, ip, namespace),
+            kubernetes=None,
+        )
+        plans.append(plan_worker(i, pod, one_node, None))
+    return plans
