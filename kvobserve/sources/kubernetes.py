@@ -86,6 +86,9 @@ def _message(exc: BaseException) -> str:
 
     if isinstance(exc, ApiError) and exc.status is not None and exc.status.message:
         return exc.status.message
+    response = getattr(exc, "response", None)  # a status whose body was not read (a watch)
+    if response is not None and getattr(response, "reason_phrase", None):
+        return str(response.reason_phrase)
     return str(exc) or type(exc).__name__
 
 
@@ -146,6 +149,29 @@ class PodWatch:
         if client is not None:
             await client.close()
 
+    async def list_once(self, timeout_s: float = 5.0) -> None:
+        """One list and no watch (`kvobserve check`); raises what the list raised; closes."""
+        try:
+            client = self._client or self._connect()
+            async with asyncio.timeout(timeout_s):
+                await self._list(client)
+        finally:
+            await self.close()
+
+    def summary(self) -> list[dict[str, Any]]:
+        """Every selected pod as last seen: name, IP, phase, Ready, streaming."""
+        return [
+            {
+                "name": name,
+                "ip": _ip(pod) or None,
+                "phase": (pod.status.phase if pod.status else None) or "Unknown",
+                "ready": _ready(pod),
+                "terminating": bool(pod.metadata and pod.metadata.deletionTimestamp),
+                "stream": name in self.streams,
+            }
+            for name, pod in sorted(self.pods.items())
+        ]
+
     # --- the loop -------------------------------------------------------------------------------
 
     async def _run(self) -> None:
@@ -164,7 +190,7 @@ class PodWatch:
                 self.errors_total += 1
                 low, high = self.backoff_s
                 delay = min(high, low * 2 ** (failures - 1))
-                state, reason = self._describe(exc)
+                state, reason = self.describe(exc)
                 self.health.set(state, f"{reason}; retrying in {delay:g} s", self._wall())
                 await asyncio.sleep(delay)
 
@@ -252,15 +278,15 @@ class PodWatch:
             self._event(f"pod {name} {why}: its streams end", name)
         for name in sorted(new.keys() - old.keys()):
             self._event(f"pod {name} Running and Ready at {new[name]}: watching it", name)
+        if new != old and self.on_change is not None:  # planned first: `up` means watched
+            result = self.on_change(dict(new))
+            if inspect.isawaitable(result):
+                await result
         state = "up" if new else "undiscovered"
         reason = f"watching: {len(new)} of {len(self.pods)} selected pods stream"
         if not new:
             reason = f"watching: none of {len(self.pods)} selected pods is Running and Ready"
         self.health.set(state, reason, self._wall())
-        if new != old and self.on_change is not None:
-            result = self.on_change(dict(new))
-            if inspect.isawaitable(result):
-                await result
 
     # --- reporting ------------------------------------------------------------------------------
 
@@ -269,7 +295,7 @@ class PodWatch:
             wid = f"{self.worker_id}/{pod}" if pod else self.worker_id
             self.events.add("discovery", message, worker_id=wid)
 
-    def _describe(self, exc: BaseException) -> tuple[str, str]:
+    def describe(self, exc: BaseException) -> tuple[str, str]:
         """(state, reason) of a failed list or watch."""
         from lightkube import ConfigError
 

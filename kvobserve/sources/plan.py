@@ -231,10 +231,14 @@ def plan_worker(
     if load and load.startswith("tcp://"):
         first = int(load.rpartition(":")[2])
         load_ports = range(first, first + dp_size)
+    replays = {s.replay_endpoint: s.dp_rank for s in streams if s.replay_endpoint}
     for r, ep in list(probe_eps.items()):
         if int(ep.rpartition(":")[2]) in load_ports:
             del probe_eps[r]
             notes.append(f"probe {ep} skipped: it is the SGLang load publisher's port")
+        elif ep in replays:  # llm-d's per-pod layout: events 5557 + r, replay 5559 + r
+            del probe_eps[r]
+            notes.append(f"probe {ep} skipped: it is rank {replays[ep]}'s replay port")
     topic0 = streams[0].topic if streams else ""
     probes = tuple(
         StreamSpec(w.id, r, w.engine, ep, topic0, probe=True) for r, ep in probe_eps.items()

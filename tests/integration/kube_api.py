@@ -75,6 +75,13 @@ def selected(pod: Obj, selector: str) -> bool:
     return True
 
 
+def _json(doc: Obj, status: int = 200) -> web.Response:
+    """A JSON body with the API server's exact Content-Type (no charset: lightkube compares)."""
+    return web.Response(
+        body=json.dumps(doc).encode(), status=status, headers={"Content-Type": "application/json"}
+    )
+
+
 class RecordedApi:
     """The API server; `requests` records (verb, query) of every pods request."""
 
@@ -85,6 +92,7 @@ class RecordedApi:
         token: str | None = None,
         tls: tuple[str, str] | None = None,
         listing: Obj | None = None,
+        port: int | None = None,
     ) -> None:
         self.namespace, self.token, self.tls = namespace, token, tls
         first = listing or recorded_list()
@@ -95,8 +103,9 @@ class RecordedApi:
         self.requests: list[tuple[str, dict[str, str]]] = []
         self.forbidden = False  # answer 403 (no RBAC) while set
         self._watches: set[asyncio.Queue[Obj | None]] = set()
+        self._closing = False
         self._runner: web.AppRunner | None = None
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
 
     async def start(self) -> RecordedApi:
@@ -114,6 +123,7 @@ class RecordedApi:
 
     async def close(self) -> None:
         """End every watch and stop serving."""
+        self._closing = True  # a watch that comes in now ends at once
         for q in list(self._watches):
             q.put_nowait(None)
         if self._runner is not None:
@@ -181,7 +191,7 @@ class RecordedApi:
     def _status(self, code: int, reason: str, message: str) -> web.Response:
         body = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
                 "message": message, "reason": reason, "code": code}  # fmt: skip
-        return web.json_response(body, status=code)
+        return _json(body, status=code)
 
     async def _pods(self, request: web.Request) -> web.StreamResponse:
         query = dict(request.query)
@@ -200,7 +210,7 @@ class RecordedApi:
             items = [p for p in self.pods.values() if selected(p, selector)]
             meta = {"resourceVersion": str(self.rv)}
             doc = {"kind": "PodList", "apiVersion": "v1", "metadata": meta, "items": items}
-            return web.json_response(doc if ns == self.namespace else {**doc, "items": []})
+            return _json(doc if ns == self.namespace else {**doc, "items": []})
         if ns != self.namespace:
             selector = "kube-api.test/other-namespace"  # no pod has it: nothing is streamed
         return await self._watch(request, selector, query)
@@ -218,6 +228,8 @@ class RecordedApi:
             await resp.write(json.dumps(error).encode() + b"\n")
             return resp
         q: asyncio.Queue[Obj | None] = asyncio.Queue()
+        if self._closing:
+            return resp
         self._watches.add(q)
         try:
             for rv, event in self.history:

@@ -12,6 +12,8 @@ kvobserve joins each pod mid-stream (in the pause) and recovers the start by rep
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,11 +21,13 @@ from pathlib import Path
 import pytest
 
 from kvobserve.collector import Collector
-from kvobserve.config import Config, load_config
+from kvobserve.config import Config, KubernetesConfig, load_config
 from kvobserve.simulate import SimulatedWorker
 from kvobserve.simulate.faults import FaultConfig
 from kvobserve.simulate.group import free_port_range
+from kvobserve.sources.kubernetes import PodWatch
 from kvobserve.wire.snapshot import Snapshot
+from tests.certs import self_signed
 from tests.integration.collector_helpers import (
     Sims,
     resident,
@@ -232,3 +236,124 @@ async def test_streams_follow_pods_through_ready_delete_and_an_expired_watch(
             assert any(m.startswith("watch expired (410 Gone: too old resource") for m in said)
     finally:
         await api.close()
+
+
+def source(snap: Snapshot) -> tuple[str, str]:
+    """(state, reason) of the pod discovery of worker qwen."""
+    (src,) = [s for s in snap.sources if s.source == "kubernetes"]
+    return src.state, src.reason
+
+
+async def test_an_api_server_that_fails_is_a_state_and_the_streams_stay(tmp_path: Path) -> None:
+    port = free_port_range(tuple(IPS.values()), 4)
+    api = RecordedApi()  # not serving yet
+    cfg = pod_config(tmp_path, api, port)
+    async with running_collector(cfg, pod_watch=FAST) as col:
+        # nothing answers: connecting, with the reason; no stream, no crash
+        snap = await wait_snapshot(col, lambda s: source(s)[0] == "connecting", what="refused")
+        assert source(snap)[1].startswith(f"cannot reach {api.url}: ")
+        assert snap.streams == [] and snap.workers == []
+        # the server answers 403 (no RBAC): down, saying what the service account needs
+        api.forbidden = True
+        await api.start()
+        snap = await wait_snapshot(col, lambda s: source(s)[0] == "down", what="forbidden")
+        assert "HTTP 403 listing pods in llm-d" in source(snap)[1]
+        assert 'cannot list resource "pods"' in source(snap)[1]
+        assert "get, list and watch on pods" in source(snap)[1]
+        # RBAC granted: the Ready pod's streams are watched (its engine is not up: connecting)
+        api.forbidden = False
+        snap = await wait_snapshot(col, lambda s: source(s)[0] == "up", what="granted")
+        assert pods_streaming(snap).keys() == {"2xkqp"}
+        # the API server goes away: the pods' streams stay (their engines do not depend on it)
+        await api.close()
+        snap = await wait_snapshot(col, lambda s: source(s)[0] == "connecting", what="API gone")
+        assert pods_streaming(snap).keys() == {"2xkqp"}
+        # and comes back: the watch resumes from where it was, no list needed
+        again = await RecordedApi(port=api.port).start()
+        try:
+            api.apply(recorded_events()[0])  # the old instance: nobody hears it
+            again.apply(recorded_events()[0])
+            again.apply(recorded_events()[1])
+            await wait_snapshot(col, lambda s: pods_streaming(s).keys() == {"2xkqp", "8mz4t"})
+            assert source(await col.snapshot())[0] == "up"
+            assert [verb for verb, _ in again.requests] == ["watch"]
+        finally:
+            await again.close()
+
+
+async def test_in_a_pod_the_service_account_token_and_ca_are_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cert, key = self_signed(tmp_path / "tls")
+    api = await RecordedApi(token="token-1", tls=(cert, key)).start()
+    account = tmp_path / "serviceaccount"  # what the kubelet mounts
+    account.mkdir()
+    (account / "token").write_text("token-1")
+    (account / "ca.crt").write_text(Path(cert).read_text())
+    (account / "namespace").write_text("llm-d")
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(api.port))
+    # no namespace in the config: the pod's own, from its service account
+    watch = PodWatch(
+        "qwen",
+        KubernetesConfig(selector=SELECTOR),
+        service_account=str(account),
+        backoff_s=(0.05, 0.5),
+    )
+    try:
+        await watch.start()
+        await until(lambda: watch.streams == {f"{RS}-2xkqp": "127.0.0.2"}, "the first list")
+        assert (watch.server, watch.namespace) == (f"https://127.0.0.1:{api.port}", "llm-d")
+        # the kubelet rotates the token: the server takes only the new one, the client reads it
+        api.token = "token-2"
+        (account / "token").write_text("token-2")
+        api.expire(recorded_events()[:2])  # the watch ends; resuming gets 410, then a list
+        await until(lambda: watch.lists_total == 2 and len(watch.streams) == 2, "relisted")
+        assert (watch.health.state, watch.errors_total) == ("up", 0)
+        refused = [q for verb, q in api.requests if verb == "watch"]
+        assert len(refused) >= 2  # the resumed watch was asked twice: old token, new token
+    finally:
+        await watch.close()
+        await api.close()
+
+
+async def test_a_certificate_the_ca_did_not_sign_is_refused(tmp_path: Path) -> None:
+    cert, key = self_signed(tmp_path / "server")
+    other, _ = self_signed(tmp_path / "other")
+    api = await RecordedApi(tls=(cert, key)).start()
+    cfg = KubernetesConfig(
+        selector=SELECTOR, kubeconfig=str(api.kubeconfig(tmp_path / "kubeconfig", ca=other))
+    )
+    watch = PodWatch("qwen", cfg, backoff_s=(0.05, 0.5))
+    try:
+        await watch.start()
+        await until(lambda: watch.health.state == "connecting", "refused")
+        assert "CERTIFICATE_VERIFY_FAILED" in watch.health.reason, watch.health.reason
+        assert watch.streams == {} and api.requests == []
+    finally:
+        await watch.close()
+        await api.close()
+
+
+async def until(cond: Callable[[], bool], what: str) -> None:
+    """Poll `cond` with a deadline."""
+    end = time.monotonic() + 10
+    while not cond():
+        assert time.monotonic() < end, f"not true after 10 s: {what}"
+        await asyncio.sleep(0.02)  # polling interval, not synchronization
+
+
+def test_without_the_client_the_config_error_names_the_extra(tmp_path: Path) -> None:
+    path = tmp_path / "pods.toml"
+    path.write_text('[[worker]]\nengine = "vllm"\n[worker.kubernetes]\nselector = "app=vllm"\n')
+    hide = "import sys; sys.modules['lightkube'] = None"  # as if not installed
+    run = f"{hide}; from kvobserve.cli import main; sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.run(
+        [sys.executable, "-c", run, "check", "-c", str(path), "--no-discovery"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == (
+        "kvobserve check: error: worker[0].kubernetes: pod discovery needs the Kubernetes "
+        "client lightkube, which is not installed: pip install 'kvobserve[kubernetes]'"
+    )
