@@ -17,6 +17,8 @@ import copy
 import json
 import re
 import ssl
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -244,3 +246,20 @@ class RecordedApi:
         finally:
             self._watches.discard(q)
         return resp
+
+
+@contextlib.contextmanager
+def serving_in_thread(**kw: Any) -> Iterator[RecordedApi]:
+    """A RecordedApi on its own event loop in a thread, for tests that run kvobserve processes."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="recorded-api", daemon=True)
+    thread.start()
+    api = RecordedApi(**kw)
+    try:
+        asyncio.run_coroutine_threadsafe(api.start(), loop).result(timeout=10)
+        yield api
+    finally:
+        asyncio.run_coroutine_threadsafe(api.close(), loop).result(timeout=10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=5)
+        loop.close()

@@ -6,6 +6,8 @@ collector does, where its config looks, and the selector and ports match the eng
 from __future__ import annotations
 
 import json
+import re
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +71,7 @@ def test_the_overlay_is_what_kustomize_builds_and_valid_for_the_pinned_kubernete
     assert overlays() == [OVERLAY]
     built = kustomize(OVERLAY)
     listed = [o for name, docs in manifests(OVERLAY).items() if name != EXAMPLE for o in docs]
+
     def key(o: Obj) -> tuple[str, str]:
         return o["kind"], o["metadata"]["name"]
 
@@ -185,3 +188,18 @@ def test_docs_name_the_overlay_files() -> None:
     doc = (ROOT / "docs" / "kubernetes.md").read_text()
     for name in [*manifests(OVERLAY), "kustomization.yaml"]:
         assert f"llm-d-per-pod/{name}" in doc, f"docs/kubernetes.md does not mention {name}"
+
+
+@pytest.mark.parametrize(
+    ("page", "heading"),
+    [("deployment.md", "## llm-d per-pod with discovery"), ("kubernetes.md", "## Pod discovery")],
+)
+def test_the_docs_show_the_overlay_s_config_and_engine_flags(page: str, heading: str) -> None:
+    text = (ROOT / "docs" / page).read_text()
+    section = text.split(heading, 1)[1].split("\n## ", 1)[0]
+    (shown,) = re.findall(r"```toml\n(.*?)```", section, re.S)
+    (deployed,) = _find("ConfigMap")["data"].values()
+    assert tomllib.loads(shown)["worker"] == tomllib.loads(deployed)["worker"]
+    flags = _engine()["spec"]["template"]["spec"]["containers"][0]["args"]
+    events = flags[flags.index("--kv-events-config") + 1]
+    assert f"--kv-events-config \\\n  '{events}'" in section
