@@ -11,22 +11,15 @@ import string
 from pathlib import Path
 from typing import Any
 
-from kvobserve.config.dynamo import reject_dynamo_keys
+from kvobserve.config.dynamo import ENGINE_STREAM_KEYS, reject_dynamo_keys
 from kvobserve.config.model import ConfigError, KubernetesConfig, WorkerConfig
 from kvobserve.config.values import at_least
 
 EXTRA = "pip install 'kvobserve[kubernetes]'"
-# Engine keys a pod worker does not take: the pods' addresses and the table's ports replace them.
-POD_REPLACED_KEYS = (
-    "url",
-    "kv_endpoint",
-    "replay_endpoint",
-    "topic",
-    "metrics_url",
-    "load_endpoint",
-    "kv_metrics_endpoint",
-    "fpm_endpoint",
-    "dp_attention",
+# Engine keys a pod worker does not take: the pods' addresses and the table's ports replace them
+# (those of a Dynamo worker, but for the two that mean the same for every pod).
+POD_REPLACED_KEYS = tuple(
+    k for k in ENGINE_STREAM_KEYS if k not in ("probe_extra_ports", "version")
 )
 TOPIC_FIELDS = ("pod", "pod_ip", "namespace")
 # A requirement: (key, operator, values); operators =, !=, in, notin, exists, !exists.

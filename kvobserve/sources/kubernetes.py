@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -190,19 +191,23 @@ class PodWatch:
                 self.errors_total += 1
                 low, high = self.backoff_s
                 delay = min(high, low * 2 ** (failures - 1))
-                state, reason = self.describe(exc)
-                self.health.set(state, f"{reason}; retrying in {delay:g} s", self._wall())
+                state, reason = self.describe(exc)  # logged once while it stays the same
+                self.health.set(state, reason, self._wall())
                 await asyncio.sleep(delay)
 
     def _connect(self) -> AsyncClient:
         """The client, from the configured kubeconfig or (in a pod) the service account."""
-        from lightkube import AsyncClient, KubeConfig
+        from lightkube import AsyncClient, ConfigError, KubeConfig
 
         k = self.cfg
         if k.kubeconfig:
             config = KubeConfig.from_file(k.kubeconfig)
-        else:
-            config = KubeConfig.from_env(service_account=self.service_account)
+        else:  # as kubectl: in a pod its service account, else $KUBECONFIG (its first file)
+            try:
+                config = KubeConfig.from_service_account(self.service_account)
+            except (ConfigError, KeyError):  # no account, or no KUBERNETES_SERVICE_HOST
+                path = (os.environ.get("KUBECONFIG") or "").split(os.pathsep)[0]
+                config = KubeConfig.from_file(path or "~/.kube/config")
         client = AsyncClient(config=config, namespace=k.namespace or None)
         self.namespace = client.namespace
         single = config.get()
