@@ -154,10 +154,8 @@ class Collector:
         await self._sync_scheduler()
         for r in self._rediscovery:
             await r.start()
-        for w in self.cfg.workers:
-            if (
-                w.kubernetes is not None
-            ):  # pods come and go: the watch re-plans (sources/kubernetes.py)
+        for w in self.cfg.workers:  # pods come and go: their watch re-plans (sources/kubernetes.py)
+            if w.kubernetes is not None:
                 watch = PodWatch(
                     w.id,
                     w.kubernetes,

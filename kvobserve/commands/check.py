@@ -63,8 +63,8 @@ async def _discover_all(
 
 async def _list_pods(i: int, w: WorkerConfig, timeout_s: float) -> PodWatch:
     """The pods of a `[worker.kubernetes]` worker, listed once; ConfigError when that fails."""
-    watch = PodWatch(w.id, w.kubernetes) if w.kubernetes else None
-    assert watch is not None
+    assert w.kubernetes is not None
+    watch = PodWatch(w.id, w.kubernetes)
     try:
         await watch.list_once(timeout_s)
     except Exception as exc:  # the reason, as the collector would report it
