@@ -68,7 +68,7 @@ def _config(tmp_path: Path) -> Any:
 
 
 def test_the_overlay_is_what_kustomize_builds_and_valid_for_the_pinned_kubernetes() -> None:
-    assert overlays() == [OVERLAY]
+    assert OVERLAY in overlays()  # kept out of the stack's own checks (k8s_helpers.manifests)
     built = kustomize(OVERLAY)
     listed = [o for name, docs in manifests(OVERLAY).items() if name != EXAMPLE for o in docs]
 
