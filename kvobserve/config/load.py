@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from kvobserve.config.dynamo import build_dynamo_worker, reject_dynamo_keys
+from kvobserve.config.kubernetes import build_kubernetes_worker
 from kvobserve.config.model import (
     MAX_SHARDS,
     SECTIONS,
@@ -95,6 +96,8 @@ def add_config_flags(parser: argparse.ArgumentParser, sections: Iterable[str]) -
     parser.add_argument("-c", "--config", metavar="FILE", help="kvobserve.toml")
     g = parser.add_argument_group("configuration (flags > KVOBSERVE_* env > file > defaults)")
     for section in sections:
+        if "." in section:
+            continue  # a nested table (`[worker.kubernetes]`): file only
         for key, typ in SECTIONS[section].items():
             dotted = f"{section}.{key}" if section else key
             names = _flags(dotted)
@@ -174,6 +177,16 @@ def _table(table: Any, section: str, where: str) -> dict[str, Any]:
     return out
 
 
+def _worker_table(i: int, t: Any) -> dict[str, Any]:
+    """One [[worker]] table, with its nested `[worker.kubernetes]` table checked too."""
+    where = f"worker[{i}]"
+    nested = t.pop("kubernetes", None) if isinstance(t, dict) else None
+    w = _table(t, "worker", where)
+    if nested is not None:
+        w["kubernetes"] = _table(nested, "worker.kubernetes", f"{where}.kubernetes")
+    return w
+
+
 def _apply_overrides(
     raw: dict[str, Any], overrides: Mapping[str, Any], origin: str, names: dict[str, str]
 ) -> None:
@@ -227,6 +240,8 @@ def _build_collector(c: dict[str, Any]) -> CollectorConfig:
 def _build_worker(i: int, w: dict[str, Any], node_rank: int) -> WorkerConfig:
     """Validate one [[worker]] table."""
     where = f"worker[{i}]"
+    if "kubernetes" in w:  # pods found by a label selector (its own engine check)
+        return build_kubernetes_worker(where, w, node_rank)
     engine = check_choice(w.get("engine"), ENGINES, f"{where}.engine")
     if engine == "dynamo":
         return build_dynamo_worker(where, w, node_rank)
@@ -355,7 +370,7 @@ def _build(raw: dict[str, Any], path: str | None) -> Config:
     if not isinstance(workers_raw, list):
         raise ConfigError(f"worker: expected [[worker]] tables, got {workers_raw!r}")
     workers = tuple(
-        _build_worker(i, _table(t, "worker", f"worker[{i}]"), collector.node_rank)
+        _build_worker(i, _worker_table(i, t), collector.node_rank)
         for i, t in enumerate(workers_raw)
     )
     seen: dict[str, int] = {}

@@ -273,7 +273,10 @@ def _sources(sources: list[Json], clock: _Clock) -> str:
     ]
     head = ("worker", "source", "endpoint", "collector", "state", "reason", "since", "messages")
     return _table(
-        head, rows, "No scheduler sources (no leader with metrics_url, url or a side channel)."
+        head,
+        rows,
+        "No scheduler or discovery sources (no leader with metrics_url, url or a side channel, "
+        "no [worker.kubernetes]).",
     )
 
 
@@ -376,7 +379,7 @@ def render(
         f'<h2>Recent events</h2><div id="events">{_events((events or [])[:25], clock)}</div>'
         f'<h2>Publishers past the last rank</h2><div id="unexpected">'
         f"{_strays(fleet['unexpected'])}</div>"
-        f'<h2>Scheduler sources</h2><div id="sources">'
+        f'<h2>Scheduler and discovery sources</h2><div id="sources">'
         f"{_sources(fleet.get('scheduler_sources', []), clock)}</div>"
         f'<h2>Hot prefixes</h2><div id="hot">{_hot(hot)}</div>'
         f'<h2>Nodes</h2><div id="collectors">{_collectors(fleet["collectors"])}</div>'

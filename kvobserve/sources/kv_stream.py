@@ -321,6 +321,8 @@ class IngestLoop:
                 log.warning("cannot connect %s: %s", spec.endpoint, exc)
                 if st.link is not None:
                     st.link.health.set("connecting", f"cannot connect: {exc}", self._wall())
+        for gone in self._mirrors.keys() - {k[0] for k in self._streams}:
+            del self._mirrors[gone]  # a worker with no stream left (a deleted pod)
         self.refused_streams_total += len(self._refused_streams - before)  # newly refused
         if self.options.analytics is not None:
             cache_stats.link_peers(

@@ -27,6 +27,7 @@ from kvobserve.simulate import SimConfig, SimulatedWorker, SimulatorGroup
 from tests.certs import self_signed
 from tests.integration.conftest import NatsServer, free_port
 from tests.integration.fleet_helpers import ROOT, clean_env, write_toml
+from tests.integration.kube_api import serving_in_thread
 
 pytestmark = pytest.mark.integration
 
@@ -76,6 +77,7 @@ class Env:
     key: str
     dynamo_config: Path  # a Dynamo plane on `nats`, where a simulated Dynamo worker publishes
     dynamo_zmq: str  # a ZMQ direct KV-event publisher of a simulated Dynamo worker
+    pods_config: Path  # a [worker.kubernetes] worker whose API server plays recorded pods
     recorded: Path = field(init=False)
 
     def __post_init__(self) -> None:
@@ -107,6 +109,7 @@ def _map(line: str, env: Env) -> tuple[list[str], dict[str, str], str | None]:
         (r"/etc/kvobserve/tls\.key", env.key),
         (r"-c sim\.toml", f"-c {env.sim_config}"),
         (r"-c dynamo\.toml", f"-c {env.dynamo_config}"),
+        (r"-c pods\.toml", f"-c {env.pods_config}"),
         (r"tcp://10\.0\.0\.5:36001", env.dynamo_zmq),
         (r"-c (kvobserve\.toml|node-?[N0-9]\.toml|node\.toml|FILE|/etc/kvobserve/[\w.-]+\.toml)", f"-c {env.config}"),
     ]  # fmt: skip
@@ -196,6 +199,8 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         ]
     ).start()
     run = None
+    pods = serving_in_thread()  # a Kubernetes API server with llm-d's pods (kube_api.py)
+    pods_api = pods.__enter__()
     try:
         kv, replay = f"tcp://127.0.0.1:{sim.kv_base}", f"tcp://127.0.0.1:{sim.replay_base}"
         url = f"http://127.0.0.1:{sim.http_port}"
@@ -212,6 +217,12 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
                       "block_size": 16}  # fmt: skip
         dynamo_config = write_toml(tmp / "dynamo.toml", {"worker": [dyn_worker]})
         dynamo_zmq = next(e.url for e in dynamo.endpoints() if e.kind == "dynamo_kv")
+        k8s = {"namespace": "llm-d", "selector": "llm-d.ai/inference-serving=true",
+               "replay_port": 5559, "topic": "kv@{pod_ip}:8000@",
+               "kubeconfig": str(pods_api.kubeconfig(tmp / "kubeconfig"))}  # fmt: skip
+        pods_config = write_toml(
+            tmp / "pods.toml", {"worker": [{"id": "qwen", "engine": "vllm", "kubernetes": k8s}]}
+        )
         port = free_port()
         run = subprocess.Popen(
             [sys.executable, "-m", "kvobserve", "run", "-c", str(config), "--listen", f"127.0.0.1:{port}"],
@@ -225,7 +236,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         cert, key = self_signed(tmp / "tls")
         yield Env(
             tmp, nats.url, kv, replay, url, config, sim_config, aggregator, cert, key,
-            dynamo_config, dynamo_zmq,
+            dynamo_config, dynamo_zmq, pods_config,
         )  # fmt: skip
     finally:
         if run is not None:
@@ -234,6 +245,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         sim.stop()
         dynamo.stop()
         nats.stop()
+        pods.__exit__(None, None, None)
 
 
 LINES = documented_lines()
