@@ -37,8 +37,6 @@ _QUIET_STATES = frozenset({"starting", "waiting", "idle"})
 # collector's own clock (`SchedulerStats.updated` against `Snapshot.time`; an `updated` of 0, from
 # an older collector, is not judged).
 SOURCE_PERIOD_S = {"load": 1.0, "fpm": 1.0, "metrics": 2.0, "kv_metrics": 10.0}
-
-
 _PERIODS: dict[str, float] = {}  # `+`-joined source names -> _period (a handful of values)
 
 
@@ -140,10 +138,7 @@ class _Entry:
             fresh, stale = [], []
             for s in snap.scheduler:
                 u = s.updated
-                period = _PERIODS.get(s.source)
-                if period is None:
-                    period = _period(s.source)
-                if not u or t - u <= stale_intervals * max(every, period):
+                if not u or t - u <= stale_intervals * max(every, _period(s.source)):
                     fresh.append(s)
                 else:
                     stale.append(s)
@@ -254,7 +249,7 @@ class FleetState:
         ups = []
         reported: dict[tuple[str, int], list[tuple[SchedulerStats, CollectorInfo]]] = {}
         lost: dict[tuple[str, int], CollectorView] = {}  # the ranks of down collectors
-        quiet: dict[tuple[str, int], float] = {}  # the capacity of ranks with stale values
+        quiet: dict[tuple[str, int], tuple[str, float | None]] = {}  # stale: source, capacity
         for e in entries:
             snap, up = e.snapshot, self._is_up(e, now)
             ups.append(up)
@@ -284,9 +279,8 @@ class FleetState:
                 fresh, stale = e.scheduler(self.stale_intervals)
                 for s in fresh:
                     reported.setdefault((s.worker_id, s.dp_rank), []).append((s, info))
-                for s in stale:
-                    if s.max_total_tokens:  # a constant of the engine: still the capacity
-                        quiet[(s.worker_id, s.dp_rank)] = s.max_total_tokens
+                for s in stale:  # not served; still who reports the rank, and its capacity
+                    quiet[(s.worker_id, s.dp_rank)] = (s.source, s.max_total_tokens)
                 v.unexpected.extend([(u, info) for u in snap.unexpected])
         for w_id, size in v.dp_size.items():
             for r in range(size):
@@ -297,8 +291,10 @@ class FleetState:
                 v.last_owner[key] = cv
         capacity: dict[tuple[str, int], float] = {}
         sources = self._join_scheduler(v, reported, capacity)
-        for key, cap in quiet.items():
-            capacity.setdefault(key, cap)
+        for key, (source, cap) in quiet.items():
+            sources.setdefault(key, source)
+            if cap:  # a constant of the engine process: still the capacity
+                capacity.setdefault(key, cap)
         return ups, sources, capacity
 
     def view(self, now: float) -> FleetView:

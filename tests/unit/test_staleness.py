@@ -190,6 +190,7 @@ def test_api_shows_a_dead_ranks_gauges_as_unknown_and_keeps_its_health() -> None
     assert by_rank[0]["token_usage_ratio"] == 0.99
     # rank 2: its stream is up (cache usage known), its scheduler values are 10 s old
     assert by_rank[2]["cache_usage_ratio"] is not None and by_rank[2]["token_usage_ratio"] is None
+    assert by_rank[2]["scheduler_source"] == "load"  # who reports it, though not lately
     assert by_rank[3]["state"] == "stale" and by_rank[3]["cache_usage_ratio"] is None
 
 
