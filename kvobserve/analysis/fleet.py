@@ -135,13 +135,21 @@ class _Entry:
         if self.sched is None:
             snap = self.snapshot
             t, every = snap.time, snap.interval_s
-            fresh, stale = [], []
+            since: dict[str, float] = {}  # source -> the oldest `updated` still fresh
+            stale = []
             for s in snap.scheduler:
                 u = s.updated
-                if not u or t - u <= stale_intervals * max(every, _period(s.source)):
-                    fresh.append(s)
-                else:
+                if not u:
+                    continue
+                oldest = since.get(s.source)
+                if oldest is None:
+                    oldest = since[s.source] = t - stale_intervals * max(every, _period(s.source))
+                if u < oldest:
                     stale.append(s)
+            fresh = snap.scheduler  # the usual case: all of them
+            if stale:
+                ids = {id(s) for s in stale}
+                fresh = [s for s in snap.scheduler if id(s) not in ids]
             self.sched = (fresh, stale)
         return self.sched
 
