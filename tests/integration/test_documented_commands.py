@@ -10,6 +10,7 @@ cannot map fails it, so the docs cannot drift from what the commands accept. Dae
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import signal
@@ -21,7 +22,6 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -29,7 +29,7 @@ from kvobserve.simulate import SimConfig, SimulatedWorker, SimulatorGroup
 from kvobserve.simulate.group import free_port_range
 from tests.certs import self_signed
 from tests.integration.conftest import NatsServer, free_port
-from tests.integration.fleet_helpers import ROOT, clean_env, write_toml
+from tests.integration.fleet_helpers import ROOT, Procs, clean_env, poll, write_toml
 from tests.integration.kube_api import serving_in_thread
 
 pytestmark = pytest.mark.integration
@@ -342,27 +342,10 @@ def test_two_node_walkthrough_with_node_1s_engine_killed(tmp_path: Path) -> None
     }
     nats = NatsServer(tmp_path / "js")
     nats.start()
-    procs: dict[str, subprocess.Popen[bytes]] = {}
-
-    def spawn(name: str, argv: list[str], **env: str) -> subprocess.Popen[bytes]:
-        with open(tmp_path / f"{name}.log", "wb") as out:
-            procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "kvobserve", *argv], stdout=out, stderr=subprocess.STDOUT,
-                env=clean_env(**env), cwd=ROOT,
-            )  # fmt: skip
-        return procs[name]
+    procs = Procs(tmp_path)
 
     def logs() -> str:
-        return "\n".join(f"--- {n}\n{(tmp_path / f'{n}.log').read_text()[-1500:]}" for n in procs)
-
-    def wait(check: Any, what: str, seconds: float) -> Any:
-        deadline = time.monotonic() + seconds
-        while True:
-            got = check()
-            if got:
-                return got
-            assert time.monotonic() < deadline, f"no {what} in {seconds} s\n{logs()}"
-            time.sleep(0.25)  # polling interval, not synchronization
+        return "\n".join(f"--- {p.args}\n{log.read_text()[-1500:]}" for p, log in procs.started)
 
     def doc(text: str) -> str:  # the page's addresses and ports onto this machine
         for a, b in (("10.0.0.5", NODES[0]), ("10.0.0.6", NODES[1]),
@@ -372,24 +355,27 @@ def test_two_node_walkthrough_with_node_1s_engine_killed(tmp_path: Path) -> None
 
     agg = f"127.0.0.1:{free_port()}"
     try:
-        for k in (0, 1):
-            spawn(f"engine-{k}", _simulate_args(launch, k, ports))
-        for k in (0, 1):
-            wait(lambda k=k: "ready workers=" in (tmp_path / f"engine-{k}.log").read_text(),
-                 f"engine {k} ready", 30)  # fmt: skip
-        (tmp_path / "kvobserve.toml").write_text(doc(config))
+        engines = [
+            procs.kvobserve(f"engine-{k}", *_simulate_args(launch, k, ports)) for k in (0, 1)
+        ]
+        for pid in engines:
+            poll(lambda pid=pid: "ready workers=" in procs.log(pid), 30, "engine ready", logs)
+        cfg = tmp_path / "kvobserve.toml"
+        cfg.write_text(doc(config))
         argv = doc(aggregate).replace("--nats URL", f"--nats {nats.url}")
         argv = argv.replace("--cluster NAME", "--cluster prod-a").replace("0.0.0.0:9477", agg)
-        spawn("aggregate", shlex.split(argv)[1:])
-        cfg = str(tmp_path / "kvobserve.toml")
+        procs.kvobserve("aggregate", *shlex.split(argv)[1:])
         for k, env in enumerate(envs):
-            spawn(
+            procs.kvobserve(
                 f"collect-{k}",
-                shlex.split(collect.replace("/etc/kvobserve/kvobserve.toml", cfg))[1:],
-                **env,
-                # this machine's stand-ins for node k's own address and its local HTTP port
-                KVOBSERVE_COLLECTOR_HOST=NODES[k],
-                KVOBSERVE_HTTP_LISTEN=f"{NODES[k]}:{free_port()}",
+                *shlex.split(collect.replace("/etc/kvobserve/kvobserve.toml", str(cfg)))[1:],
+                # the node's environment; this machine's stand-ins for node k's own address
+                # and its local HTTP port
+                env=clean_env(
+                    **env,
+                    KVOBSERVE_COLLECTOR_HOST=NODES[k],
+                    KVOBSERVE_HTTP_LISTEN=f"{NODES[k]}:{free_port()}",
+                ),
             )
         status_argv = shlex.split(status.replace("127.0.0.1:9477", agg))[1:]
 
@@ -398,18 +384,18 @@ def test_two_node_walkthrough_with_node_1s_engine_killed(tmp_path: Path) -> None
             rows = [ln.split() for ln in text.splitlines() if ln.startswith("sglang-dp8 ")]
             return rc == 0 and len(rows) == 8 and all(r[4] == "up" and r[12] != "-" for r in rows)
 
-        wait(fleet_up, "8 ranks up with cache usage, exit 0", 60)
+        poll(fleet_up, 60, "8 ranks up with cache usage, exit 0", logs)
         assert "8/8 streams up" in _status(status_argv)[1]
 
-        procs["engine-1"].kill()  # SIGKILL by PID: node 1's engine dies, its collector runs on
-        procs["engine-1"].wait(timeout=10)
+        os.kill(engines[1], signal.SIGKILL)  # by PID: node 1's engine dies, its collector runs on
+        poll(lambda: not procs.alive(engines[1]), 10, "engine 1 gone", logs)
 
-        def dead_shown() -> tuple[int, str] | None:
+        def dead_shown() -> str | None:
             rc, text = _status(status_argv)
             down = [ln for ln in text.splitlines() if "stream_down" in ln and "CRITICAL" in ln]
-            return (rc, text) if rc == 1 and len(down) == 4 else None
+            return text if rc == 1 and len(down) == 4 else None
 
-        _, text = wait(dead_shown, "ranks 4-7 down in `kvobserve status`, exit 1", 30)
+        text = poll(dead_shown, 30, "ranks 4-7 down in `kvobserve status`, exit 1", logs)
         rows = {int(ln.split()[1]): ln for ln in text.splitlines() if ln.startswith("sglang-dp8 ")}
         for r in range(4, 8):
             cells = rows[r].split()
@@ -425,13 +411,5 @@ def test_two_node_walkthrough_with_node_1s_engine_killed(tmp_path: Path) -> None
         head = text.splitlines()[0].split()
         assert head[12:15] == ["USAGE", "TOKEN_USAGE", "REASON"], head
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=5)
+        procs.stop_all()
         nats.stop()
