@@ -303,7 +303,8 @@ class Collector:
                     )
                 )
             wcfg = next(w for w in self.cfg.workers if w.id == wid)
-            if wcfg.passthrough_engine_metrics and src.scrape is not None:
+            # a failed scrape's families are its last ones: passed through only while it is up
+            if wcfg.passthrough_engine_metrics and src.scrape is not None and src.scrape.up:
                 extra = {"worker_id": wid, "node_rank": str(self.info.node_rank)}
                 fams = _families(relabel(src.scrape.families, extra))
                 room = MAX_PASSTHROUGH_SAMPLES - sum(len(f.samples) for f in passthrough)

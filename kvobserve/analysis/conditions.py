@@ -122,11 +122,12 @@ def conditions(v: FleetView) -> Iterable[Condition]:
                 labels(worker_id=w),
                 f"{w} has {len(ids)} scheduler-metrics leaders: {', '.join(ids)}",
             )
+    down = {(s.stats.worker_id, s.stats.dp_rank) for s in v.streams if not s.up}
     for c in v.collectors:
         if not c.up:
             continue
         for d in c.snapshot.drift:
-            if drifted(d):
+            if drifted(d) and (d.worker_id, d.dp_rank) not in down:  # a down stream: unknown
                 yield Condition.of(
                     "router_index_drift",
                     labels(worker_id=d.worker_id, dp_rank=d.dp_rank, medium=d.medium),
@@ -201,7 +202,7 @@ def _stream(s: StreamView, v: FleetView, running: float | None) -> Iterable[Cond
     if not s.up and (not settling or ("stream_down", where) in v.began):
         why = f"{st.state or 'down'}: {st.reason}" if st.reason else st.state or "not connected"
         yield Condition.of("stream_down", where, f"{name} is down: {why}", st.state_since)
-    if st.duplicate_stream:
+    if st.duplicate_stream and s.up:  # a down stream's flag is its last value
         yield Condition.of(
             "duplicate_stream",
             where,

@@ -308,8 +308,13 @@ def _stream(
         stored,
         removed,
     )
-    if not sv.live:
-        return (*head, "", "", "", "", "", "", "", "")
+    ts = (
+        f"kvobserve_kv_last_batch_timestamp_seconds{ls}{fv(st.last_batch_ts)}\n"
+        if st.last_batch_ts > 0
+        else ""
+    )
+    if not sv.up:
+        return (*head, "", "", "", "", "", "", ts, "")
     usage = sv.usage_ratio
     return (
         *head,
@@ -319,9 +324,7 @@ def _stream(
         f"kvobserve_kv_cache_usage_ratio{ls}{fv(usage)}\n" if usage is not None else "",
         f"kvobserve_kv_duplicate_stream{ls}{'1.0' if st.duplicate_stream else '0.0'}\n",
         f"kvobserve_kv_state_complete{ls}{'1.0' if st.state_complete else '0.0'}\n",
-        f"kvobserve_kv_last_batch_timestamp_seconds{ls}{fv(st.last_batch_ts)}\n"
-        if st.last_batch_ts > 0
-        else "",
+        ts,
         f"kvobserve_kv_event_lag_seconds{ls}{fv(st.lag_seconds)}\n"
         if st.lag_seconds is not None
         else "",
