@@ -1,7 +1,9 @@
 """/metrics from per-collector text kept until the collector's next snapshot, plain or gzip.
 
-What is cached: per collector, its sample lines per family (export/chunks.py), its per-worker
-sums, and (once a gzip scrape asked) each family's lines as a deflate segment. The cache key is
+What is cached: per collector, its sample lines per family, its per-worker sums, and (once a
+gzip scrape asked) each family's lines as a deflate segment. The collectors whose chunk must be
+rendered again are read as one batch (export/series.py) and their lines written from each
+family's template (export/templates.py). The cache key is
 everything a chunk depends on: the snapshot object (FleetState replaces it, never mutates it),
 whether the collector is up (stale streams drop their gauges), every stream's capacity and the
 scheduler entries of its ranks (both joined per rank from whichever collector read them).
@@ -14,8 +16,8 @@ collector order. For gzip, each piece is compressed on its own with a full flush
 to earlier bytes, ends on a byte boundary), so cached segments can be laid end to end as one
 deflate stream in one gzip member; the CRC-32 is computed over the plain pieces.
 
-A label clash (two collectors claiming one stream) is rare: those collectors are rendered again
-by the reference writer with one shared seen-set, so the first live copy still wins.
+A label clash (two collectors claiming one stream, or a collector repeating its own) is rare:
+those collectors are read again with one shared seen-set, so the first live copy still wins.
 """
 
 from __future__ import annotations
@@ -23,24 +25,24 @@ from __future__ import annotations
 import struct
 import threading
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 from prometheus_client.metrics_core import Metric
 
 from kvobserve.analysis.fleet import CollectorView, FleetView
-from kvobserve.export import chunks
-from kvobserve.export.catalog import CATALOG
-from kvobserve.export.chunks import Chunk
-from kvobserve.export.exposition import Listed, TextFamilies, header
+from kvobserve.export.catalog import BY_NAME, CATALOG
+from kvobserve.export.exposition import Listed, header
 from kvobserve.export.prometheus import rest_families
-from kvobserve.export.rollup import WorkerSums
-from kvobserve.export.samples import Detail, Group, collector, groups, ordered
+from kvobserve.export.series import EMPTY, Batch, Detail, Plan, groups, ordered
+from kvobserve.export.sums import Labels, Sums
+from kvobserve.export.templates import FamilyText
 
 GZIP_LEVEL = 1  # per-piece segments of ~1 kB: higher levels gain little and cost 2-3x the CPU
 _GZ_HEAD = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff"  # deflate, no name, no mtime, OS unknown
 _GZ_END = b"\x03\x00"  # an empty final block (fixed Huffman)
-_EMPTY = Group()
 _NAMES = [m.name for m in CATALOG]
 _FAMILY = {m.name: m.family for m in CATALOG}
 
@@ -55,19 +57,30 @@ class _Deflate:
         return self._c.compress(data) + self._c.flush(zlib.Z_FULL_FLUSH)
 
 
+@dataclass
+class Chunk:
+    """A collector's lines per family, its per-worker sums and the label sets it claims."""
+
+    text: dict[str, bytes]  # b"" for a family with no lines of this collector
+    sums: Sums
+    claims: frozenset[Labels]
+    clean: bool = True  # False: its own label sets repeat (read again with a seen-set)
+    gz: dict[str, bytes] = field(default_factory=dict)  # family -> deflate segment, when asked
+
+
 class ScrapeCache:
     """Renders /metrics bodies from cached per-collector chunks; one render at a time."""
 
-    def __init__(
-        self, detail: Detail | None = None, gzip_level: int = GZIP_LEVEL, templates: bool = True
-    ) -> None:
+    def __init__(self, detail: Detail | None = None, gzip_level: int = GZIP_LEVEL) -> None:
         self.detail = detail or Detail()
         self.gzip_level = gzip_level
-        self.templates = templates  # False: every changed collector written line by line
+        self._plan = Plan(self.detail)
         self._lock = threading.Lock()
         self._cache: dict[str, tuple[object, tuple[Any, ...], Chunk]] = {}
         self._headers: dict[tuple[str, bool], tuple[bytes, bytes]] = {}
-        self._templates: chunks.Templates = {}  # per collector: its lines' template (by shape)
+        self._texts: dict[str, FamilyText] = {}  # the changed collectors' lines, per family
+        self._level: dict[str, FamilyText] = {}  # the fleet-level lines, per family
+        self._memo: dict[object, list[Labels]] = {}  # label sets of the last batch (Plan.batch)
         self.rendered = 0  # chunks rendered since start (reused ones are not counted)
 
     def render(
@@ -78,7 +91,8 @@ class ScrapeCache:
         openmetrics: bool = False,
         gzip: bool = False,
     ) -> bytes:
-        """The body for `view` (gzip-compressed when asked): same bytes as render_exposition."""
+        """The body for `view` (gzip-compressed when asked): the bytes prometheus_client's
+        `encoder` writes over export/prometheus.py's FleetCollector."""
         with self._lock:
             order = ordered(view)
             before = self.rendered
@@ -87,10 +101,10 @@ class ScrapeCache:
             # segment per family costs half of one per collector and family. Few changed (HA
             # pairs, short intervals): keep a segment per collector and family, reuse the rest.
             per_piece = (self.rendered - before) * 4 <= len(cs)
-            sums = WorkerSums()
+            sums = Sums()
             for ch in cs:
                 sums.merge(ch.sums)
-            level = chunks.fleet_level(view, order, sums, self.detail.shard, self.detail.counters)
+            level = self._fleet_level(view, order, sums)
             taken: set[str] = set()
             deflate = _Deflate(self.gzip_level) if gzip else None
             if deflate is None or not per_piece:  # whole families: no segment per collector
@@ -105,23 +119,19 @@ class ScrapeCache:
                 parts: list[tuple[bytes, bytes | None]] = [(own, None)] if own else []
                 for ch in cs:
                     text = ch.text.get(name)
-                    if text is not None:
-                        seg = ch.gz.get(name) if gzip else None
-                        if seg is None and deflate is not None and per_piece:
+                    if text:
+                        seg = ch.gz.get(name)
+                        if seg is None:
                             seg = ch.gz[name] = deflate(text)
                         parts.append((text, seg))
                 if not parts:
                     continue
-                if deflate is not None and not per_piece:
-                    parts = [(b"".join([p for p, _ in parts]), None)]
                 taken.add(_FAMILY[name])
                 pieces.append(self._header(name, openmetrics))
                 pieces.extend(parts)
             rest = encoder(Listed(rest_families(view, extra, taken)))
             if rest:
                 pieces.append((rest, None))
-            if deflate is None:
-                return b"".join(p for p, _ in pieces)
             return _gzip(pieces, deflate)
 
     def _families(
@@ -132,6 +142,8 @@ class ScrapeCache:
         by: dict[str, list[bytes]] = {name: [text] for name, text in level.items() if text}
         for ch in cs:
             for name, text in ch.text.items():
+                if not text:
+                    continue
                 got = by.get(name)
                 if got is None:
                     by[name] = [text]
@@ -157,45 +169,77 @@ class ScrapeCache:
             hit = self._headers[(name, om)] = (text, _Deflate(self.gzip_level)(text))
         return hit
 
+    def _fleet_level(
+        self, v: FleetView, order: list[CollectorView], sums: Sums
+    ) -> dict[str, bytes]:
+        """The lines that are not one collector's (rebuilt every scrape), per family."""
+        out = {}
+        for name, col in self._plan.fleet(v, order, sums).items():
+            text = self._level.get(name)
+            if text is None:
+                text = self._level[name] = self._family_text(name)
+            out[name] = text.pieces(col, 1)[0]
+        return out
+
+    def _family_text(self, name: str) -> FamilyText:
+        return FamilyText(name, self._plan.names[name], BY_NAME[name].type == "histogram")
+
     def _chunks(self, view: FleetView, order: list[CollectorView]) -> list[Chunk]:
         """Each collector's chunk, in order: reused when its key is unchanged."""
         by_c = groups(view)
         fresh: dict[str, tuple[object, tuple[Any, ...], Chunk]] = {}
-        out: list[Chunk] = []
+        out: list[Chunk | None] = []
+        todo: list[int] = []
+        keys = []
         for c in order:
             cid = c.info.collector_id
-            g = by_c.get(cid, _EMPTY)
+            g = by_c.get(cid, EMPTY)
             # scheduler entries are joined per rank across collectors (analysis/fleet.py)
             key = (c.up, tuple([s.capacity_tokens for s in g.streams]), tuple(g.scheduler))
+            keys.append(key)
             hit = self._cache.get(cid)
             if hit is not None and hit[0] is c.snapshot and hit[1] == key:
-                ch = hit[2]
+                out.append(hit[2])
             else:
-                fast = chunks.render(c, g, self.detail, self._templates if self.templates else None)
-                ch = fast or self._reference([(c, g)])[0]
-                self.rendered += 1
-            fresh[cid] = (c.snapshot, key, ch)
-            out.append(ch)
-        self._cache = fresh  # a forgotten collector leaves the cache with its snapshot
-        if len(self._templates) > len(fresh):
-            self._templates = {k: v for k, v in self._templates.items() if k in fresh}
-        clashing = _clashes(out)
-        if clashing:
-            cgs = [(order[i], by_c.get(order[i].info.collector_id, _EMPTY)) for i in clashing]
-            for i, ch in zip(clashing, self._reference(cgs), strict=True):
+                out.append(None)
+                todo.append(len(out) - 1)
+        if todo:
+            cgs = [(order[i], by_c.get(order[i].info.collector_id, EMPTY)) for i in todo]
+            batch = self._plan.batch(cgs, memo=self._memo)
+            made = self._written(batch, len(todo), self._texts)
+            for i, ch in zip(todo, made, strict=True):
                 out[i] = ch
-        return out
+            self.rendered += len(todo)
+        done = [ch for ch in out if ch is not None]
+        for c, key, ch in zip(order, keys, done, strict=True):
+            fresh[c.info.collector_id] = (c.snapshot, key, ch)
+        self._cache = fresh  # a forgotten collector leaves the cache with its snapshot
+        clashing = sorted({*(i for i, ch in enumerate(done) if not ch.clean), *_clashes(done)})
+        if clashing:
+            cgs = [(order[i], by_c.get(order[i].info.collector_id, EMPTY)) for i in clashing]
+            batch = self._plan.batch(cgs, dedupe=set())
+            for i, ch in zip(clashing, self._written(batch, len(cgs), {}), strict=True):
+                done[i] = ch
+        return done
 
-    def _reference(self, cgs: list[tuple[CollectorView, Group]]) -> list[Chunk]:
-        """Chunks written by the reference writer, sharing one seen-set (first copy wins)."""
-        seen: set[tuple[object, ...]] = set()
-        out = []
-        for c, g in cgs:
-            tf = TextFamilies(seen)
-            part = WorkerSums()
-            collector(tf, c, g, part, self.detail)
-            out.append(Chunk(tf.chunks(), part, chunks.claims(c, g)[0]))
-        return out
+    def _written(self, batch: Batch, n: int, texts: dict[str, FamilyText]) -> list[Chunk]:
+        """The batch's chunks: each family's lines per collector, from its template."""
+        lines = []
+        for name, col in batch.columns.items():
+            text = texts.get(name)
+            if text is None:
+                text = texts[name] = self._family_text(name)
+            lines.append((name, text.pieces(col, n)))
+        names = [name for name, _ in lines]
+        per_collector: Iterable[tuple[bytes, ...]] = (
+            zip(*[p for _, p in lines], strict=True) if lines else repeat((), n)
+        )
+        return [
+            Chunk(dict(zip(names, t, strict=True)), sums, claims, clean)
+            for t, sums, claims, clean in zip(
+                per_collector, batch.sums, batch.claims, batch.clean, strict=True
+            )
+        ]
 
 
 def _clashes(cs: list[Chunk]) -> list[int]:

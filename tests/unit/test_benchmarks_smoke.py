@@ -21,7 +21,8 @@ from kvobserve.analysis.analytics import CacheAnalytics
 from kvobserve.analysis.blocks import BlockIndex
 from kvobserve.analysis.fleet import FleetState, FleetView
 from kvobserve.export.exposition import format_value
-from kvobserve.export.prometheus import FleetCollector, catalog_metric, render_exposition
+from kvobserve.export.prometheus import FleetCollector, catalog_metric
+from kvobserve.export.scrape import ScrapeCache
 from kvobserve.wire.kv_events import decode_payload
 from kvobserve.wire.snapshot import decode_snapshot, encode_snapshot
 from tests.unit.test_export_fleet import rich_view
@@ -70,7 +71,7 @@ def test_scale_snapshot_round_trips_and_renders() -> None:
     for c in range(2):
         snap = decode_snapshot(encode_snapshot(scale.synthetic_snapshot(c, 8, 1, now)))
         fs.update(snap, now)
-    body = FleetCollector(lambda: fs.view(now)).exposition(generate_latest)()
+    body = ScrapeCache().render(fs.view(now), [], generate_latest)
     assert body.count(b"\nkvobserve_stream_up{") == 16
 
 
@@ -116,7 +117,7 @@ def test_fast_exposition_is_byte_identical_to_prometheus_client(accept: str) -> 
         reg = CollectorRegistry(auto_describe=False)
         reg.register(FleetCollector(lambda v=view: v, lambda: extra))  # type: ignore[misc]
         want = (om_generate_latest if om else generate_latest)(reg)
-        got = render_exposition(view, extra, encoder, om)
+        got = ScrapeCache().render(view, extra, encoder, om)
         assert got == want
 
 
@@ -129,7 +130,7 @@ def test_label_values_needing_escapes_render_as_prometheus_client_does() -> None
     reg.register(FleetCollector(lambda: view))
     want = generate_latest(reg)
     assert b'endpoint="tcp://a\\"b\\\\c\\nd"' in want  # the escapes are exercised
-    assert render_exposition(view, [], generate_latest) == want
+    assert ScrapeCache().render(view, [], generate_latest) == want
 
 
 @pytest.mark.parametrize(
