@@ -445,6 +445,10 @@ async def measure(aggs: list[Agg], plan: Plan, srv: NatsServer) -> float:
     return moved / idle
 
 
+def _percentile(key: str, q: float) -> Callable[[Figures], float]:
+    return lambda f: f.p(key, q)
+
+
 def report(title: str, figs: dict[str, Figures], nats_bps: float) -> None:
     """Each aggregator's figures side by side (and main/new when both were measured)."""
     print(f"{title}; NATS {nats_bps / 1e6:.2f} MB/s (in + out); load {_load()}")
@@ -460,7 +464,7 @@ def report(title: str, figs: dict[str, Figures], nats_bps: float) -> None:
                       ("cold", "one-off plain"), ("cold_gz", "one-off gzip"),
                       ("warm", "back-to-back plain"), ("warm_gz", "back-to-back gzip")):  # fmt: skip
         for q, qn in ((0.5, "p50"), (0.99, "p99")):
-            rows.append((f"{what} {qn} ms", lambda f, k=key, q=q: f.p(k, q), "{:.0f}"))
+            rows.append((f"{what} {qn} ms", _percentile(key, q), "{:.0f}"))
     rows += [
         ("steady: served ahead", lambda f: f.served["ahead"], "{:.0f}"),
         ("steady: waited for a render", lambda f: f.served["in_flight"], "{:.0f}"),
@@ -472,7 +476,7 @@ def report(title: str, figs: dict[str, Figures], nats_bps: float) -> None:
         ("cores at a 15 s scrape interval", lambda f: f.cores_at_15s, "{:.3f}"),
     ]
     head = "".join(f"{n[-10:]:>10s}" for n in names)
-    print(f"  {'':34s}{head}" + (f"  {names[0][-4:]}/{names[1][-4:]}" if ratio else ""))
+    print(f"  {'':34s}{head}" + (f"  {names[0]}/{names[1]}" if ratio else ""))
     for label, get, fmt in rows:
         vals = [get(figs[n]) for n in names]
         line = f"  {label:34s}" + "".join(f"{fmt.format(v):>10s}" for v in vals)
@@ -552,8 +556,8 @@ async def compare(
                 ]
                 load0 = _load()
                 bps = await measure(aggs, plan, srv)
-                figs = {str(t): a.fig for t, a in zip(trees, aggs, strict=True)}
-                figs = {k: figs[k] for k in (str(against.resolve()), str(here))}
+                by_tree = {t: a.fig for t, a in zip(trees, aggs, strict=True)}
+                figs = {against.resolve().name: by_tree[against.resolve()], "this": by_tree[here]}
                 report(
                     f"round {r + 1}: {collectors * ranks} streams (load before {load0})", figs, bps
                 )
@@ -576,7 +580,7 @@ async def compare(
         f.cold_render_cpu = [median([median(x.cold_render_cpu) for x in rs])]
         summary[name] = f
     report(
-        f"median over {rounds} rounds (response times: the median of each round's p99)",
+        f"medians over {rounds} rounds (of each round's p50, p99 and CPU)",
         summary,
         0.0,
     )
