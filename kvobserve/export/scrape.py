@@ -25,9 +25,7 @@ from __future__ import annotations
 import struct
 import threading
 import zlib
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from itertools import repeat
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from prometheus_client.metrics_core import Metric
@@ -38,7 +36,7 @@ from kvobserve.export.exposition import Listed, header
 from kvobserve.export.prometheus import rest_families
 from kvobserve.export.series import EMPTY, Batch, Detail, Plan, groups, ordered
 from kvobserve.export.sums import Labels, Sums
-from kvobserve.export.templates import FamilyText
+from kvobserve.export.templates import FamilyText, Filled
 
 GZIP_LEVEL = 1  # per-piece segments of ~1 kB: higher levels gain little and cost 2-3x the CPU
 _GZ_HEAD = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff"  # deflate, no name, no mtime, OS unknown
@@ -57,15 +55,36 @@ class _Deflate:
         return self._c.compress(data) + self._c.flush(zlib.Z_FULL_FLUSH)
 
 
-@dataclass
 class Chunk:
-    """A collector's lines per family, its per-worker sums and the label sets it claims."""
+    """A collector's lines per family (cut out of its batch's when first asked for), its
+    per-worker sums and the label sets it claims."""
 
-    text: dict[str, bytes]  # b"" for a family with no lines of this collector
-    sums: Sums
-    claims: frozenset[Labels]
-    clean: bool = True  # False: its own label sets repeat (read again with a seen-set)
-    gz: dict[str, bytes] = field(default_factory=dict)  # family -> deflate segment, when asked
+    __slots__ = ("_at", "_lines", "_text", "claims", "clean", "gz", "sums")
+
+    def __init__(
+        self,
+        lines: list[tuple[str, Filled]],
+        at: int,
+        sums: Sums,
+        claims: frozenset[Labels],
+        clean: bool = True,
+    ) -> None:
+        self._lines = lines  # its batch's lines per family; `at` its index in that batch
+        self._at = at
+        self._text: dict[str, bytes] | None = None
+        self.sums = sums
+        self.claims = claims
+        self.clean = clean  # False: its own label sets repeat (read again with a seen-set)
+        self.gz: dict[str, bytes] = {}  # family -> deflate segment, when asked
+
+    @property
+    def text(self) -> dict[str, bytes]:
+        """Its lines per family that has any."""
+        if self._text is None:
+            at = self._at
+            self._text = {n: t for n, f in self._lines if (t := f.pieces[at])}
+            self._lines = []
+        return self._text
 
 
 class ScrapeCache:
@@ -81,6 +100,8 @@ class ScrapeCache:
         self._texts: dict[str, FamilyText] = {}  # the changed collectors' lines, per family
         self._level: dict[str, FamilyText] = {}  # the fleet-level lines, per family
         self._memo: dict[object, list[Labels]] = {}  # label sets of the last batch (Plan.batch)
+        # family -> (its pieces, joined, deflate segment) at the last gzip render of whole families
+        self._joined: dict[str, tuple[list[bytes], bytes, bytes]] = {}
         self.rendered = 0  # chunks rendered since start (reused ones are not counted)
 
     def render(
@@ -96,7 +117,7 @@ class ScrapeCache:
         with self._lock:
             order = ordered(view)
             before = self.rendered
-            cs = self._chunks(view, order)
+            cs, batch = self._chunks(view, order)
             # Many collectors changed (a scrape every 15 s sees every busy one changed): one
             # segment per family costs half of one per collector and family. Few changed (HA
             # pairs, short intervals): keep a segment per collector and family, reuse the rest.
@@ -104,26 +125,37 @@ class ScrapeCache:
             sums = Sums()
             for ch in cs:
                 sums.merge(ch.sums)
-            level = self._fleet_level(view, order, sums)
+            by: dict[str, list[bytes]] = {}
+            for name, col in self._plan.fleet(view, order, sums).items():
+                family = self._level.get(name)
+                if family is None:
+                    family = self._level[name] = self._family_text(name)
+                by[name] = [family.fill(col, ["fleet"]).whole]
             taken: set[str] = set()
             deflate = _Deflate(self.gzip_level) if gzip else None
             if deflate is None or not per_piece:  # whole families: no segment per collector
-                body = self._families(cs, level, taken, openmetrics, deflate is not None)
+                if batch is not None:  # every collector's lines from this batch, in order
+                    for name, filled in batch:
+                        by.setdefault(name, []).append(filled.whole)
+                else:
+                    for ch in cs:
+                        for name, text in ch.text.items():
+                            by.setdefault(name, []).append(text)
+                body = self._families(by, taken, openmetrics, deflate)
                 rest = encoder(Listed(rest_families(view, extra, taken)))
                 if deflate is None:
-                    return b"".join([*body, rest])
-                return _gzip([(b, None) for b in (*body, rest) if b], deflate)
+                    return b"".join([*(p for p, _ in body), rest])
+                return _gzip([*body, (rest, None)] if rest else body, deflate)
             pieces: list[tuple[bytes, bytes | None]] = []  # (plain, cached segment or None)
             for name in _NAMES:
-                own = level.get(name)
-                parts: list[tuple[bytes, bytes | None]] = [(own, None)] if own else []
+                parts: list[tuple[bytes, bytes | None]] = [(t, None) for t in by.get(name, ())]
                 for ch in cs:
-                    text = ch.text.get(name)
-                    if text:
+                    lines = ch.text.get(name)
+                    if lines:
                         seg = ch.gz.get(name)
                         if seg is None:
-                            seg = ch.gz[name] = deflate(text)
-                        parts.append((text, seg))
+                            seg = ch.gz[name] = deflate(lines)
+                        parts.append((lines, seg))
                 if not parts:
                     continue
                 taken.add(_FAMILY[name])
@@ -135,31 +167,32 @@ class ScrapeCache:
             return _gzip(pieces, deflate)
 
     def _families(
-        self, cs: list[Chunk], level: dict[str, bytes], taken: set[str], om: bool, joined: bool
-    ) -> list[bytes]:
-        """Each family's header and lines, collector by collector (one piece per family when
-        `joined`); the families served go into `taken`."""
-        by: dict[str, list[bytes]] = {name: [text] for name, text in level.items() if text}
-        for ch in cs:
-            for name, text in ch.text.items():
-                if not text:
-                    continue
-                got = by.get(name)
-                if got is None:
-                    by[name] = [text]
-                else:
-                    got.append(text)
-        out = []
+        self, by: dict[str, list[bytes]], taken: set[str], om: bool, deflate: _Deflate | None
+    ) -> list[tuple[bytes, bytes | None]]:
+        """Each family's header and lines (`by` family), with `deflate` as one piece per family
+        and its deflate segment, kept while its lines are the same (the families whose values
+        did not change, most gauges); the families served go into `taken`."""
+        out: list[tuple[bytes, bytes | None]] = []
+        kept = {}
         for name in _NAMES:
             texts = by.get(name)
             if not texts:
                 continue
             taken.add(_FAMILY[name])
-            out.append(self._header(name, om)[0])
-            if joined:
-                out.append(b"".join(texts))
-            else:
-                out.extend(texts)
+            head = self._header(name, om)
+            if deflate is None:
+                out.append((head[0], None))
+                out.extend((t, None) for t in texts if t)
+                continue
+            out.append(head)
+            last = self._joined.get(name)
+            if last is None or last[0] != texts:
+                joined = b"".join(texts)
+                last = (texts, joined, deflate(joined))
+            kept[name] = last
+            out.append(last[1:])
+        if deflate is not None:
+            self._joined = kept
         return out
 
     def _header(self, name: str, om: bool) -> tuple[bytes, bytes | None]:
@@ -169,23 +202,14 @@ class ScrapeCache:
             hit = self._headers[(name, om)] = (text, _Deflate(self.gzip_level)(text))
         return hit
 
-    def _fleet_level(
-        self, v: FleetView, order: list[CollectorView], sums: Sums
-    ) -> dict[str, bytes]:
-        """The lines that are not one collector's (rebuilt every scrape), per family."""
-        out = {}
-        for name, col in self._plan.fleet(v, order, sums).items():
-            text = self._level.get(name)
-            if text is None:
-                text = self._level[name] = self._family_text(name)
-            out[name] = text.pieces(col, 1)[0]
-        return out
-
     def _family_text(self, name: str) -> FamilyText:
         return FamilyText(name, self._plan.names[name], BY_NAME[name].type == "histogram")
 
-    def _chunks(self, view: FleetView, order: list[CollectorView]) -> list[Chunk]:
-        """Each collector's chunk, in order: reused when its key is unchanged."""
+    def _chunks(
+        self, view: FleetView, order: list[CollectorView]
+    ) -> tuple[list[Chunk], list[tuple[str, Filled]] | None]:
+        """Each collector's chunk, in order: reused when its key is unchanged; and when all of
+        them are of one batch read now, its lines per family."""
         by_c = groups(view)
         fresh: dict[str, tuple[object, tuple[Any, ...], Chunk]] = {}
         out: list[Chunk | None] = []
@@ -203,43 +227,42 @@ class ScrapeCache:
             else:
                 out.append(None)
                 todo.append(len(out) - 1)
+        lines = None
         if todo:
             cgs = [(order[i], by_c.get(order[i].info.collector_id, EMPTY)) for i in todo]
             batch = self._plan.batch(cgs, memo=self._memo)
-            made = self._written(batch, len(todo), self._texts)
-            for i, ch in zip(todo, made, strict=True):
-                out[i] = ch
+            lines = self._written(batch, [c.info.collector_id for c, _ in cgs], self._texts)
+            for j, i in enumerate(todo):
+                out[i] = Chunk(lines, j, batch.sums[j], batch.claims[j], batch.clean[j])
             self.rendered += len(todo)
         done = [ch for ch in out if ch is not None]
         for c, key, ch in zip(order, keys, done, strict=True):
             fresh[c.info.collector_id] = (c.snapshot, key, ch)
-        self._cache = fresh  # a forgotten collector leaves the cache with its snapshot
+        if len(fresh) < len(self._cache):  # a forgotten collector leaves the cache
+            for family in self._texts.values():
+                family.forget(fresh)
+        self._cache = fresh
         clashing = sorted({*(i for i, ch in enumerate(done) if not ch.clean), *_clashes(done)})
         if clashing:
             cgs = [(order[i], by_c.get(order[i].info.collector_id, EMPTY)) for i in clashing]
             batch = self._plan.batch(cgs, dedupe=set())
-            for i, ch in zip(clashing, self._written(batch, len(cgs), {}), strict=True):
-                done[i] = ch
-        return done
+            again = self._written(batch, [c.info.collector_id for c, _ in cgs], {})
+            for j, i in enumerate(clashing):
+                done[i] = Chunk(again, j, batch.sums[j], batch.claims[j])
+            lines = None
+        return done, lines if len(todo) == len(done) else None
 
-    def _written(self, batch: Batch, n: int, texts: dict[str, FamilyText]) -> list[Chunk]:
-        """The batch's chunks: each family's lines per collector, from its template."""
-        lines = []
+    def _written(
+        self, batch: Batch, ids: list[str], texts: dict[str, FamilyText]
+    ) -> list[tuple[str, Filled]]:
+        """The batch's lines, per family in catalog order, from each family's templates."""
+        out = []
         for name, col in batch.columns.items():
-            text = texts.get(name)
-            if text is None:
-                text = texts[name] = self._family_text(name)
-            lines.append((name, text.pieces(col, n)))
-        names = [name for name, _ in lines]
-        per_collector: Iterable[tuple[bytes, ...]] = (
-            zip(*[p for _, p in lines], strict=True) if lines else repeat((), n)
-        )
-        return [
-            Chunk(dict(zip(names, t, strict=True)), sums, claims, clean)
-            for t, sums, claims, clean in zip(
-                per_collector, batch.sums, batch.claims, batch.clean, strict=True
-            )
-        ]
+            family = texts.get(name)
+            if family is None:
+                family = texts[name] = self._family_text(name)
+            out.append((name, family.fill(col, ids)))
+        return out
 
 
 def _clashes(cs: list[Chunk]) -> list[int]:

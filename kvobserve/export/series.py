@@ -182,6 +182,7 @@ class _Row:
         self.key = (src.key or names[-1]) if src.each or src.fixed else ""
         paths = dict(src.labels)
         self.item_labels = tuple((n, paths.get(n, "")) for n in names if n != self.key)
+        self.item_names = tuple(n for n, _ in self.item_labels)
         self.live = m.stale is False
         only = src.only
         self.only: Callable[[Any], object] | None = (
@@ -209,7 +210,7 @@ class _Row:
             mask = list(map(truth, map(self.only, items)))
             sel = mask if sel is None else [a and b for a, b in zip(sel, mask, strict=True)]
         shared = sel is None or sel is sc.live
-        cache = (tuple(n for n, _ in self.item_labels), sel is None)
+        cache = (self.item_names, sel is None)
         keys = sc.keys.get(cache) if shared else None
         at: list[int] | None = None
         if sel is not None:

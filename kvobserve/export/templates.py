@@ -1,15 +1,16 @@
-"""A family's lines from a template built for its series' labels: only the values are formatted.
+"""A family's lines from templates built for its series' labels: only the values are formatted.
 
 The lines of a family differ from one scrape to the next mostly in their values; which lines
-exist and their labels (the family's "shape") rarely change. So each family keeps, for the
-shape it last had, its lines with a `%s` per value, and a scrape formats the values (one
-`format_value` each, C-level `%`); a family whose values did not change keeps its bytes. The
-lines come per collector of the batch (export/scrape.py keeps them until its next snapshot).
+exist and their labels (the family's "shape") rarely change. So each family keeps, per
+collector, its lines for the shape they last had with a `%s` per value, and for the batch of
+collectors last written together those templates joined; a scrape formats the values (one
+`format_value` each, C-level `%`), and a family whose values did not change keeps its text.
 Byte for byte what prometheus_client writes for the same series (tests hold the two equal).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from prometheus_client.utils import floatToGoString
@@ -18,79 +19,138 @@ from kvobserve.export.exposition import cumulative, format_value, label_text
 from kvobserve.export.series import Column
 from kvobserve.wire.snapshot import Histogram
 
-_SEP = "\x00"  # between collectors in a template; a template whose labels hold one is cut apart
+_SEP = "\x00"  # between collectors in a batch's text; a label value holding one: cut apart
+
+
+class Filled:
+    """One family's lines over a batch of collectors: all of them, or each collector's."""
+
+    __slots__ = ("_pieces", "_text", "_whole")
+
+    def __init__(self, text: str | None, pieces: list[bytes] | None = None) -> None:
+        self._text = text  # the collectors' lines with _SEP between them
+        self._pieces = pieces
+        self._whole: bytes | None = None
+
+    @property
+    def whole(self) -> bytes:
+        """Every collector's lines, in batch order."""
+        if self._whole is None:
+            if self._text is not None:
+                self._whole = self._text.replace(_SEP, "").encode()
+            else:
+                self._whole = b"".join(self.pieces)
+        return self._whole
+
+    @property
+    def pieces(self) -> list[bytes]:
+        """Each collector's lines (b"" for none)."""
+        if self._pieces is None:
+            assert self._text is not None
+            self._pieces = list(map(str.encode, self._text.split(_SEP)))
+        return self._pieces
 
 
 class FamilyText:
-    """One family's lines over a batch of collectors, from a template kept for its shape."""
+    """One family's lines over batches of collectors, from templates kept for their shapes."""
 
-    __slots__ = ("_counts", "_last", "_shape", "_templates", "hist", "labelnames", "name")
+    __slots__ = ("_batch", "_counts", "_last", "_per", "_shape", "hist", "labelnames", "name")
 
     def __init__(self, name: str, labelnames: tuple[str, ...], hist: bool = False) -> None:
         self.name = name
         self.labelnames = labelnames
         self.hist = hist
-        self._shape: tuple[object, ...] | None = None
-        self._templates: list[str] = []  # one, with _SEP between collectors; else one each
-        self._counts: list[int] = []  # values per collector (with one template each)
-        self._last: tuple[list[Any], list[bytes]] | None = None
+        # collector -> its shape, template, values it takes, last values and their lines
+        self._per: dict[str, tuple[object, str, int, list[Any], bytes]] = {}
+        self._shape: tuple[object, ...] | None = None  # of the last batch
+        self._batch: list[str] = []  # its template: one, with _SEP between collectors; or one each
+        self._counts: list[int] = []  # values per template
+        self._last: tuple[list[Any], Filled] | None = None
 
-    def pieces(self, col: Column, n: int) -> list[bytes]:
-        """Each of the batch's `n` collectors' lines of this family (b"" for none)."""
+    def fill(self, col: Column, ids: list[str]) -> Filled:
+        """The lines of the batch of collectors `ids` (the Column's owners index them): from
+        the batch's template when the batch is the last one's shape (every collector changed
+        since the last scrape, the usual case), else collector by collector."""
         values = col.values
+        bounds = None
         if self.hist:
-            shape: tuple[object, ...] = (
-                n,
-                col.labels,
-                col.owner,
-                [(h.bounds, len(h.counts)) for h in values],
-            )
+            bounds = [(h.bounds, len(h.counts)) for h in values]
             values = _flat(values)
-        else:
-            shape = (n, col.labels, col.owner)
+        shape = (ids, col.labels, col.owner, bounds)
         if shape != self._shape:
-            self._build(col, n)
+            filled = self._by_collector(col, ids, values, bounds)
             self._shape = shape
-            self._last = None
         elif self._last is not None and self._last[0] == values:
             return self._last[1]
-        text = list(map(format_value, values))
-        if len(self._templates) == 1:
-            out = (self._templates[0] % tuple(text)).split(_SEP)
         else:
-            out, start = [], 0
-            for tmpl, k in zip(self._templates, self._counts, strict=True):
-                out.append(tmpl % tuple(text[start : start + k]))
-                start += k
-        pieces = list(map(str.encode, out))
-        self._last = (values, pieces)
-        return pieces
+            text = list(map(format_value, values))
+            if len(self._batch) == 1:
+                filled = Filled(self._batch[0] % tuple(text))
+            else:
+                out, start = [], 0
+                for tmpl, k in zip(self._batch, self._counts, strict=True):
+                    out.append((tmpl % tuple(text[start : start + k])).encode())
+                    start += k
+                filled = Filled(None, out)
+        self._last = (values, filled)
+        return filled
 
-    def _build(self, col: Column, n: int) -> None:
-        """The template of each collector's lines."""
-        parts: list[list[str]] = [[] for _ in range(n)]
-        counts = [0] * n
+    def forget(self, keep: set[str] | dict[str, Any]) -> None:
+        """Drop the templates of collectors not in `keep`."""
+        self._per = {k: v for k, v in self._per.items() if k in keep}
+
+    def _by_collector(
+        self, col: Column, ids: list[str], values: list[Any], bounds: list[Any] | None
+    ) -> Filled:
+        """Each collector's lines, from its template (made again where its shape changed; its
+        last lines where its values did not); and the batch's template for the next scrape."""
+        per = Counter(col.owner)  # each collector's series are consecutive
+        templates, counts, pieces = [], [], []
+        b = v = 0
+        fv = format_value
+        for j, cid in enumerate(ids):
+            a, b = b, b + per[j]
+            shape = (col.labels[a:b], None if bounds is None else bounds[a:b])
+            hit = self._per.get(cid)
+            if hit is None or hit[0] != shape:
+                tmpl, k = self._template(col.labels[a:b], col.values[a:b])
+            else:
+                tmpl, k = hit[1], hit[2]
+            mine = values[v : v + k]
+            v += k
+            if hit is not None and hit[0] == shape and hit[3] == mine:
+                piece = hit[4]
+            else:
+                piece = (tmpl % tuple(map(fv, mine))).encode()
+                self._per[cid] = (shape, tmpl, k, mine, piece)
+            templates.append(tmpl)
+            counts.append(k)
+            pieces.append(piece)
+        if any(_SEP in t for t in templates):
+            self._batch, self._counts = templates, counts
+        else:
+            self._batch, self._counts = [_SEP.join(templates)], [sum(counts)]
+        return Filled(None, pieces)
+
+    def _template(self, labels: list[tuple[str, ...]], values: list[Any]) -> tuple[str, int]:
+        """One collector's lines with `%s` for the values, and how many values they take."""
         name, names = self.name, self.labelnames
-        if self.hist:
-            le_names = (*names, "le")
-            for labels, h, o in zip(col.labels, col.values, col.owner, strict=True):
-                ls = label_text(names, labels).replace("%", "%%")
-                for bound in h.bounds[: len(h.counts)]:
-                    le = label_text(le_names, (*labels, floatToGoString(bound))).replace("%", "%%")
-                    parts[o].append(f"{name}_bucket{le} %s\n")
-                le = label_text(le_names, (*labels, "+Inf")).replace("%", "%%")
-                parts[o].append(f"{name}_bucket{le} %s\n{name}_count{ls} %s\n{name}_sum{ls} %s\n")
-                counts[o] += min(len(h.bounds), len(h.counts)) + 3
-        else:
-            for labels, o in zip(col.labels, col.owner, strict=True):
-                ls = label_text(names, labels).replace("%", "%%")
-                parts[o].append(f"{name}{ls} %s\n")
-                counts[o] += 1
-        texts = ["".join(p) for p in parts]
-        if any(_SEP in t for t in texts):
-            self._templates, self._counts = texts, counts
-        else:
-            self._templates, self._counts = [_SEP.join(texts)], [sum(counts)]
+        lines = []
+        if not self.hist:
+            for lab in labels:
+                lines.append(f"{name}{label_text(names, lab).replace('%', '%%')} %s\n")
+            return "".join(lines), len(labels)
+        le_names = (*names, "le")
+        k = 0
+        for lab, h in zip(labels, values, strict=True):
+            ls = label_text(names, lab).replace("%", "%%")
+            for bound in h.bounds[: len(h.counts)]:
+                le = label_text(le_names, (*lab, floatToGoString(bound))).replace("%", "%%")
+                lines.append(f"{name}_bucket{le} %s\n")
+            le = label_text(le_names, (*lab, "+Inf")).replace("%", "%%")
+            lines.append(f"{name}_bucket{le} %s\n{name}_count{ls} %s\n{name}_sum{ls} %s\n")
+            k += min(len(h.bounds), len(h.counts)) + 3
+        return "".join(lines), k
 
 
 def _flat(hs: list[Histogram]) -> list[Any]:

@@ -180,3 +180,33 @@ def test_templates_follow_shape_changes_and_keep_percent_signs() -> None:
     assert b'endpoint="tcp://h:1/%s%%d"' in body and b'medium="CPU%"' in body
     check(cache, state.view(NOW + 100), True)  # every collector stale: gauges go
     check(ScrapeCache(), state.view(NOW), False)  # templates built afresh: the same bytes
+
+
+def test_gzip_of_whole_families_as_every_collector_changes() -> None:
+    # Every collector new each time: one deflate segment per family, kept for the families
+    # whose lines did not change (the gauges here) and made again for the others.
+    now = time.time()
+    fs = synthetic(8, 3, now)
+    cache = ScrapeCache()
+    for seq in (4, 5, 6):
+        for c in range(8):
+            fs.update(scale.synthetic_snapshot(c, 8, seq, now + seq), now + seq)
+        view = fs.view(now + seq)
+        packed = cache.render(view, EXTRA, encoder(False), False, gzip=True)
+        assert gzip.decompress(packed) == reference(view, Detail(), False)
+
+
+def test_label_values_with_a_nul_are_written_as_prometheus_client_does() -> None:
+    # A collector's lines are cut apart at NUL characters when a template serves several
+    # collectors: a label value holding one takes the template per collector instead.
+    state = rich_state()
+    snap = state.snapshot("node-0")
+    assert snap is not None
+    odd = msgspec.structs.replace(snap.streams[0], endpoint="tcp://h:1/\x00x", topic="\x00")
+    state.update(
+        msgspec.structs.replace(snap, seq=snap.seq + 1, streams=[odd, *snap.streams[1:]]), NOW
+    )
+    cache = ScrapeCache()
+    body = check(cache, state.view(NOW), False)
+    assert b'endpoint="tcp://h:1/\x00x"' in body
+    check(cache, state.view(NOW), True)
