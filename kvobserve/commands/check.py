@@ -12,6 +12,7 @@ import json
 import sys
 from typing import Any
 
+from kvobserve.analysis.layout import ranged
 from kvobserve.commands.check_probe import Found, probe_all
 from kvobserve.commands.common import fail, load
 from kvobserve.config import (
@@ -124,19 +125,6 @@ def _print_pods(p: dict[str, Any]) -> None:
         print(f"   {mark}{x['name']:<40} {x['ip'] or '-':<16} {state}")
 
 
-def _ranged(ranks: list[int]) -> str:
-    """`0-3`, `5`, `0-1, 4` or `none`."""
-    if not ranks:
-        return "none"
-    runs: list[list[int]] = []
-    for r in sorted(ranks):
-        if runs and r == runs[-1][-1] + 1:
-            runs[-1].append(r)
-        else:
-            runs.append([r])
-    return ", ".join(str(x[0]) if len(x) == 1 else f"{x[0]}-{x[-1]}" for x in runs)
-
-
 _STREAM_KEYS = ("dp_rank", "endpoint", "replay_endpoint", "topic")
 _SCOPES = {"node": "this node's engine", "leader": "leader", "rank": "rank"}
 
@@ -166,6 +154,8 @@ def plan_json(p: WorkerPlan) -> dict[str, Any]:
             for s in p.streams
         ],
         "watched_ranks": list(p.watched_ranks),
+        # ranks the config gives this node that the engine runs elsewhere (or not at all)
+        "elsewhere": list(p.elsewhere),
         "probe_endpoints": [s.endpoint for s in p.probes],
         "scheduler_sources": [
             {
@@ -280,6 +270,8 @@ def _print_text(cfg: Config, plans: list[dict[str, Any]], listens: dict[str, str
         print(f"  {'dp_rank':<8} {'node':<5} {'endpoint':<32} {'replay':<32} topic")
         others: dict[int, list[int]] = {}
         for s in p["streams"]:
+            if s["dp_rank"] in p["elsewhere"]:
+                continue
             if not s["watched"]:
                 others.setdefault(s["node_rank"], []).append(s["dp_rank"])
                 continue
@@ -289,8 +281,13 @@ def _print_text(cfg: Config, plans: list[dict[str, Any]], listens: dict[str, str
                 f" {s['topic']!r}"
             )
         for node, ranks in sorted(others.items()):
-            print(f"  {_ranged(ranks):<8} {node:<5} (node {node}'s collector connects to these)")
-        print(f"  ranks watched by this node (*): {_ranged(p['watched_ranks'])}")
+            print(f"  {ranged(ranks):<8} {node:<5} (node {node}'s collector connects to these)")
+        if p["elsewhere"]:
+            print(
+                f"  {ranged(p['elsewhere']):<8} {'-':<5} (not watched: the engine does not run "
+                "them on this node)"
+            )
+        print(f"  ranks watched by this node (*): {ranged(p['watched_ranks'])}")
         print(f"  probe endpoints: {', '.join(p['probe_endpoints']) or 'none'}")
         sched = p["scheduler_sources"]
         print("  scheduler sources:" + ("" if sched else " none"))

@@ -199,6 +199,12 @@ class WorkerInfo(Struct, omit_defaults=True, gc=False):
     ranks_owned: list[int] = []
     leader: bool = False
     capacity_tokens: int = 0  # configured; 0 = take it from scheduler metrics
+    # Whether this collector can watch the worker as configured (docs/collector.md "Worker
+    # states"): undiscovered, layout_mismatch, watching; "" = an older collector.
+    state: str = ""
+    reason: str = ""  # one line: "connection refused at http://10.0.0.5:30000/server_info"
+    since: float = 0.0  # wall-clock time the state began
+    elsewhere: list[int] = []  # ranks the config gives this node that its engine does not run
 
 
 class DynamoStreamStats(Struct, omit_defaults=True, gc=False):
