@@ -54,6 +54,7 @@ from kvobserve.wire.snapshot import (
     Snapshot,
     SourceErrors,
     SourceState,
+    WorkerInfo,
     encode_snapshot,
 )
 
@@ -116,6 +117,8 @@ class Collector:
         self.plans: list[WorkerPlan] = []
         self.scheduler: dict[str, SchedulerSources] = {}
         self._rediscovery: list[Rediscovery] = []
+        self._again: dict[str, Rediscovery] = {}  # by worker id
+        self._worker_health: dict[str, Health] = {}  # by worker id: its state (worker_state)
         self._found: dict[str, DiscoveredEngine] = {}
         # [worker.kubernetes] workers: their pod watches (PodWatch options, e.g. for tests)
         self._pod_watch_options = pod_watch or {}
@@ -131,15 +134,20 @@ class Collector:
 
     async def start(self) -> None:
         """Discover, open the streams, start the scheduler sources and the snapshot loop."""
-        for w in self.cfg.workers:
-            if not w.urls:
-                continue
+        todo = [w for w in self.cfg.workers if w.urls]
+        # every worker at once: one engine that does not answer delays no other worker
+        got = await asyncio.gather(
+            *(discover_urls(w.urls, w.engine) for w in todo), return_exceptions=True
+        )
+        for w, found in zip(todo, got, strict=True):
             failed: DiscoveryError | None = None
-            try:
-                self._found[w.id] = await discover_urls(w.urls, w.engine)
-            except DiscoveryError as exc:  # not up yet: configured endpoints, rediscovery later
-                log.warning("%s", exc)
-                failed = exc
+            if isinstance(found, DiscoveryError):  # not up yet: configured endpoints, rediscovery
+                log.warning("%s", found)
+                failed = found
+            elif isinstance(found, BaseException):
+                raise found
+            else:
+                self._found[w.id] = found
             again = Rediscovery(
                 w.urls,
                 w.engine,
@@ -149,6 +157,7 @@ class Collector:
             )
             again.last_error = failed  # logged once: the next polls log only a different error
             self._rediscovery.append(again)
+            self._again[w.id] = again
         self.ingest = IngestLoop(self._replan(), self._ingest_options, events=self.events)
         self.ingest.start()
         await self._sync_scheduler()
@@ -319,7 +328,7 @@ class Collector:
                     passthrough.append(fam)
         if self._passthrough_refused:
             refused["passthrough_samples"] = self._passthrough_refused
-        streams, workers = ingest.streams, [p.info() for p in self.plans]
+        streams, workers = ingest.streams, self._worker_infos()
         dynamo: dict[str, Any] = {}
         if self.dynamo is not None:
             dyn = await asyncio.wrap_future(self.dynamo.stats())
@@ -356,6 +365,43 @@ class Collector:
             events=self.events.recent(),
         )
 
+    def _worker_infos(self) -> list[WorkerInfo]:
+        """Every planned worker with its state now (docs/collector.md "Worker states")."""
+        now = self._clock()
+        out = []
+        for p in self.plans:
+            state, reason = self._worker_state(p)
+            wid = p.worker.id
+            h = self._worker_health.get(wid)
+            if h is None:
+                h = self._worker_health[wid] = Health("", "", "", now, self._worker_changed(wid))
+            h.set(state, reason, now)
+            out.append(p.info(h.state, h.reason, h.since))
+        return out
+
+    def _worker_state(self, p: WorkerPlan) -> tuple[str, str]:
+        """(state, reason) of one worker: undiscovered, layout_mismatch or watching."""
+        again = self._again.get(p.worker.id)
+        err = again.last_error if again is not None else None
+        if not p.streams:
+            why = err.reason if err else f"no KV-event stream advertised by {p.worker.url}"
+            return "undiscovered", why
+        if p.misplaced:
+            return "layout_mismatch", "; ".join(m.text for m in p.mismatches)
+        reason = f"{len(p.watched_ranks)} of {p.dp_size} ranks on this node"
+        return "watching", reason + (f"; discovery fails now: {err.reason}" if err else "")
+
+    def _worker_changed(self, worker_id: str) -> Callable[[Health, str], None]:
+        def changed(h: Health, before: str) -> None:
+            if h.state == "watching" and before in ("", "watching"):
+                return  # the normal start is no news
+            level = logging.INFO if h.state == "watching" else logging.WARNING
+            log.log(level, "worker %s: %s: %s", worker_id, h.state, h.reason)
+            msg = f"{before} -> {h.state}: {h.reason}" if before else f"{h.state}: {h.reason}"
+            self.events.add("worker", msg, worker_id=worker_id, at=h.since)
+
+        return changed
+
     def _source_states(self) -> list[SourceState]:
         out = []
         for wid, watch in self.pod_watches.items():  # the selector's own state, pods or none
@@ -363,6 +409,7 @@ class Collector:
             n = watch.watch_events_total + watch.lists_total
             out.append(SourceState(wid, "kubernetes", watch.where, h.state, h.reason, h.since, n))
         for wid, src in self.scheduler.items():
+            src.check_silence()  # a source that stopped sending is down, not "up: receiving"
             for s in src.sources:
                 h = s.health
                 where = ", ".join(s.endpoints)
