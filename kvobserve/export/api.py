@@ -134,6 +134,19 @@ def fleet_json(v: FleetView) -> Json:
         }
         for c in v.collectors
     ]
+    states: dict[str, list[Json]] = {}  # what each live collector says about the worker
+    for wi, info in v.workers:
+        if wi.state:  # "": an older collector
+            states.setdefault(wi.worker_id, []).append(
+                {
+                    "collector": info.collector_id,
+                    "node_rank": info.node_rank,
+                    "state": wi.state,
+                    "reason": wi.reason,
+                    "since": _t(wi.since),
+                    "elsewhere": list(wi.elsewhere),
+                }
+            )
     workers = []
     for w_id in sorted(v.dp_size.keys() | v.leaders.keys()):
         size = v.dp_size.get(w_id, 0)
@@ -144,6 +157,7 @@ def fleet_json(v: FleetView) -> Json:
                 "dp_size": size,
                 "leaders": list(v.leaders.get(w_id, [])),
                 "owners": {str(r): list(v.owners[(w_id, r)]) for r in ranks},
+                "states": states.get(w_id, []),
             }
         )
     sources = [

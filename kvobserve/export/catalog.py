@@ -262,6 +262,16 @@ CATALOG: tuple[MetricDef, ...] = (
        per="worker"),
     _d("kvobserve_worker_leaders", "gauge", ("worker_id",),
        "Live collectors reading the worker's scheduler metrics (should be 1).", per="worker"),
+    _d("kvobserve_worker_state", "gauge", ("worker_id", "node_rank", "collector", "state"),
+       "1 while a live collector cannot watch a configured worker, by state: undiscovered (no "
+       "KV-event stream known: discovery failed or answered nothing usable), layout_mismatch "
+       "(the engine's own layout contradicts the config); served only then, the reason is in "
+       "/api/v1/fleet.", stale=False, per="fault"),
+    _d("kvobserve_scheduler_source_state", "gauge",
+       ("worker_id", "node_rank", "collector", "source", "state"),
+       "1 while a scheduler source of a live collector delivers nothing, by state: down (it "
+       "failed, or a heartbeat source sent nothing for 10 intervals), undecodable; served only "
+       "then, the reason is in /api/v1/fleet.", stale=False, per="fault"),
     # collectors
     _d("kvobserve_collector_up", "gauge", ("collector", "node_rank", "hostname"),
        "1 while the collector's snapshots arrive; 0 after 3 silent intervals.", per="collector"),

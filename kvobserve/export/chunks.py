@@ -18,7 +18,7 @@ from kvobserve.export import cache
 from kvobserve.export import templates as templates_mod
 from kvobserve.export.exposition import TextFamilies, _escape, format_value
 from kvobserve.export.rollup import COUNTER_LABEL, LIFETIME, WorkerSums
-from kvobserve.export.samples import EVENT_TYPES, SCHEDULER_FIELDS, Detail, Group
+from kvobserve.export.samples import EVENT_TYPES, SCHEDULER_FIELDS, Detail, Group, configured
 
 Claims = frozenset[tuple[str, ...]]
 
@@ -151,6 +151,7 @@ def render(
         text[LIFETIME] = "".join(hist.lines[LIFETIME]).encode()
     own = TextFamilies()  # few lines: the reference writer's own, so the bytes agree
     cache.collector_samples(own, c, g.streams, sums, detail.counters, detail.shard)
+    configured(own, c)
     text.update(own.chunks())
     return Chunk(text, sums, cl)
 

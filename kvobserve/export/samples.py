@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvobserve import __version__
+from kvobserve.analysis.conditions import SOURCE_DOWN, WORKER_TROUBLE
 from kvobserve.analysis.fleet import CollectorView, FleetView, StreamView
 from kvobserve.export import cache
 from kvobserve.export.exposition import Sink
@@ -156,6 +157,24 @@ def collector(f: Sink, c: CollectorView, g: Group, sums: WorkerSums, detail: Det
             if val is not None:
                 f.add(name, lb, val)
     cache.collector_samples(f, c, g.streams, sums, detail.counters, detail.shard)
+    configured(f, c)
+
+
+def configured(f: Sink, c: CollectorView) -> None:
+    """The workers and scheduler sources a live collector cannot watch (served only then)."""
+    if not c.up:
+        return  # a gone collector's gauges leave with it
+    cid, node = c.info.collector_id, str(c.info.node_rank)
+    for w in c.snapshot.workers:
+        if w.state in WORKER_TROUBLE:
+            lb = {"worker_id": w.worker_id, "node_rank": node, "collector": cid, "state": w.state}
+            f.add("kvobserve_worker_state", lb, 1)
+    for s in c.snapshot.sources:
+        if s.state in SOURCE_DOWN:
+            lb = {"worker_id": s.worker_id, "node_rank": node, "collector": cid}
+            f.add(
+                "kvobserve_scheduler_source_state", {**lb, "source": s.source, "state": s.state}, 1
+            )
 
 
 def _counter(
