@@ -171,13 +171,15 @@ def configured(v: FleetView) -> Iterable[Condition]:
     """Configured workers and scheduler sources a live collector cannot watch (docs/collector.md
     "Worker states"): one condition per worker and collector, not one per rank."""
     for w, info in v.workers:
+        if w.state not in WORKER_TROUBLE:
+            continue
         where = labels(worker_id=w.worker_id, node_rank=info.node_rank, collector=info.collector_id)
         on = f"{w.worker_id} on {info.collector_id}"
         if w.state == "undiscovered":
             yield Condition.of(
                 "worker_undiscovered", where, f"{on}: undiscovered: {w.reason}", w.since
             )
-        elif w.state == MISMATCH:
+        else:
             left = (
                 f" (ranks {ranged(w.elsewhere)} are not watched here: the engine does not run them "
                 "on this node)"
