@@ -32,9 +32,9 @@ from kvobserve.wire.scheduler import (
 
 Clock = Callable[[], float]
 # A side channel silent for this many snapshot intervals (at least MIN_SILENT_S) is down: the
-# load and FPM publishers send at least once a second while their engine runs, idle or not,
-# and the scrape runs every interval, so ten missed in a row is no jitter (a long prefill
-# delays a heartbeat by a second or two) and a dead engine still shows within 10 s by default.
+# load and FPM publishers send at least once a second while their engine runs, idle or not, so
+# ten missed in a row is no jitter (a long prefill delays a heartbeat by a second or two) and a
+# dead engine still shows within 10 s by default. (The scrape needs none: each poll says.)
 SILENT_INTERVALS = 10
 MIN_SILENT_S = 3.0  # short intervals (tests) must not call a 1 s heartbeat silent
 
