@@ -26,7 +26,8 @@ def free_port_range(
     """
     hosts = [host] if isinstance(host, str) else list(host)
     for _ in range(attempts):
-        base = _rng.randrange(20000, 60000 - count)
+        # below the kernel's ephemeral range (32768-60999), which outgoing connections take
+        base = _rng.randrange(20000, 32768 - count)
         if any(abs(base - other) < count for other in avoid):
             continue
         socks: list[socket.socket] = []
