@@ -34,7 +34,7 @@ from kvobserve.sources.health import OK_STATES, Health
 from kvobserve.sources.ingest_options import IngestOptions
 from kvobserve.sources.kv_stream import IngestLoop
 from kvobserve.sources.passthrough import relabel
-from kvobserve.sources.plan import SchedulerSpec, StreamSpec, WorkerPlan, plan_worker
+from kvobserve.sources.plan import ListenSpec, SchedulerSpec, StreamSpec, WorkerPlan, plan_worker
 from kvobserve.sources.scheduler import SchedulerSources, SchedulerValues
 from kvobserve.sources.stream_events import RecentEvents
 from kvobserve.wire.parts import split_parts
@@ -47,6 +47,7 @@ from kvobserve.wire.snapshot import (
     Snapshot,
     SourceErrors,
     SourceState,
+    WorkerInfo,
     encode_snapshot,
 )
 
@@ -138,7 +139,9 @@ class Collector:
             )
             again.last_error = failed  # logged once: the next polls log only a different error
             self._rediscovery.append(again)
-        self.ingest = IngestLoop(self._replan(), self._ingest_options, events=self.events)
+        specs = self._replan()
+        self.ingest = IngestLoop(specs, self._ingest_options, events=self.events,
+                                 listens=self._listens())  # fmt: skip
         self.ingest.start()
         await self._sync_scheduler()
         for r in self._rediscovery:
@@ -177,6 +180,10 @@ class Collector:
         ]
         return [s for p in self.plans for s in p.watched]
 
+    def _listens(self) -> list[ListenSpec]:
+        """The endpoints this collector binds (bind mode), as the last _replan() planned."""
+        return [x for p in self.plans for x in p.listens]
+
     async def _sync_scheduler(self) -> None:
         """Start the scheduler sources of every plan; restart a worker's when its plan changed."""
         for plan in self.plans:
@@ -213,7 +220,7 @@ class Collector:
         self._found[worker_id] = new
         specs = self._replan()
         if self.ingest is not None:
-            self.ingest.set_specs(specs)
+            self.ingest.set_specs(specs, self._listens())
         await self._sync_scheduler()
         log.info("endpoints of %s changed; now watching %d streams", new.url, len(specs))
 
@@ -274,7 +281,7 @@ class Collector:
                     passthrough.append(fam)
         if self._passthrough_refused:
             refused["passthrough_samples"] = self._passthrough_refused
-        streams, workers = ingest.streams, [p.info() for p in self.plans]
+        streams, workers = ingest.streams, self._workers(ingest.pods)
         dynamo: dict[str, Any] = {}
         if self.dynamo is not None:
             dyn = await asyncio.wrap_future(self.dynamo.stats())
@@ -300,6 +307,7 @@ class Collector:
             passthrough=passthrough,
             refused=refused,
             placement=ingest.placement,
+            binds=ingest.binds,
             counters=CollectorCounters(
                 ingest.messages_received,
                 ingest.loop_errors,
@@ -310,6 +318,20 @@ class Collector:
             sources=self._source_states(),
             events=self.events.recent(),
         )
+
+    def _workers(self, pods: dict[str, list[str]]) -> list[WorkerInfo]:
+        """What the snapshot declares: each planned worker, or with a topic template each of
+        its pods that sent (every rank of a pod is bound here)."""
+        out = []
+        for p in self.plans:
+            if not p.pods:
+                out.append(p.info())
+                continue
+            w = p.worker
+            for pod in pods.get(w.id, ()):
+                ranks = list(p.watched_ranks)
+                out.append(WorkerInfo(pod, w.engine, p.dp_size, ranks, w.leader, w.capacity_tokens))
+        return out
 
     def _source_states(self) -> list[SourceState]:
         out = []

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from kvobserve import __version__
 from kvobserve.analysis.fleet import CollectorView, FleetView, StreamView
-from kvobserve.export import cache
+from kvobserve.export import binds, cache
 from kvobserve.export.exposition import Sink
 from kvobserve.export.rollup import COUNTER_LABEL, LIFETIME, WorkerSums
 from kvobserve.wire.snapshot import SchedulerStats, UnexpectedStream
@@ -152,6 +152,7 @@ def collector(f: Sink, c: CollectorView, g: Group, sums: WorkerSums, detail: Det
             if val is not None:
                 f.add(name, lb, val)
     cache.collector_samples(f, c, g.streams, sums, detail.counters, detail.shard)
+    binds.collector_samples(f, c)
 
 
 def _counter(
