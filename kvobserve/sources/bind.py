@@ -21,16 +21,17 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from kvobserve.config.bind import fill_replay
 from kvobserve.sources.health import Health
+from kvobserve.sources.ingest_options import IngestOptions
 from kvobserve.sources.plan import ListenSpec, StreamSpec
 from kvobserve.sources.relay import TARGET_EVENTS, Lane, Relay, RelayLink, target_socket
 from kvobserve.sources.stream_events import RecentEvents
 from kvobserve.sources.stream_state import WatchedStream
 from kvobserve.wire.snapshot import BindStats, RelayStats
 
-RETRY_BIND_S = 10.0  # a bind that failed (address in use) is tried again this often
 MAX_ROUTES = 65_536  # topics remembered per endpoint; past it the table starts again
 LISTEN_EVENTS = (
     zmq.EVENT_LISTENING
@@ -101,13 +102,15 @@ class Listener:
     def open(
         self,
         ctx: zmq.Context[zmq.Socket[bytes]],
-        rcvhwm: int,
+        options: IngestOptions,
         relay: Callable[[], Relay],
         events: RecentEvents,
         now: float,
         wall: float,
     ) -> bool:
-        """Bind (and start relaying); False when the bind failed (the state says why)."""
+        """Bind (and start relaying); False when the bind failed (the state says why, and
+        the ingest loop tries again after `options.rebind_s`)."""
+        rcvhwm = options.rcvhwm
         spec = self.spec
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
@@ -117,11 +120,14 @@ class Listener:
         try:
             sub.bind(spec.endpoint)
         except zmq.ZMQError as exc:
+            errno = _bind_errno(mon, exc.errno)
             sub.disable_monitor()
             mon.close(linger=0)
             sub.close(linger=0)
-            self.retry_at = now + RETRY_BIND_S
-            reason = f"cannot bind {spec.endpoint}: {exc.strerror}; trying again every {RETRY_BIND_S:.0f} s"
+            self.retry_at = now + options.rebind_s
+            every = f"{options.rebind_s:g}"
+            why = zmq.strerror(errno)
+            reason = f"cannot bind {spec.endpoint}: {why}; trying again every {every} s"
             self._set("bind_failed", reason, now, wall)
             return False
         self.sub, self.monitor, self.inbox = sub, mon, sub
@@ -262,3 +268,13 @@ class Listener:
             s.worker_id, s.dp_rank, s.endpoint, s.topic, h.state, h.reason, h.since,
             len(self.peers), self.messages, dict(self.skipped), self.skip_reason, streams, relay,
         )  # fmt: skip
+
+
+def _bind_errno(mon: zmq.Socket[bytes], errno: int) -> int:
+    """Why a bind failed: libzmq's BIND_FAILED monitor event has the errno, which its own
+    sending of that event can overwrite (EAGAIN) before zmq_bind returns."""
+    if mon.poll(0):
+        msg = parse_monitor_message(mon.recv_multipart())
+        if int(msg["event"]) == zmq.EVENT_BIND_FAILED:
+            return int(msg["value"])
+    return errno

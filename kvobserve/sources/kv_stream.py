@@ -459,7 +459,7 @@ class IngestLoop:
             self._bind(lst, now, wall)
 
     def _bind(self, lst: Listener, now: float, wall: float) -> None:
-        if not lst.open(self._ctx, self.options.rcvhwm, self._relay_thread, self.events, now, wall):
+        if not lst.open(self._ctx, self.options, self._relay_thread, self.events, now, wall):
             return
         assert lst.inbox is not None and lst.monitor is not None
         self._by_inbox[lst.inbox] = lst

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 DRAIN_LIMIT = 512  # frames taken from one bound SUB per poll round
 POLL_MS = 100  # how long a command (adopt, close) may wait
-_RCVMORE = int(zmq.RCVMORE)
+_RCVMORE, _EVENTS, _POLLIN = int(zmq.RCVMORE), int(zmq.EVENTS), int(zmq.POLLIN)
 TARGET_EVENTS = (
     zmq.EVENT_CONNECTED
     | zmq.EVENT_CONNECT_DELAYED
@@ -243,7 +243,7 @@ class Relay:
     def _forward(self, lane: Lane) -> None:
         """Forward what waits on the bound SUB, then hand it to the ingest thread."""
         recv, more = lane.sub.recv, lane.sub.get
-        send, hand = lane.xpub.send_multipart, lane.push.send_multipart
+        send, hand, events = lane.xpub.send_multipart, lane.push.send_multipart, lane.xpub.get
         link = lane.link
         for _ in range(DRAIN_LIMIT):
             try:
@@ -252,6 +252,10 @@ class Relay:
                 break
             while more(_RCVMORE):
                 frames.append(recv(zmq.NOBLOCK))
+            if events(_EVENTS) & _POLLIN:
+                # the target's (un)subscription first: a send after its connection ended is
+                # dropped by the XPUB without a word (reading EVENTS also makes libzmq notice)
+                self._subscriptions(lane)
             subs = link.subs
             if not subs:
                 link.drop("no_target", self._wall())
