@@ -120,7 +120,7 @@ class Listener:
         try:
             sub.bind(spec.endpoint)
         except zmq.ZMQError as exc:
-            errno = _bind_errno(mon, exc.errno)
+            errno = _bind_errno(mon, exc.errno or 0)
             sub.disable_monitor()
             mon.close(linger=0)
             sub.close(linger=0)

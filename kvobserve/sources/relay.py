@@ -252,7 +252,7 @@ class Relay:
                 break
             while more(_RCVMORE):
                 frames.append(recv(zmq.NOBLOCK))
-            if events(_EVENTS) & _POLLIN:
+            if int(events(_EVENTS)) & _POLLIN:
                 # the target's (un)subscription first: a send after its connection ended is
                 # dropped by the XPUB without a word (reading EVENTS also makes libzmq notice)
                 self._subscriptions(lane)

@@ -131,6 +131,16 @@ def _relay(snap: Snapshot) -> BindStats:
     return b
 
 
+def _relay_is(state: str, no_target_over: int = -1) -> Callable[[Snapshot], bool]:
+    """A snapshot predicate: the relay is in `state` (having dropped more than so many)."""
+
+    def pred(snap: Snapshot) -> bool:
+        r = _relay(snap).relay
+        return r is not None and r.state == state and r.dropped.get("no_target", 0) > no_target_over
+
+    return pred
+
+
 async def _until(pred: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
     end = time.monotonic() + timeout_s
     while not pred():
@@ -160,7 +170,7 @@ async def test_llm_d_central_mode_relayed_to_the_scheduler(sims: Sims) -> None:
     )  # fmt: skip
     try:
         async with running_collector(cfg) as col:
-            await wait_snapshot(col, lambda s: _relay(s).relay.state == "up", what="relay up")  # type: ignore[union-attr]
+            await wait_snapshot(col, _relay_is("up"), what="relay up")
             pods = [
                 sims.start(
                     SimConfig(
@@ -219,7 +229,7 @@ async def _pods_restart_and_the_scheduler_goes_away(
     assert f"frames not forwarded to {scheduler.endpoint} (no_target " in cond.description
     assert all(s.lost == 0 and s.up for s in away.streams), describe(away)  # nothing lost here
     scheduler.open()
-    await wait_snapshot(col, lambda s: _relay(s).relay.state == "up", what="relay up again")  # type: ignore[union-attr]
+    await wait_snapshot(col, _relay_is("up"), what="relay up again")
     # every engine done, every batch applied (the dropped one by replay)
     done = [BATCHES, BATCHES, None, BATCHES]
     await _until(
