@@ -212,12 +212,7 @@ async def _pods_restart_and_the_scheduler_goes_away(
     await wait_snapshot(col, lambda s: stream(s, 0, ids[RESTARTED]).restarts == 1, what="restart")
     scheduler.close()
     away = await wait_snapshot(
-        col,
-        lambda s: (
-            _relay(s).relay.state == "connecting"  # type: ignore[union-attr]
-            and _relay(s).relay.dropped.get("no_target", 0) > 100
-        ),  # type: ignore[union-attr]
-        what="relay reports its target gone, and drops",
+        col, _relay_is("connecting", 100), what="relay reports its target gone, and drops"
     )
     relay = _relay(away).relay
     assert relay is not None
