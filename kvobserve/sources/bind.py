@@ -12,37 +12,26 @@ costs one dict lookup per message.
 
 The bound SUB subscribes to everything (a relay must forward every frame, and a topic that does
 not fit is then seen, counted and named instead of filtered out unseen). Its socket monitor
-counts the connections. With `relay_to` the SUB and the downstream socket belong to the relay
-thread (sources/relay.py) and the ingest thread reads what it hands over (`inbox`).
+counts the connections. With `relay_to` the relay process binds it (sources/relay.py), and the
+ingest thread reads what the relay hands over (`inbox`) and learns the rest from its statuses.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Any
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from kvobserve.config.bind import fill_replay
 from kvobserve.sources.health import Health
 from kvobserve.sources.ingest_options import IngestOptions
 from kvobserve.sources.plan import ListenSpec, StreamSpec
-from kvobserve.sources.relay import TARGET_EVENTS, Lane, Relay, RelayLink, target_socket
+from kvobserve.sources.relay import LISTEN_EVENTS, Relay, bind_error, bound_sub, count_peers
 from kvobserve.sources.stream_events import RecentEvents
 from kvobserve.sources.stream_state import WatchedStream
 from kvobserve.wire.snapshot import BindStats, RelayStats
 
 MAX_ROUTES = 65_536  # topics remembered per endpoint; past it the table starts again
-LISTEN_EVENTS = (
-    zmq.EVENT_LISTENING
-    | zmq.EVENT_BIND_FAILED
-    | zmq.EVENT_ACCEPTED
-    | zmq.EVENT_ACCEPT_FAILED
-    | zmq.EVENT_DISCONNECTED
-    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-)
 Key = tuple[str, int]
 
 
@@ -50,7 +39,6 @@ class Listener:
     """One bound endpoint (one rank of a bind-mode worker)."""
 
     __slots__ = (
-        "_inproc",
         "health",
         "inbox",
         "lane",
@@ -58,6 +46,9 @@ class Listener:
         "monitor",
         "peers",
         "pods",
+        "publishers",
+        "relay",
+        "relay_health",
         "retry_at",
         "routes",
         "skip_reason",
@@ -65,7 +56,6 @@ class Listener:
         "skips",
         "spec",
         "stream",
-        "sub",
         "template",
         "wrong_topics",
     )
@@ -75,12 +65,13 @@ class Listener:
         self.template = spec.template
         name = f"bound endpoint {spec.worker_id} rank {spec.dp_rank} ({spec.endpoint})"
         self.health = Health(name, "starting", f"binding {spec.endpoint}", wall)
-        self.sub: zmq.Socket[bytes] | None = None  # the bound SUB (the relay's when relaying)
         self.inbox: zmq.Socket[bytes] | None = None  # what the ingest thread drains
-        self.monitor: zmq.Socket[bytes] | None = None
-        self.lane: Lane | None = None
-        self._inproc = f"inproc://kvobserve-relay-{id(self):x}"
-        self.peers: set[int] = set()  # connections open now (their fds)
+        self.monitor: zmq.Socket[bytes] | None = None  # the bound SUB's (not when relayed)
+        self.lane: int | None = None  # relayed: the relay process's lane
+        self.relay: dict[str, Any] | None = None  # relayed: the relay's last status
+        self.relay_health: Health | None = None
+        self.peers: set[int] = set()  # connections open now (their fds; not when relayed)
+        self.publishers = 0
         self.routes: dict[bytes, WatchedStream] = {}  # topic frame -> the stream it feeds
         self.skips: dict[bytes, str] = {}  # topic frame -> why no stream takes it
         self.skipped: dict[str, int] = {}
@@ -96,117 +87,98 @@ class Listener:
             events.add("bind", msg, worker_id=spec.worker_id, dp_rank=spec.dp_rank, at=h.since)
 
         self.health.on_change = changed
+        if spec.relay_to is not None:
+            rname = f"relay {spec.worker_id} rank {spec.dp_rank} to {spec.relay_to}"
+            self.relay_health = Health(rname, "connecting", f"connecting to {spec.relay_to}", wall)
+
+            def relay_changed(h: Health, before: str) -> None:
+                msg = f"relay to {spec.relay_to}: {before} -> {h.state}: {h.reason}"
+                events.add("relay", msg, worker_id=spec.worker_id, dp_rank=spec.dp_rank, at=h.since)
+
+            self.relay_health.on_change = relay_changed
 
     # --- sockets (ingest thread) --------------------------------------------------------------
 
     def open(
-        self,
-        ctx: zmq.Context[zmq.Socket[bytes]],
-        options: IngestOptions,
-        relay: Callable[[], Relay],
-        events: RecentEvents,
-        now: float,
-        wall: float,
+        self, ctx: zmq.Context[zmq.Socket[bytes]], options: IngestOptions, now: float, wall: float
     ) -> bool:
-        """Bind (and start relaying); False when the bind failed (the state says why, and
-        the ingest loop tries again after `options.rebind_s`)."""
-        rcvhwm = options.rcvhwm
+        """Bind; False when the bind failed (the state says why; the ingest loop tries again
+        after `options.rebind_s`)."""
         spec = self.spec
-        sub = ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.RCVHWM, rcvhwm)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub = bound_sub(ctx, options.rcvhwm)
         mon = sub.get_monitor_socket(LISTEN_EVENTS)
         try:
             sub.bind(spec.endpoint)
         except zmq.ZMQError as exc:
-            errno = _bind_errno(mon, exc.errno or 0)
+            reason = bind_error(mon, exc, spec.endpoint, options.rebind_s)
             sub.disable_monitor()
             mon.close(linger=0)
             sub.close(linger=0)
             self.retry_at = now + options.rebind_s
-            every = f"{options.rebind_s:g}"
-            why = zmq.strerror(errno)
-            reason = f"cannot bind {spec.endpoint}: {why}; trying again every {every} s"
             self._set("bind_failed", reason, now, wall)
             return False
-        self.sub, self.monitor, self.inbox = sub, mon, sub
-        if spec.relay_to is not None:
-            self.inbox = self._relay(ctx, sub, rcvhwm, relay(), events, wall)
+        self.inbox, self.monitor = sub, mon
         self._set("listening", f"listening on {spec.endpoint}, no publisher connected", now, wall)
         return True
 
-    def _relay(
-        self,
-        ctx: zmq.Context[zmq.Socket[bytes]],
-        sub: zmq.Socket[bytes],
-        rcvhwm: int,
-        relay: Relay,
-        events: RecentEvents,
-        wall: float,
-    ) -> zmq.Socket[bytes]:
-        """Hand the bound SUB to the relay thread with its target socket; the inbox to drain."""
+    def open_relayed(
+        self, ctx: zmq.Context[zmq.Socket[bytes]], options: IngestOptions, relay: Relay
+    ) -> None:
+        """Have the relay process bind and forward; the ingest thread reads what it hands over
+        (its state arrives with the relay's statuses)."""
         spec = self.spec
         assert spec.relay_to is not None
-        name = f"relay {spec.worker_id} rank {spec.dp_rank} to {spec.relay_to}"
-        health = Health(name, "connecting", f"connecting to {spec.relay_to}", wall)
-
-        def changed(h: Health, before: str) -> None:
-            msg = f"relay to {spec.relay_to}: {before} -> {h.state}: {h.reason}"
-            events.add("relay", msg, worker_id=spec.worker_id, dp_rank=spec.dp_rank, at=h.since)
-
-        health.on_change = changed
-        link = RelayLink(spec.relay_to, spec.relay_queue, health)
-        xpub = target_socket(ctx, link)
-        xmon = xpub.get_monitor_socket(TARGET_EVENTS)
-        xpub.connect(spec.relay_to)
+        lane, handoff = relay.handoff_endpoint()
         inbox = ctx.socket(zmq.PULL)
         inbox.setsockopt(zmq.LINGER, 0)
-        inbox.setsockopt(zmq.RCVHWM, rcvhwm)
-        inbox.bind(self._inproc)
-        push = ctx.socket(zmq.PUSH)
-        push.setsockopt(zmq.LINGER, 0)
-        push.setsockopt(zmq.SNDHWM, rcvhwm)
-        push.connect(self._inproc)
-        self.lane = Lane(sub, xpub, xmon, push, link)
-        relay.adopt(self.lane)
-        return inbox
+        inbox.setsockopt(zmq.RCVHWM, options.rcvhwm)
+        inbox.bind(handoff)
+        self.inbox, self.lane = inbox, lane
+        relay.open(lane, spec.endpoint, spec.relay_to, spec.relay_queue, handoff,
+                   options.rcvhwm, options.rebind_s)  # fmt: skip
 
     def close(self, relay: Relay | None) -> None:
-        """Close every socket (the relay's in its thread); the streams are the caller's."""
+        """Close every socket (and the relay's lane); the streams are the caller's."""
         if self.lane is not None and relay is not None:
             relay.close(self.lane)
-        elif self.sub is not None:
-            self.sub.disable_monitor()
-            self.sub.close(linger=0)
+        if self.monitor is not None and self.inbox is not None:
+            self.inbox.disable_monitor()
         for sock in (self.monitor, self.inbox):
             if sock is not None and not sock.closed:
                 sock.close(linger=0)
-        self.sub = self.inbox = self.monitor = self.lane = None
+        self.inbox = self.monitor = None
+        self.lane = None
         self.peers.clear()
+        self.publishers = 0
 
     # --- inputs -------------------------------------------------------------------------------
 
     def on_monitor(self, event: int, value: int, now: float, wall: float) -> None:
         """One event of the bound SUB's monitor (values of ACCEPTED/DISCONNECTED are fds)."""
-        if event == zmq.EVENT_ACCEPTED:
-            self.peers.add(value)
-        elif event == zmq.EVENT_DISCONNECTED:
-            self.peers.discard(value)
-        elif event in (zmq.EVENT_LISTENING, zmq.EVENT_BIND_FAILED):
+        note = count_peers(self.peers, event, value)
+        if note is not None:
+            self.skip_reason = note
             return
-        elif event == zmq.EVENT_ACCEPT_FAILED:
-            self.skip_reason = f"a connection could not be accepted (errno {value})"
-            return
-        else:  # a failed handshake: something connected that is not a ZMQ publisher
-            self.skip_reason = "a peer failed the ZMQ handshake: not a ZMQ PUB?"
-            return
-        n = len(self.peers)
+        self.publishers = n = len(self.peers)
         if n:
             self._set("connected", f"{n} publisher(s) connected to {self.spec.endpoint}", now, wall)
         else:
             reason = f"listening on {self.spec.endpoint}, no publisher connected"
             self._set("listening", reason, now, wall)
+
+    def on_relay_status(self, st: dict[str, Any], now: float, wall: float) -> None:
+        """A status of the relay process: the endpoint's state, its connections, the relay's."""
+        self.relay = st["relay"]
+        self.publishers = st["publishers"]
+        if st["note"]:
+            self.skip_reason = st["note"]
+        if st["analysis_dropped"]:
+            self.skipped["analysis_behind"] = st["analysis_dropped"]
+        if self.relay_health is not None:
+            r = st["relay"]
+            self.relay_health.set(r["state"], r["reason"], r["since"])
+        if (st["state"], st["reason"]) != (self.health.state, self.health.reason):
+            self._set(st["state"], st["reason"], now, st["since"])
 
     def _set(self, state: str, reason: str, now: float, wall: float) -> None:
         self.health.set(state, reason, wall)
@@ -216,7 +188,7 @@ class Listener:
             if state == "bind_failed":
                 link.health.set("bind_failed", reason, wall)
             else:
-                link.on_publishers(len(self.peers), now, wall)
+                link.on_publishers(self.publishers, now, wall)
 
     def skip(self, topic: bytes, reason: str, text: str) -> None:
         """Remember that messages of `topic` feed no stream, and why."""
@@ -255,26 +227,16 @@ class Listener:
         """The snapshot form of this endpoint (read in the ingest thread)."""
         s, h = self.spec, self.health
         relay = None
-        if self.lane is not None:
-            link, rh = self.lane.link, self.lane.link.health
+        if s.relay_to is not None:
+            r, rh = self.relay or {}, self.relay_health
+            assert rh is not None
             relay = RelayStats(
-                link.target, rh.state, rh.reason, rh.since, link.forwarded, link.filtered,
-                {k: v for k, v in link.dropped.items() if v}, link.last_drop_time, link.queue,
+                s.relay_to, rh.state, rh.reason, rh.since, r.get("forwarded", 0),
+                r.get("filtered", 0), {k: v for k, v in r.get("dropped", {}).items() if v},
+                r.get("last_drop_time", 0.0), s.relay_queue,
             )  # fmt: skip
-            if link.analysis_dropped:
-                self.skipped["analysis_behind"] = link.analysis_dropped
         streams = len(self.pods) if self.template.templated else int(self.stream is not None)
         return BindStats(
             s.worker_id, s.dp_rank, s.endpoint, s.topic, h.state, h.reason, h.since,
-            len(self.peers), self.messages, dict(self.skipped), self.skip_reason, streams, relay,
+            self.publishers, self.messages, dict(self.skipped), self.skip_reason, streams, relay,
         )  # fmt: skip
-
-
-def _bind_errno(mon: zmq.Socket[bytes], errno: int) -> int:
-    """Why a bind failed: libzmq's BIND_FAILED monitor event has the errno, which its own
-    sending of that event can overwrite (EAGAIN) before zmq_bind returns."""
-    if mon.poll(0):
-        msg = parse_monitor_message(mon.recv_multipart())
-        if int(msg["event"]) == zmq.EVENT_BIND_FAILED:
-            return int(msg["value"])
-    return errno

@@ -85,7 +85,9 @@ class IngestLoop:
         self._by_lmon: dict[zmq.Socket[bytes], Listener] = {}
         self._pods: dict[tuple[str, int], Listener] = {}  # streams named by a topic template
         self._refused_pods: set[tuple[str, int]] = set()
-        self._relay: Relay | None = None
+        self._relay: Relay | None = None  # the relay process, from the first relay_to on
+        self._by_lane: dict[int, Listener] = {}
+        self._registered: set[zmq.Socket[bytes]] = set()  # relay control sockets polled
         self._refused_streams: set[tuple[str, int]] = set()  # refused by the last plan
         self.refused_streams_total = 0
         self._warned_refused = False
@@ -151,6 +153,8 @@ class IngestLoop:
                         self._drain_bound(lst, sock, now)
                     elif (lst := self._by_lmon.get(sock)) is not None:
                         self._on_listener_monitor(lst, sock, now)
+                    elif self._relay is not None and sock is self._relay.control:
+                        self._on_relay_status(now)
                     elif (st := self.replays.by_sock.get(sock)) is not None:
                         self.replays.drain(st, sock)
                     elif (st := self._by_monitor.get(sock)) is not None:
@@ -459,24 +463,56 @@ class IngestLoop:
             self._bind(lst, now, wall)
 
     def _bind(self, lst: Listener, now: float, wall: float) -> None:
-        if not lst.open(self._ctx, self.options, self._relay_thread, self.events, now, wall):
+        if lst.spec.relay_to is not None:  # the relay process binds
+            relay = self._relay
+            if relay is None:
+                relay = self._relay = Relay(self._ctx)
+            try:
+                lst.open_relayed(self._ctx, self.options, relay)
+            except Exception as exc:  # no relay process: say so, try again later
+                log.exception("cannot start the relay process")
+                lst.close(None)
+                lst.retry_at = now + self.options.rebind_s
+                lst.health.set("bind_failed", f"cannot start the relay process: {exc}", wall)
+                return
+            self._by_lane[lst.lane or 0] = lst
+            if relay.control is not None and relay.control not in self._registered:
+                self._registered.add(relay.control)
+                self._poller.register(relay.control, zmq.POLLIN)
+        elif not lst.open(self._ctx, self.options, now, wall):
             return
-        assert lst.inbox is not None and lst.monitor is not None
+        if lst.monitor is not None:
+            self._by_lmon[lst.monitor] = lst
+            self._poller.register(lst.monitor, zmq.POLLIN)
+        assert lst.inbox is not None
         self._by_inbox[lst.inbox] = lst
-        self._by_lmon[lst.monitor] = lst
         self._poller.register(lst.inbox, zmq.POLLIN)
-        self._poller.register(lst.monitor, zmq.POLLIN)
 
-    def _relay_thread(self) -> Relay:
-        if self._relay is None:
-            self._relay = Relay(self._wall)
-        return self._relay
+    def _on_relay_status(self, now: float) -> None:
+        assert self._relay is not None
+        wall = self._wall()
+        for lane in self._relay.drain():
+            lst = self._by_lane.get(lane)
+            st = self._relay.status.get(lane)
+            if lst is not None and st is not None:
+                lst.on_relay_status(st, now, wall)
 
     def _unbind(self, lst: Listener) -> None:
         for sock, table in ((lst.inbox, self._by_inbox), (lst.monitor, self._by_lmon)):
             if sock is not None and table.pop(sock, None) is not None:
                 self._poller.unregister(sock)
+        if lst.lane is not None:
+            self._by_lane.pop(lst.lane, None)
         lst.close(self._relay)
+
+    def _forget_relay(self) -> None:
+        relay, self._relay = self._relay, None
+        if relay is None:
+            return
+        if relay.control is not None and relay.control in self._registered:
+            self._registered.discard(relay.control)
+            self._poller.unregister(relay.control)
+        relay.stop()
 
     def _drop_listener(self, lst: Listener) -> None:
         """Unbind, and forget the streams its topics named."""
@@ -508,6 +544,12 @@ class IngestLoop:
     def _tick_listeners(self, now: float, wall: float) -> None:
         """Bind again what failed, name wrong topics, forget pods silent for forget_after_s."""
         forget = self.options.forget_after_s
+        relay = self._relay
+        if relay is not None and self._by_lane and not relay.alive:  # it died: start it again
+            log.error("the relay process is gone; starting it again")
+            for lst in list(self._by_lane.values()):
+                self._unbind(lst)
+            self._forget_relay()
         for lst in self._listeners.values():
             if lst.inbox is None and now >= lst.retry_at:
                 self._bind(lst, now, wall)
@@ -525,8 +567,7 @@ class IngestLoop:
             self._close(st)
         for lst in self._listeners.values():
             self._unbind(lst)
-        if self._relay is not None:
-            self._relay.stop()
+        self._forget_relay()
         self.topic_probes.close_all()
         self.replays.clear()
         while self._calls:

@@ -1,42 +1,51 @@
 """The relay of bind mode: every frame of a bound endpoint forwarded unchanged downstream, first.
 
 llm-d's scheduler binds `tcp://*:5556` and the engines connect to it; kvobserve binds that port
-instead and forwards to the scheduler (`relay_to`), which binds elsewhere. A thread of its own
-(`kvobserve-relay`) owns the bound SUBs and the downstream sockets: it reads each frame, sends it
-to the target, and only then hands it to the ingest thread over an inproc PUSH. Analysis never
-delays a frame: when the ingest thread is behind, its hand-over queue fills and frames are
-skipped there (counted as `analysis_behind`; the stream sees a gap and asks for a replay).
+instead and forwards to the scheduler (`relay_to`), which binds elsewhere. The relay runs in a
+process of its own (`relay_main`), so no analysis, garbage collection or snapshot of the
+collector ever holds a frame back: a thread would wait for the interpreter lock behind the
+analysis (measured: milliseconds at p99). For each relayed endpoint it binds the SUB, reads each
+frame, sends it to the target and only then hands it to the collector's ingest thread over an
+ipc PUSH; when the ingest thread is behind, that queue fills and frames are skipped there
+(counted, `analysis_behind`; the stream sees a gap and asks for a replay).
 
 Toward the target the bounded queue is an XPUB's high-water mark (`relay_queue` frames, with
 XPUB_NODROP so that a full queue refuses instead of dropping silently) that connects to the
 target's bound SUB. IMMEDIATE: nothing queues for a target that is not connected, and its
 subscription ends with its connection, so every frame is counted once: forwarded, filtered (the
 target did not subscribe to its topic) or dropped (`no_target`: nobody subscribes; `queue_full`).
-The ingest thread creates the sockets (a bind that fails is its error to report) and hands them
-over; from then on only this thread touches them until it is asked to close them.
+
+`Relay` is the collector's side (owned by its ingest thread): it starts the process, sends it
+`open`/`close` commands over a PAIR and reads back each endpoint's state and counters (on every
+change and every STATUS_S). The process ends with a `stop`, by its PID, or when its parent is
+gone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
-import threading
+import multiprocessing as mp
+import os
+import signal
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import Any
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from kvobserve.sources.health import Health
 from kvobserve.wire.snapshot import RELAY_DROP_REASONS
 
 log = logging.getLogger(__name__)
 
 DRAIN_LIMIT = 512  # frames taken from one bound SUB per poll round
-POLL_MS = 100  # how long a command (adopt, close) may wait
+POLL_MS = 100
+STATUS_S = 0.25  # counters reach the collector this often (state changes at once)
+# plain ints: pyzmq's flag enums cost more than the send itself when combined per frame
 _RCVMORE, _EVENTS, _POLLIN = int(zmq.RCVMORE), int(zmq.EVENTS), int(zmq.POLLIN)
+_NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
 TARGET_EVENTS = (
     zmq.EVENT_CONNECTED
     | zmq.EVENT_CONNECT_DELAYED
@@ -47,37 +56,93 @@ TARGET_EVENTS = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
+LISTEN_EVENTS = (
+    zmq.EVENT_LISTENING
+    | zmq.EVENT_BIND_FAILED
+    | zmq.EVENT_ACCEPTED
+    | zmq.EVENT_ACCEPT_FAILED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+
+
+# --- shared by the relay process and the ingest thread -------------------------------------------
+
+
+def bound_sub(ctx: zmq.Context[zmq.Socket[bytes]], rcvhwm: int) -> zmq.Socket[bytes]:
+    """The SUB of a bound endpoint: every topic (a relay forwards all; a wrong one is seen)."""
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.RCVHWM, rcvhwm)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    return sub
+
+
+def bind_error(mon: zmq.Socket[bytes], exc: zmq.ZMQError, endpoint: str, retry_s: float) -> str:
+    """Why binding `endpoint` failed, for a person. libzmq's BIND_FAILED monitor event has the
+    errno, which its own sending of that event can overwrite (EAGAIN) before zmq_bind returns."""
+    errno = exc.errno or 0
+    if mon.poll(0):
+        msg = parse_monitor_message(mon.recv_multipart())
+        if int(msg["event"]) == zmq.EVENT_BIND_FAILED:
+            errno = int(msg["value"])
+    return f"cannot bind {endpoint}: {zmq.strerror(errno)}; trying again every {retry_s:g} s"
+
+
+def count_peers(peers: set[int], event: int, value: int) -> str | None:
+    """Track the connections of a bound endpoint (ACCEPTED/DISCONNECTED carry the fd); None, or
+    a note on a connection that failed."""
+    if event == zmq.EVENT_ACCEPTED:
+        peers.add(value)
+    elif event == zmq.EVENT_DISCONNECTED:
+        peers.discard(value)
+    elif event == zmq.EVENT_ACCEPT_FAILED:
+        return f"a connection could not be accepted (errno {value})"
+    elif event not in (zmq.EVENT_LISTENING, zmq.EVENT_BIND_FAILED):
+        return "a peer failed the ZMQ handshake: not a ZMQ PUB?"
+    return None
+
+
+# --- the relay process -------------------------------------------------------------------------
 
 
 class RelayLink:
-    """One relay target: its state and counters (written by the relay thread, read by others)."""
+    """One relay target: whether frames reach it, and the counts (in the relay process)."""
 
     __slots__ = (
         "_attempt_at",
-        "analysis_dropped",
         "connected",
         "dropped",
         "filtered",
         "forwarded",
-        "health",
         "last_drop_time",
-        "queue",
+        "reason",
+        "since",
+        "state",
         "subs",
         "target",
     )
 
-    def __init__(self, target: str, queue: int, health: Health) -> None:
-        self.target, self.queue, self.health = target, queue, health
+    def __init__(self, target: str, wall: float) -> None:
+        self.target = target
+        self.state, self.reason, self.since = "connecting", f"connecting to {target}", wall
         self.subs: tuple[bytes, ...] = ()  # the prefixes the target subscribes to
         self.connected = False
-        self.forwarded = self.filtered = self.analysis_dropped = 0
+        self.forwarded = self.filtered = 0
         self.dropped = dict.fromkeys(RELAY_DROP_REASONS, 0)
         self.last_drop_time = 0.0  # wall clock; 0: never
         self._attempt_at: float | None = None
 
+    def _set(self, state: str, reason: str, wall: float) -> None:
+        if state != self.state:
+            self.since = wall
+        self.state, self.reason = state, reason
+
     def on_monitor(self, event: int, now: float, wall: float) -> None:
         """One event of the target socket's monitor."""
-        h, where = self.health, self.target
+        where = self.target
         if event == zmq.EVENT_CONNECT_DELAYED:
             if self._attempt_at is None:
                 self._attempt_at = now
@@ -85,18 +150,22 @@ class RelayLink:
             slow = self._attempt_at is not None and now - self._attempt_at >= 1.0
             self._attempt_at = None
             if slow:
-                h.set("connecting", f"no answer from {where}: the host is down or filtered?", wall)
+                self._set(
+                    "connecting", f"no answer from {where}: the host is down or filtered?", wall
+                )
             else:
-                h.set("connecting", f"connection refused: nothing listens at {where}", wall)
+                self._set("connecting", f"connection refused: nothing listens at {where}", wall)
         elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self.connected, self._attempt_at = True, None
             self._update(wall)
         elif event == zmq.EVENT_DISCONNECTED:
             if self.connected:
-                h.set("connecting", f"disconnected: {where} went away (restarted?)", wall)
+                self._set("connecting", f"disconnected: {where} went away (restarted?)", wall)
             self.connected = False
         elif event != zmq.EVENT_CONNECTED:  # a failed handshake
-            h.set("not_subscriber", f"the ZMQ handshake with {where} failed: not a ZMQ SUB?", wall)
+            self._set(
+                "not_subscriber", f"the ZMQ handshake with {where} failed: not a ZMQ SUB?", wall
+            )
 
     def on_subscription(self, msg: bytes, wall: float) -> None:
         """A (un)subscription message of the target (first byte 1 or 0, then the prefix)."""
@@ -111,12 +180,11 @@ class RelayLink:
         self._update(wall)
 
     def _update(self, wall: float) -> None:
-        h = self.health
         if self.connected and self.subs:
             shown = ", ".join(repr(s.decode(errors="replace")) for s in self.subs)
-            h.set("up", f"forwarding to {self.target} (it subscribes to {shown})", wall)
+            self._set("up", f"forwarding to {self.target} (it subscribes to {shown})", wall)
         elif self.connected:
-            h.set("waiting", f"connected to {self.target}; it has not subscribed yet", wall)
+            self._set("waiting", f"connected to {self.target}; it has not subscribed yet", wall)
 
     def drop(self, reason: str, wall: float) -> None:
         """One frame not forwarded."""
@@ -129,171 +197,333 @@ class RelayLink:
         return self.connected and bool(self.subs)
 
 
-@dataclass(eq=False)
-class Lane:
-    """The sockets of one relayed endpoint: bound SUB in, target XPUB (and its monitor) out,
-    inproc PUSH to the ingest thread."""
+class _Lane:
+    """One relayed endpoint in the relay process: bound SUB in, target XPUB out, ipc PUSH to
+    the collector."""
 
-    sub: zmq.Socket[bytes]
-    xpub: zmq.Socket[bytes]
-    xmon: zmq.Socket[bytes]
-    push: zmq.Socket[bytes]
-    link: RelayLink
+    def __init__(self, cmd: dict[str, Any], wall: float) -> None:
+        self.id: int = cmd["lane"]
+        self.endpoint: str = cmd["endpoint"]
+        self.handoff: str = cmd["handoff"]
+        self.rcvhwm: int = cmd["rcvhwm"]
+        self.rebind_s: float = cmd["rebind_s"]
+        self.queue: int = cmd["queue"]
+        self.link = RelayLink(cmd["target"], wall)
+        self.state, self.reason, self.since = "starting", f"binding {self.endpoint}", wall
+        self.dirty = True  # a state changed: the collector hears at once, not at the next tick
+        self.note = ""
+        self.peers: set[int] = set()
+        self.analysis_dropped = 0
+        self.retry_at = 0.0
+        self.sub: zmq.Socket[bytes] | None = None
+        self.smon: zmq.Socket[bytes] | None = None
+        self.xpub: zmq.Socket[bytes] | None = None
+        self.xmon: zmq.Socket[bytes] | None = None
+        self.push: zmq.Socket[bytes] | None = None
 
+    def set(self, state: str, reason: str, wall: float) -> None:
+        if state != self.state:
+            self.since = wall
+        self.state, self.reason, self.dirty = state, reason, True
 
-def target_socket(ctx: zmq.Context[zmq.Socket[bytes]], link: RelayLink) -> zmq.Socket[bytes]:
-    """The XPUB that connects to `link.target`: bounded, refusing when full, no queue before the
-    target is connected (see the module docstring)."""
-    x = ctx.socket(zmq.XPUB)
-    x.setsockopt(zmq.LINGER, 0)
-    x.setsockopt(zmq.SNDHWM, link.queue)
-    x.setsockopt(zmq.XPUB_NODROP, 1)
-    x.setsockopt(zmq.IMMEDIATE, 1)
-    x.setsockopt(zmq.RECONNECT_IVL, 100)
-    x.setsockopt(zmq.RECONNECT_IVL_MAX, 5_000)
-    return x
+    def open_target(self, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+        """The XPUB to the target (bounded, refusing when full, no queue before the target is
+        connected) and the PUSH to the collector."""
+        x = self.xpub = ctx.socket(zmq.XPUB)
+        x.setsockopt(zmq.LINGER, 0)
+        x.setsockopt(zmq.SNDHWM, self.queue)
+        x.setsockopt(zmq.XPUB_NODROP, 1)
+        x.setsockopt(zmq.IMMEDIATE, 1)
+        x.setsockopt(zmq.RECONNECT_IVL, 100)
+        x.setsockopt(zmq.RECONNECT_IVL_MAX, 5_000)
+        self.xmon = x.get_monitor_socket(TARGET_EVENTS)
+        x.connect(self.link.target)
+        p = self.push = ctx.socket(zmq.PUSH)
+        p.setsockopt(zmq.LINGER, 0)
+        p.setsockopt(zmq.SNDHWM, self.rcvhwm)
+        p.connect(self.handoff)
 
-
-class Relay:
-    """The relay thread; `adopt` and `close` lanes from any thread (applied within POLL_MS)."""
-
-    def __init__(self, wall: Callable[[], float] = time.time) -> None:
-        self._wall = wall
-        self._commands: deque[tuple[str, Lane, threading.Event | None]] = deque()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._lanes: dict[zmq.Socket[bytes], Lane] = {}
-        self._role: dict[zmq.Socket[bytes], str] = {}
-        self._poller = zmq.Poller()
-        self.loop_errors = 0
-
-    def adopt(self, lane: Lane) -> None:
-        """Take over a lane's sockets (created and bound by the caller)."""
-        self._commands.append(("adopt", lane, None))
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="kvobserve-relay", daemon=True)
-            self._thread.start()
-
-    def close(self, lane: Lane, timeout: float = 2.0) -> None:
-        """Close a lane's sockets in the relay thread; returns when they are closed."""
-        if self._thread is None or not self._thread.is_alive():
-            _close(lane)
-            return
-        done = threading.Event()
-        self._commands.append(("close", lane, done))
-        done.wait(timeout)
-
-    def stop(self, timeout: float = 2.0) -> None:
-        """End the thread, closing every lane; idempotent."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-        while self._commands:  # never adopted, or the thread is gone: close them here
-            _, lane, done = self._commands.popleft()
-            _close(lane)
-            if done is not None:
-                done.set()
-
-    def _run(self) -> None:
+    def bind(self, ctx: zmq.Context[zmq.Socket[bytes]], now: float, wall: float) -> bool:
+        """Bind the endpoint; False (and a retry time) when it is taken."""
+        sub = bound_sub(ctx, self.rcvhwm)
+        mon = sub.get_monitor_socket(LISTEN_EVENTS)
         try:
-            while not self._stop.is_set():
-                self._apply_commands()
-                try:
-                    ready = self._poller.poll(POLL_MS)
-                except zmq.ZMQError:  # a socket closed under the poller (context ending)
-                    break
-                for sock, _ in ready:
-                    lane = self._lanes.get(sock)
-                    if lane is None:
-                        continue
-                    try:
-                        role = self._role[sock]
-                        if role == "sub":
-                            self._forward(lane)
-                        elif role == "xpub":
-                            self._subscriptions(lane)
-                        else:
-                            self._monitor(lane)
-                    except zmq.ContextTerminated:
-                        return
-                    except Exception:  # one bad turn must not end the relay: count, log, go on
-                        self.loop_errors += 1
-                        log.exception("relay error (continuing)")
-        finally:
-            for lane in {id(x): x for x in self._lanes.values()}.values():
-                _close(lane)
-            self._lanes.clear()
+            sub.bind(self.endpoint)
+        except zmq.ZMQError as exc:
+            reason = bind_error(mon, exc, self.endpoint, self.rebind_s)
+            sub.disable_monitor()
+            mon.close(linger=0)
+            sub.close(linger=0)
+            self.retry_at = now + self.rebind_s
+            self.set("bind_failed", reason, wall)
+            return False
+        self.sub, self.smon = sub, mon
+        self.set("listening", f"listening on {self.endpoint}, no publisher connected", wall)
+        return True
 
-    def _apply_commands(self) -> None:
-        while self._commands:
-            what, lane, done = self._commands.popleft()
-            if what == "adopt":
-                for sock, role in ((lane.sub, "sub"), (lane.xpub, "xpub"), (lane.xmon, "mon")):
-                    self._lanes[sock], self._role[sock] = lane, role
-                    self._poller.register(sock, zmq.POLLIN)
-            else:
-                for sock in (lane.sub, lane.xpub, lane.xmon):
-                    if self._lanes.pop(sock, None) is not None:
-                        self._role.pop(sock, None)
-                        self._poller.unregister(sock)
-                _close(lane)
-            if done is not None:
-                done.set()
+    def on_listen_monitor(self, event: int, value: int, wall: float) -> None:
+        note = count_peers(self.peers, event, value)
+        if note is not None:
+            self.note = note
+        elif (n := len(self.peers)) > 0:
+            self.set("connected", f"{n} publisher(s) connected to {self.endpoint}", wall)
+        elif self.state == "connected":
+            self.set("listening", f"listening on {self.endpoint}, no publisher connected", wall)
 
-    def _forward(self, lane: Lane) -> None:
-        """Forward what waits on the bound SUB, then hand it to the ingest thread."""
-        recv, more = lane.sub.recv, lane.sub.get
-        send, hand, events = lane.xpub.send_multipart, lane.push.send_multipart, lane.xpub.get
-        link = lane.link
+    def sockets(self) -> list[tuple[zmq.Socket[bytes], str]]:
+        roles = ((self.sub, "sub"), (self.smon, "smon"), (self.xpub, "xpub"), (self.xmon, "xmon"))
+        return [(s, role) for s, role in roles if s is not None]
+
+    def close(self) -> None:
+        for s in (self.sub, self.xpub):
+            if s is not None:
+                s.disable_monitor()
+        for s in (self.sub, self.smon, self.xpub, self.xmon, self.push):
+            if s is not None:
+                s.close(linger=0)
+        self.sub = self.smon = self.xpub = self.xmon = self.push = None
+
+    def status(self) -> dict[str, Any]:
+        k = self.link
+        return {
+            "lane": self.id, "state": self.state, "reason": self.reason, "since": self.since,
+            "publishers": len(self.peers), "note": self.note,
+            "analysis_dropped": self.analysis_dropped,
+            "relay": {
+                "state": k.state, "reason": k.reason, "since": k.since, "forwarded": k.forwarded,
+                "filtered": k.filtered, "dropped": dict(k.dropped),
+                "last_drop_time": k.last_drop_time,
+            },
+        }  # fmt: skip
+
+    def forward(self, wall: Callable[[], float]) -> None:
+        """Forward what waits on the bound SUB, then hand it to the collector."""
+        sub, xpub, push, link = self.sub, self.xpub, self.push, self.link
+        assert sub is not None and xpub is not None and push is not None
+        recv, more, events = sub.recv, sub.get, xpub.get
+        send, hand = xpub.send, push.send
         for _ in range(DRAIN_LIMIT):
             try:
-                frames = [recv(zmq.NOBLOCK)]
+                frames = [recv(_NOBLOCK)]
             except zmq.Again:
                 break
             while more(_RCVMORE):
-                frames.append(recv(zmq.NOBLOCK))
+                frames.append(recv(_NOBLOCK))
             if int(events(_EVENTS)) & _POLLIN:
                 # the target's (un)subscription first: a send after its connection ended is
                 # dropped by the XPUB without a word (reading EVENTS also makes libzmq notice)
-                self._subscriptions(lane)
+                self.subscriptions(wall())
+                self.dirty = True
             subs = link.subs
             if not subs:
-                link.drop("no_target", self._wall())
+                link.drop("no_target", wall())
             elif not (subs[0] == b"" or frames[0].startswith(subs)):
                 link.filtered += 1  # the target's SUB would not take it
             else:
                 try:
-                    send(frames, zmq.NOBLOCK)
+                    _send(send, frames)
                     link.forwarded += 1
                 except zmq.Again:
-                    link.drop("queue_full", self._wall())
+                    link.drop("queue_full", wall())
             try:
-                hand(frames, zmq.NOBLOCK)
+                _send(hand, frames)
             except zmq.Again:
-                link.analysis_dropped += 1
+                self.analysis_dropped += 1
 
-    def _subscriptions(self, lane: Lane) -> None:
+    def subscriptions(self, wall: float) -> None:
+        assert self.xpub is not None
         while True:
             try:
-                msg = lane.xpub.recv(zmq.NOBLOCK)
+                msg = self.xpub.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            lane.link.on_subscription(msg, self._wall())
+            self.link.on_subscription(msg, wall)
 
-    def _monitor(self, lane: Lane) -> None:
+
+def relay_main(control: str, parent: int) -> None:
+    """The relay process: its lanes, commands from the collector, statuses back to it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the collector, which stops us
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    ctl = ctx.socket(zmq.PAIR)
+    ctl.setsockopt(zmq.LINGER, 1000)
+    ctl.connect(control)
+    poller = zmq.Poller()
+    poller.register(ctl, zmq.POLLIN)
+    lanes: dict[int, _Lane] = {}
+    roles: dict[zmq.Socket[bytes], tuple[_Lane, str]] = {}
+    clock, wall = time.monotonic, time.time
+    next_status = 0.0
+
+    def register(lane: _Lane) -> None:
+        for sock, role in lane.sockets():
+            if sock not in roles:
+                roles[sock] = (lane, role)
+                poller.register(sock, zmq.POLLIN)
+
+    def drop(lane: _Lane) -> None:
+        for sock, _ in lane.sockets():
+            roles.pop(sock, None)
+            poller.unregister(sock)
+        lane.close()
+
+    try:
+        while True:
+            ready = poller.poll(POLL_MS)
+            commands = False
+            for sock, _ in ready:
+                if sock is ctl:
+                    commands = True
+                    continue
+                lane, role = roles[sock]
+                if role == "sub":
+                    lane.forward(wall)
+                elif role == "xpub":
+                    lane.subscriptions(wall())
+                    lane.dirty = True
+                elif role == "xmon":
+                    assert lane.xmon is not None
+                    for msg in _monitor(lane.xmon):
+                        lane.link.on_monitor(int(msg["event"]), clock(), wall())
+                    lane.dirty = True
+                else:
+                    assert lane.smon is not None
+                    for msg in _monitor(lane.smon):
+                        lane.on_listen_monitor(int(msg["event"]), int(msg["value"]), wall())
+                    lane.dirty = True
+            while commands and ctl.poll(0):
+                cmd = json.loads(ctl.recv())
+                if cmd["op"] == "stop":
+                    return
+                if cmd["op"] == "open":
+                    lane = lanes[cmd["lane"]] = _Lane(cmd, wall())
+                    lane.open_target(ctx)
+                    lane.bind(ctx, clock(), wall())
+                    register(lane)
+                elif (gone := lanes.pop(cmd["lane"], None)) is not None:
+                    drop(gone)
+            now = clock()
+            periodic = now >= next_status
+            if periodic:  # counters; binds to retry; a parent that is gone ends us
+                if os.getppid() != parent:
+                    return
+                next_status = now + STATUS_S
+                for lane in lanes.values():
+                    if lane.sub is None and now >= lane.retry_at and lane.bind(ctx, now, wall()):
+                        register(lane)
+            for lane in lanes.values():
+                if periodic or lane.dirty:
+                    lane.dirty = False
+                    ctl.send(json.dumps(lane.status()).encode(), zmq.NOBLOCK)
+    except zmq.ContextTerminated:
+        pass
+    finally:
+        for lane in lanes.values():
+            lane.close()
+        ctx.destroy(linger=0)
+
+
+def _send(send: Callable[..., Any], frames: list[bytes]) -> None:
+    """One multipart message without waiting: zmq.Again when the first frame is refused (the
+    queue is full); the others then always go (a message is all or nothing)."""
+    last = len(frames) - 1
+    send(frames[0], _NOBLOCK | _SNDMORE if last else _NOBLOCK)
+    for i in range(1, last):
+        send(frames[i], _SNDMORE)
+    if last:
+        send(frames[last], 0)
+
+
+def _monitor(mon: zmq.Socket[bytes]) -> list[Any]:
+    out: list[Any] = []
+    while True:
+        try:
+            out.append(parse_monitor_message(mon.recv_multipart(zmq.NOBLOCK)))
+        except zmq.Again:
+            return out
+
+
+# --- the collector's side ----------------------------------------------------------------------
+
+
+class Relay:
+    """The relay process as the ingest thread sees it: start, open/close lanes, their status."""
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+        self._ctx = ctx
+        self._name = f"kvobserve-relay-{os.getpid()}-{id(self):x}"
+        self.control: zmq.Socket[bytes] | None = None
+        self._proc: Any = None
+        self.status: dict[int, dict[str, Any]] = {}  # lane -> its last status
+        self._lanes = 0
+
+    def handoff_endpoint(self) -> tuple[int, str]:
+        """A new lane id and the ipc endpoint its frames are handed over on (Linux abstract
+        namespace: no file to clean up)."""
+        self._lanes += 1
+        return self._lanes, f"ipc://@{self._name}-{self._lanes}"
+
+    def open(self, lane: int, endpoint: str, target: str, queue: int, handoff: str,
+             rcvhwm: int, rebind_s: float) -> None:  # fmt: skip
+        """Relay `endpoint` to `target` from now on (the process starts on first use)."""
+        if self._proc is None:
+            self._start()
+        self._send({"op": "open", "lane": lane, "endpoint": endpoint, "target": target,
+                    "queue": queue, "handoff": handoff, "rcvhwm": rcvhwm,
+                    "rebind_s": rebind_s})  # fmt: skip
+
+    def close(self, lane: int) -> None:
+        """Stop relaying one lane (its bound endpoint is released)."""
+        self.status.pop(lane, None)
+        if self._proc is not None:
+            self._send({"op": "close", "lane": lane})
+
+    def drain(self) -> list[int]:
+        """Read the statuses waiting on the control socket; the lanes they were about."""
+        got: list[int] = []
+        assert self.control is not None
         while True:
             try:
-                msg = parse_monitor_message(lane.xmon.recv_multipart(zmq.NOBLOCK))
+                st = json.loads(self.control.recv(zmq.NOBLOCK))
             except zmq.Again:
-                return
-            lane.link.on_monitor(int(msg["event"]), time.monotonic(), self._wall())
+                return got
+            self.status[st["lane"]] = st
+            got.append(st["lane"])
 
+    def _start(self) -> None:
+        ctl = self.control = self._ctx.socket(zmq.PAIR)
+        ctl.setsockopt(zmq.LINGER, 0)
+        ctl.bind(f"ipc://@{self._name}-control")
+        spawn = mp.get_context("spawn")
+        self._proc = spawn.Process(
+            target=relay_main, args=(f"ipc://@{self._name}-control", os.getpid()),
+            name="kvobserve-relay", daemon=True,
+        )  # fmt: skip
+        self._proc.start()
+        log.info("relay process started (pid %d)", self._proc.pid)
 
-def _close(lane: Lane) -> None:
-    """Close a lane's relay-side sockets (linger 0)."""
-    for monitored in (lane.sub, lane.xpub):
-        with contextlib.suppress(zmq.ZMQError):
-            monitored.disable_monitor()
-    for sock in (lane.sub, lane.xpub, lane.xmon, lane.push):
-        if not sock.closed:
-            sock.close(linger=0)
+    def _send(self, cmd: dict[str, Any]) -> None:
+        assert self.control is not None
+        self.control.send(json.dumps(cmd).encode())
+
+    @property
+    def alive(self) -> bool:
+        """Whether the relay process runs."""
+        return self._proc is not None and self._proc.is_alive()
+
+    def stop(self, timeout: float = 1.0) -> None:
+        """End the process (by its PID when it does not stop on request); idempotent."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            if self.control is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    self.control.send(b'{"op": "stop"}', zmq.NOBLOCK)
+            proc.join(timeout)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout)
+        if self.control is not None:
+            self.control.close(linger=0)
+            self.control = None

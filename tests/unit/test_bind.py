@@ -10,7 +10,6 @@ import zmq
 from kvobserve.config import ConfigError, load_config
 from kvobserve.config.bind import TopicTemplate, fill_replay, pod_ip
 from kvobserve.sources.bind import Listener
-from kvobserve.sources.health import Health
 from kvobserve.sources.link import DEFAULT_LINK_TIMES
 from kvobserve.sources.plan import ListenSpec, StreamSpec, plan_worker
 from kvobserve.sources.relay import RelayLink
@@ -203,26 +202,24 @@ def test_the_endpoint_counts_connections_and_moves_its_stream() -> None:
     assert not st.link.wants_probe(100.0)  # never a probe SUB to our own bound endpoint
 
 
-def _relay() -> RelayLink:
-    return RelayLink("tcp://sched:5556", 100, Health("", "connecting", "connecting", 0.0))
-
-
 def test_the_relay_is_up_only_while_its_target_is_connected_and_subscribed() -> None:
-    r = _relay()
+    r = RelayLink("tcp://sched:5556", 0.5)
+    assert (r.state, r.reason, r.since) == ("connecting", "connecting to tcp://sched:5556", 0.5)
     r.on_monitor(zmq.EVENT_CONNECT_DELAYED, 0.0, 1.0)
     r.on_monitor(zmq.EVENT_CONNECT_RETRIED, 0.1, 1.1)
-    assert r.health.reason == "connection refused: nothing listens at tcp://sched:5556"
+    assert r.reason == "connection refused: nothing listens at tcp://sched:5556"
     r.on_monitor(zmq.EVENT_CONNECT_DELAYED, 1.0, 2.0)
     r.on_monitor(zmq.EVENT_CONNECT_RETRIED, 2.5, 3.5)
-    assert r.health.reason.startswith("no answer from tcp://sched:5556")
+    assert r.reason.startswith("no answer from tcp://sched:5556")
+    assert r.since == 0.5  # the same state all along
     r.on_monitor(zmq.EVENT_HANDSHAKE_SUCCEEDED, 3.0, 4.0)
-    assert (r.health.state, r.up) == ("waiting", False)
+    assert (r.state, r.up, r.since) == ("waiting", False, 4.0)
     r.on_subscription(b"\x01kv@", 5.0)
-    assert (r.health.state, r.up, r.subs) == ("up", True, (b"kv@",))
-    assert r.health.reason == "forwarding to tcp://sched:5556 (it subscribes to 'kv@')"
+    assert (r.state, r.up, r.subs) == ("up", True, (b"kv@",))
+    assert r.reason == "forwarding to tcp://sched:5556 (it subscribes to 'kv@')"
     r.on_subscription(b"\x00kv@", 6.0)  # IMMEDIATE: the subscription ends with the connection
     r.on_monitor(zmq.EVENT_DISCONNECTED, 4.0, 6.0)
-    assert (r.health.state, r.up) == ("connecting", False)
-    assert r.health.reason == "disconnected: tcp://sched:5556 went away (restarted?)"
+    assert (r.state, r.up) == ("connecting", False)
+    assert r.reason == "disconnected: tcp://sched:5556 went away (restarted?)"
     r.drop("no_target", 7.0)
     assert (r.dropped, r.last_drop_time) == ({"no_target": 1, "queue_full": 0}, 7.0)
