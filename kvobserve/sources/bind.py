@@ -135,7 +135,7 @@ class Listener:
         inbox.bind(handoff)
         self.inbox, self.lane = inbox, lane
         relay.open(lane, spec.endpoint, spec.relay_to, spec.relay_queue, handoff,
-                   options.rcvhwm, options.rebind_s)  # fmt: skip
+                   options.rcvhwm, options.rebind_s, options.relay_wait_s)  # fmt: skip
 
     def close(self, relay: Relay | None) -> None:
         """Close every socket (and the relay's lane); the streams are the caller's."""

@@ -207,6 +207,7 @@ class _Lane:
         self.handoff: str = cmd["handoff"]
         self.rcvhwm: int = cmd["rcvhwm"]
         self.rebind_s: float = cmd["rebind_s"]
+        self.wait_s: float = cmd["wait_s"]  # bind once the target subscribed, or after this
         self.queue: int = cmd["queue"]
         self.link = RelayLink(cmd["target"], wall)
         self.state, self.reason, self.since = "starting", f"binding {self.endpoint}", wall
@@ -397,19 +398,23 @@ def relay_main(control: str, parent: int) -> None:
                 if cmd["op"] == "open":
                     lane = lanes[cmd["lane"]] = _Lane(cmd, wall())
                     lane.open_target(ctx)
-                    lane.bind(ctx, clock(), wall())
+                    lane.retry_at = clock() + lane.wait_s
+                    reason = f"waiting up to {lane.wait_s:g} s for {lane.link.target} to subscribe"
+                    lane.set("starting", f"{reason} before binding {lane.endpoint}", wall())
                     register(lane)
                 elif (gone := lanes.pop(cmd["lane"], None)) is not None:
                     drop(gone)
             now = clock()
+            for lane in lanes.values():
+                # bound once the target subscribed (Relay.open), then as retried
+                due = (lane.state == "starting" and lane.link.up) or now >= lane.retry_at
+                if lane.sub is None and due and lane.bind(ctx, now, wall()):
+                    register(lane)
             periodic = now >= next_status
-            if periodic:  # counters; binds to retry; a parent that is gone ends us
+            if periodic:  # counters; a parent that is gone ends us
                 if os.getppid() != parent:
                     return
                 next_status = now + STATUS_S
-                for lane in lanes.values():
-                    if lane.sub is None and now >= lane.retry_at and lane.bind(ctx, now, wall()):
-                        register(lane)
             for lane in lanes.values():
                 if periodic or lane.dirty:
                     lane.dirty = False
@@ -463,13 +468,15 @@ class Relay:
         return self._lanes, f"ipc://@{self._name}-{self._lanes}"
 
     def open(self, lane: int, endpoint: str, target: str, queue: int, handoff: str,
-             rcvhwm: int, rebind_s: float) -> None:  # fmt: skip
-        """Relay `endpoint` to `target` from now on (the process starts on first use)."""
+             rcvhwm: int, rebind_s: float, wait_s: float) -> None:  # fmt: skip
+        """Relay `endpoint` to `target` from now on (the process starts on first use): bound
+        once the target subscribed (the engines' frames wait in their own queues meanwhile,
+        instead of being dropped for want of a target), or after `wait_s` anyway."""
         if self._proc is None:
             self._start()
         self._send({"op": "open", "lane": lane, "endpoint": endpoint, "target": target,
                     "queue": queue, "handoff": handoff, "rcvhwm": rcvhwm,
-                    "rebind_s": rebind_s})  # fmt: skip
+                    "rebind_s": rebind_s, "wait_s": wait_s})  # fmt: skip
 
     def close(self, lane: int) -> None:
         """Stop relaying one lane (its bound endpoint is released)."""

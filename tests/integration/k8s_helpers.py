@@ -44,15 +44,22 @@ def generator() -> ModuleType:
     return mod
 
 
+def overlays() -> list[Path]:
+    """The kustomizations under deploy/kubernetes beside the stack's own (llm-d-per-pod/, ...)."""
+    return sorted(p.parent for p in K8S.glob("*/kustomization.yaml"))
+
+
 @cache
-def manifests() -> dict[str, tuple[Obj, ...]]:
-    """Relative file name -> its objects, for every manifest (kustomization.yaml excluded)."""
+def manifests(root: Path = K8S) -> dict[str, tuple[Obj, ...]]:
+    """Relative file name -> its objects, for every manifest of the kustomization at `root`
+    (kustomization.yaml excluded; the stack's excludes the overlays, which have their own)."""
     out = {}
-    for path in sorted(K8S.rglob("*.yaml")):
-        if path.name == "kustomization.yaml":
+    skip = [] if root != K8S else overlays()
+    for path in sorted(root.rglob("*.yaml")):
+        if path.name == "kustomization.yaml" or any(d in path.parents for d in skip):
             continue
         docs = tuple(d for d in yaml.load_all(path.read_text(), Loader=LOADER) if d is not None)
-        out[str(path.relative_to(K8S))] = docs
+        out[str(path.relative_to(root))] = docs
     return out
 
 

@@ -25,6 +25,7 @@ from kvobserve.analysis.fleet import FleetState
 from kvobserve.collector import Collector
 from kvobserve.simulate import FaultConfig, SimConfig, SimulatedWorker
 from kvobserve.simulate.group import free_port_range
+from kvobserve.sources.ingest_options import IngestOptions
 from kvobserve.wire.snapshot import BindStats, Snapshot
 from tests.integration.collector_helpers import (
     Sims,
@@ -306,3 +307,41 @@ async def _check_scheduler(
     # what was in flight when the stand-in closed its socket was forwarded, then lost with it
     # (0 or 1 frame on loopback); every other missing frame is a no_target drop
     assert 0 <= relay.forwarded - scheduler.received == missing - relay.dropped["no_target"] <= 20
+
+
+async def test_a_relay_without_its_target_binds_after_waiting_and_counts_what_it_drops(
+    sims: Sims,
+) -> None:
+    port = free_port_range("127.0.0.1", 2)
+    target = f"tcp://127.0.0.1:{port + 1}"  # nothing binds it
+    cfg = collector_config(
+        "vllm", worker_id="v", bind=f"tcp://127.0.0.1:{port}", relay_to=target, dp_size=1
+    )
+    async with running_collector(cfg, ingest=IngestOptions(relay_wait_s=1.0)) as col:
+        snap = await wait_snapshot(
+            col, lambda s: bool(s.binds) and _relay(s).reason.startswith("waiting"), what="wait"
+        )
+        b = _relay(snap)
+        assert (b.state, b.reason) == (
+            "starting",
+            f"waiting up to 1 s for {target} to subscribe before binding tcp://127.0.0.1:{port}",
+        )
+        await wait_snapshot(col, lambda s: _relay(s).state == "listening", what="bound")
+        sims.start(
+            SimConfig(format="vllm-0.33", dp_size=1, host="127.0.0.2", replay_port=None,
+                      kv_connect=f"tcp://127.0.0.1:{port}", rate=200.0, max_batches=100,
+                      start_delay_s=0.5, http_port=None)
+        )  # fmt: skip
+        snap = await wait_snapshot(
+            col,
+            lambda s: (
+                bool(s.streams)
+                and s.streams[0].batches_total == 100
+                and _relay_is("connecting", 99)(s)
+            ),
+            what="every batch analysed, none forwarded",
+        )
+        relay = _relay(snap).relay
+        assert relay is not None
+        assert relay.reason == f"connection refused: nothing listens at {target}"
+        assert (relay.dropped, relay.forwarded) == ({"no_target": 100}, 0)
