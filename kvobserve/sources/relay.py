@@ -26,9 +26,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import multiprocessing as mp
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -500,12 +501,9 @@ class Relay:
         ctl = self.control = self._ctx.socket(zmq.PAIR)
         ctl.setsockopt(zmq.LINGER, 0)
         ctl.bind(f"ipc://@{self._name}-control")
-        spawn = mp.get_context("spawn")
-        self._proc = spawn.Process(
-            target=relay_main, args=(f"ipc://@{self._name}-control", os.getpid()),
-            name="kvobserve-relay", daemon=True,
-        )  # fmt: skip
-        self._proc.start()
+        # a plain subprocess (not multiprocessing: no resource tracker beside it)
+        cmd = [sys.executable, "-m", __name__, f"ipc://@{self._name}-control", str(os.getpid())]
+        self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
         log.info("relay process started (pid %d)", self._proc.pid)
 
     def _send(self, cmd: dict[str, Any]) -> None:
@@ -515,7 +513,7 @@ class Relay:
     @property
     def alive(self) -> bool:
         """Whether the relay process runs."""
-        return self._proc is not None and self._proc.is_alive()
+        return self._proc is not None and self._proc.poll() is None
 
     def stop(self, timeout: float = 1.0) -> None:
         """End the process (by its PID when it does not stop on request); idempotent."""
@@ -524,13 +522,18 @@ class Relay:
             if self.control is not None:
                 with contextlib.suppress(zmq.ZMQError):
                     self.control.send(b'{"op": "stop"}', zmq.NOBLOCK)
-            proc.join(timeout)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(timeout)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout)
+            for end in (None, proc.terminate, proc.kill):
+                if end is not None:
+                    end()
+                try:
+                    proc.wait(timeout)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
         if self.control is not None:
             self.control.close(linger=0)
             self.control = None
+
+
+if __name__ == "__main__":  # the relay process: python -m kvobserve.sources.relay CONTROL PPID
+    relay_main(sys.argv[1], int(sys.argv[2]))
