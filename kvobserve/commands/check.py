@@ -218,6 +218,11 @@ def _print_bind(p: dict[str, Any]) -> None:
     if p["relay_queue"]:
         print(f"  relay: every frame forwarded unchanged first, at most {p['relay_queue']} "
               "waiting for the target (more are dropped and counted)")  # fmt: skip
+    _print_sources(p)
+
+
+def _print_sources(p: dict[str, Any]) -> None:
+    """A worker's scheduler sources, and what --probe found."""
     sched = p["scheduler_sources"]
     print("  scheduler sources:" + ("" if sched else " none"))
     for x in sched:
@@ -268,14 +273,7 @@ def _print_text(cfg: Config, plans: list[dict[str, Any]]) -> None:
             print(f"  {_ranged(ranks):<8} {node:<5} (node {node}'s collector connects to these)")
         print(f"  ranks watched by this node (*): {_ranged(p['watched_ranks'])}")
         print(f"  probe endpoints: {', '.join(p['probe_endpoints']) or 'none'}")
-        sched = p["scheduler_sources"]
-        print("  scheduler sources:" + ("" if sched else " none"))
-        for x in sched:
-            rank = f"rank {x['dp_rank']}" if x["dp_rank"] is not None else _SCOPES[x["scope"]]
-            print(f"    {x['source']:<10} {x['endpoint']:<40} ({rank})")
-        if "probe" in p:
-            print(f"  probed for {p['probe_seconds']:g} s:")
-            _print_probe(p["probe_found"])
+        _print_sources(p)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -26,7 +26,7 @@ from kvobserve.config.bind import fill_replay
 from kvobserve.sources.health import Health
 from kvobserve.sources.ingest_options import IngestOptions
 from kvobserve.sources.plan import ListenSpec, StreamSpec
-from kvobserve.sources.relay import LISTEN_EVENTS, Relay, bind_error, bound_sub, count_peers
+from kvobserve.sources.relay import Relay, bind_endpoint, count_peers
 from kvobserve.sources.stream_events import RecentEvents
 from kvobserve.sources.stream_state import WatchedStream
 from kvobserve.wire.snapshot import BindStats, RelayStats
@@ -105,19 +105,12 @@ class Listener:
         """Bind; False when the bind failed (the state says why; the ingest loop tries again
         after `options.rebind_s`)."""
         spec = self.spec
-        sub = bound_sub(ctx, options.rcvhwm)
-        mon = sub.get_monitor_socket(LISTEN_EVENTS)
-        try:
-            sub.bind(spec.endpoint)
-        except zmq.ZMQError as exc:
-            reason = bind_error(mon, exc, spec.endpoint, options.rebind_s)
-            sub.disable_monitor()
-            mon.close(linger=0)
-            sub.close(linger=0)
+        bound = bind_endpoint(ctx, spec.endpoint, options.rcvhwm, options.rebind_s)
+        if isinstance(bound, str):
             self.retry_at = now + options.rebind_s
-            self._set("bind_failed", reason, now, wall)
+            self._set("bind_failed", bound, now, wall)
             return False
-        self.inbox, self.monitor = sub, mon
+        self.inbox, self.monitor = bound
         self._set("listening", f"listening on {spec.endpoint}, no publisher connected", now, wall)
         return True
 

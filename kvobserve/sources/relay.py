@@ -81,15 +81,27 @@ def bound_sub(ctx: zmq.Context[zmq.Socket[bytes]], rcvhwm: int) -> zmq.Socket[by
     return sub
 
 
-def bind_error(mon: zmq.Socket[bytes], exc: zmq.ZMQError, endpoint: str, retry_s: float) -> str:
-    """Why binding `endpoint` failed, for a person. libzmq's BIND_FAILED monitor event has the
-    errno, which its own sending of that event can overwrite (EAGAIN) before zmq_bind returns."""
-    errno = exc.errno or 0
-    if mon.poll(0):
-        msg = parse_monitor_message(mon.recv_multipart())
-        if int(msg["event"]) == zmq.EVENT_BIND_FAILED:
-            errno = int(msg["value"])
-    return f"cannot bind {endpoint}: {zmq.strerror(errno)}; trying again every {retry_s:g} s"
+def bind_endpoint(
+    ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, rcvhwm: int, retry_s: float
+) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]] | str:
+    """The SUB bound at `endpoint` with its monitor (connections), or why it could not be bound,
+    for a person. libzmq's BIND_FAILED monitor event has the errno, which its own sending of
+    that event can overwrite (EAGAIN) before zmq_bind returns."""
+    sub = bound_sub(ctx, rcvhwm)
+    mon = sub.get_monitor_socket(LISTEN_EVENTS)
+    try:
+        sub.bind(endpoint)
+    except zmq.ZMQError as exc:
+        errno = exc.errno or 0
+        if mon.poll(0):
+            msg = parse_monitor_message(mon.recv_multipart())
+            if int(msg["event"]) == zmq.EVENT_BIND_FAILED:
+                errno = int(msg["value"])
+        sub.disable_monitor()
+        mon.close(linger=0)
+        sub.close(linger=0)
+        return f"cannot bind {endpoint}: {zmq.strerror(errno)}; trying again every {retry_s:g} s"
+    return sub, mon
 
 
 def count_peers(peers: set[int], event: int, value: int) -> str | None:
@@ -247,19 +259,12 @@ class _Lane:
 
     def bind(self, ctx: zmq.Context[zmq.Socket[bytes]], now: float, wall: float) -> bool:
         """Bind the endpoint; False (and a retry time) when it is taken."""
-        sub = bound_sub(ctx, self.rcvhwm)
-        mon = sub.get_monitor_socket(LISTEN_EVENTS)
-        try:
-            sub.bind(self.endpoint)
-        except zmq.ZMQError as exc:
-            reason = bind_error(mon, exc, self.endpoint, self.rebind_s)
-            sub.disable_monitor()
-            mon.close(linger=0)
-            sub.close(linger=0)
+        bound = bind_endpoint(ctx, self.endpoint, self.rcvhwm, self.rebind_s)
+        if isinstance(bound, str):
             self.retry_at = now + self.rebind_s
-            self.set("bind_failed", reason, wall)
+            self.set("bind_failed", bound, wall)
             return False
-        self.sub, self.smon = sub, mon
+        self.sub, self.smon = bound
         self.set("listening", f"listening on {self.endpoint}, no publisher connected", wall)
         return True
 
