@@ -126,6 +126,7 @@ class Listener:
         inbox.setsockopt(zmq.LINGER, 0)
         inbox.setsockopt(zmq.RCVHWM, options.rcvhwm)
         inbox.bind(handoff)
+        handoff = inbox.getsockopt_string(zmq.LAST_ENDPOINT)  # the port, on loopback TCP
         self.inbox, self.lane = inbox, lane
         relay.open(lane, spec.endpoint, spec.relay_to, spec.relay_queue, handoff,
                    options.rcvhwm, options.rebind_s, options.relay_wait_s)  # fmt: skip

@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -360,6 +361,7 @@ def relay_main(control: str, parent: int) -> None:
     roles: dict[zmq.Socket[bytes], tuple[_Lane, str]] = {}
     clock, wall = time.monotonic, time.time
     next_status = 0.0
+    errors = 0
 
     def register(lane: _Lane) -> None:
         for sock, role in lane.sockets():
@@ -382,21 +384,14 @@ def relay_main(control: str, parent: int) -> None:
                     commands = True
                     continue
                 lane, role = roles[sock]
-                if role == "sub":
-                    lane.forward(wall)
-                elif role == "xpub":
-                    lane.subscriptions(wall())
-                    lane.dirty = True
-                elif role == "xmon":
-                    assert lane.xmon is not None
-                    for msg in _monitor(lane.xmon):
-                        lane.link.on_monitor(int(msg["event"]), clock(), wall())
-                    lane.dirty = True
-                else:
-                    assert lane.smon is not None
-                    for msg in _monitor(lane.smon):
-                        lane.on_listen_monitor(int(msg["event"]), int(msg["value"]), wall())
-                    lane.dirty = True
+                try:
+                    _turn(lane, role, clock, wall)
+                except zmq.ContextTerminated:
+                    raise
+                except Exception:  # one bad turn must not end the relay: say so, go on
+                    errors += 1
+                    if errors <= 3:
+                        traceback.print_exc()
             while commands and ctl.poll(0):
                 cmd = json.loads(ctl.recv())
                 if cmd["op"] == "stop":
@@ -433,6 +428,11 @@ def relay_main(control: str, parent: int) -> None:
         ctx.destroy(linger=0)
 
 
+def _local(name: str) -> str:
+    """An endpoint only this host reaches, to bind (see Relay.handoff_endpoint)."""
+    return f"ipc://@{name}" if sys.platform.startswith("linux") else "tcp://127.0.0.1:*"
+
+
 def _send(send: Callable[..., Any], frames: list[bytes]) -> None:
     """One multipart message without waiting: zmq.Again when the first frame is refused (the
     queue is full); the others then always go (a message is all or nothing)."""
@@ -442,6 +442,24 @@ def _send(send: Callable[..., Any], frames: list[bytes]) -> None:
         send(frames[i], _SNDMORE)
     if last:
         send(frames[last], 0)
+
+
+def _turn(lane: _Lane, role: str, clock: Callable[[], float], wall: Callable[[], float]) -> None:
+    """What one readable socket of a lane wants: frames to forward, a subscription, an event."""
+    if role == "sub":
+        lane.forward(wall)
+        return
+    if role == "xpub":
+        lane.subscriptions(wall())
+    elif role == "xmon":
+        assert lane.xmon is not None
+        for msg in _monitor(lane.xmon):
+            lane.link.on_monitor(int(msg["event"]), clock(), wall())
+    else:
+        assert lane.smon is not None
+        for msg in _monitor(lane.smon):
+            lane.on_listen_monitor(int(msg["event"]), int(msg["value"]), wall())
+    lane.dirty = True
 
 
 def _monitor(mon: zmq.Socket[bytes]) -> list[Any]:
@@ -468,10 +486,11 @@ class Relay:
         self._lanes = 0
 
     def handoff_endpoint(self) -> tuple[int, str]:
-        """A new lane id and the ipc endpoint its frames are handed over on (Linux abstract
-        namespace: no file to clean up)."""
+        """A new lane id and where its frames are handed over: an ipc endpoint in Linux's
+        abstract namespace (no file to clean up), elsewhere loopback TCP (bind it, then ask the
+        socket for its LAST_ENDPOINT)."""
         self._lanes += 1
-        return self._lanes, f"ipc://@{self._name}-{self._lanes}"
+        return self._lanes, _local(f"{self._name}-{self._lanes}")
 
     def open(self, lane: int, endpoint: str, target: str, queue: int, handoff: str,
              rcvhwm: int, rebind_s: float, wait_s: float) -> None:  # fmt: skip
@@ -505,9 +524,10 @@ class Relay:
     def _start(self) -> None:
         ctl = self.control = self._ctx.socket(zmq.PAIR)
         ctl.setsockopt(zmq.LINGER, 0)
-        ctl.bind(f"ipc://@{self._name}-control")
+        ctl.bind(_local(f"{self._name}-control"))
+        endpoint = ctl.getsockopt_string(zmq.LAST_ENDPOINT)
         # a plain subprocess (not multiprocessing: no resource tracker beside it)
-        cmd = [sys.executable, "-m", __name__, f"ipc://@{self._name}-control", str(os.getpid())]
+        cmd = [sys.executable, "-m", __name__, endpoint, str(os.getpid())]
         self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
         log.info("relay process started (pid %d)", self._proc.pid)
 
@@ -520,8 +540,9 @@ class Relay:
         """Whether the relay process runs."""
         return self._proc is not None and self._proc.poll() is None
 
-    def stop(self, timeout: float = 1.0) -> None:
-        """End the process (by its PID when it does not stop on request); idempotent."""
+    def stop(self, timeout: float = 0.5) -> None:
+        """End the process (by its PID when it does not stop on request; within 3 x `timeout`,
+        so a collector still ends within 2 s of SIGTERM); idempotent."""
         proc, self._proc = self._proc, None
         if proc is not None:
             if self.control is not None:

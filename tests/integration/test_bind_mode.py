@@ -46,7 +46,8 @@ def _bind_config(port: int, dp_size: int, replay: str | None = None, **worker: A
 
 def _connecting(port: int, **kw: Any) -> Any:
     kw.setdefault("start_delay_s", 1.5)  # the collector binds and takes the connections first
-    return sim_config("vllm-0.33", host=ENGINE_HOST, kv_connect=f"tcp://127.0.0.1:{port}", **kw)
+    kw.setdefault("host", ENGINE_HOST)
+    return sim_config("vllm-0.33", kv_connect=f"tcp://127.0.0.1:{port}", **kw)
 
 
 def _bind(snap: Snapshot, rank: int) -> BindStats:
@@ -196,3 +197,44 @@ async def test_messages_under_another_topic_are_counted_and_named(sims: Sims) ->
         assert b.skip_reason == "topic 'other' is not under 'kv'"
         assert stream(snap, 0).reason == "topic mismatch: subscribed 'kv', saw 'other'"
         assert stream(snap, 0).batches_total == 0
+
+
+async def test_pods_past_the_stream_cap_are_refused_and_let_in_when_one_is_forgotten(
+    sims: Sims,
+) -> None:
+    port = free_port_range("127.0.0.1", 1)
+    pods = [
+        sims.start(
+            _connecting(port, dp_size=1, rate=50.0, max_batches=0, worker_id=f"pod-{i}",
+                        host=ip, topic=f"kv@{ip}:8000@m", seed=i, replay_port=None)
+        )
+        for i, ip in enumerate(("127.0.0.2", "127.0.0.3", "127.0.0.4"))
+    ]  # fmt: skip
+    options = IngestOptions(max_streams=2, forget_after_s=1.0)
+    cfg = _bind_config(port, 1, worker_id="llmd", topic="kv@{pod}@{model}")
+    async with running_collector(cfg, ingest=options) as col:
+        await _wait_publishers(col, 3, *pods)
+        snap = await wait_snapshot(
+            col,
+            lambda s: len(s.streams) == 2 and _bind(s, 0).skipped.get("refused", 0) >= 10,
+            what="two pods taken, the third refused",
+        )
+        taken = {s.worker_id for s in snap.streams}
+        (late,) = {f"llmd/{ip}:8000" for ip in ("127.0.0.2", "127.0.0.3", "127.0.0.4")} - taken
+        assert snap.refused == {"streams": 1}  # kvobserve_collector_refused_total{what="streams"}
+        assert sorted(w.worker_id for w in snap.workers) == sorted(taken)
+        assert _bind(snap, 0).skip_reason == f"{late}: past max_streams"
+        # one taken pod stops: forgotten after forget_after_s, the refused one gets its place
+        gone = next(p for p in pods if f"llmd/{p.cfg.host}:8000" in taken)
+        gone.stop()
+        snap = await wait_snapshot(
+            col,
+            lambda s: (
+                {x.worker_id for x in s.streams} == taken - {f"llmd/{gone.cfg.host}:8000"} | {late}
+            ),
+            what="the stopped pod forgotten, the refused one streaming",
+        )
+        assert snap.refused == {"streams": 1}  # counted once per pod, not per message
+        assert sorted(w.worker_id for w in snap.workers) == sorted(
+            s.worker_id for s in snap.streams
+        )
