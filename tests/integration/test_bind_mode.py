@@ -81,7 +81,7 @@ async def test_connecting_vllm_publishers_give_exact_blocks_and_gaps_recovered_b
         assert [(s.state, s.up) for s in snap.streams] == [("waiting", True)] * 2
         snap = await wait_snapshot(
             col,
-            all_streams(lambda s: s.batches_total == 200 and "ok" in s.replay_requests),
+            all_streams(lambda s: s.batches_total == 200 and s.recovered + s.lost == s.missed == 4),
             what="every batch applied, replays done",
         )
         truth = sim.truth()
@@ -95,7 +95,9 @@ async def test_connecting_vllm_publishers_give_exact_blocks_and_gaps_recovered_b
                 "up",
             )
             assert (st.gaps, st.missed, st.recovered, st.lost) == (2, 4, 4, 0)
-            assert st.replay_requests == {"ok": 2}
+            # one replay per gap; on a loaded machine the second gap can be seen while the first
+            # replay is being asked for, and one replay recovers both
+            assert st.replay_requests in ({"ok": 2}, {"ok": 1})
             assert st.state_complete is True and st.rank_mismatch_batches == 0
             assert await resident(col, "w", r) == truth_resident(inst)
             b = _bind(snap, r)
