@@ -546,9 +546,13 @@ class IngestLoop:
         forget = self.options.forget_after_s
         relay = self._relay
         if relay is not None and self._by_lane and not relay.alive:  # it died: start it again
-            log.error("the relay process is gone; starting it again")
+            why = f"the relay process ended ({relay.exit_status}); starting it again"
+            log.error("%s", why)
             for lst in list(self._by_lane.values()):
                 self._unbind(lst)
+                lst.health.set("starting", why, wall)
+                if lst.relay_health is not None:
+                    lst.relay_health.set("connecting", why, wall)
             self._forget_relay()
         for lst in self._listeners.values():
             if lst.inbox is None and now >= lst.retry_at:

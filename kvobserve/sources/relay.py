@@ -3,8 +3,9 @@
 llm-d's scheduler binds `tcp://*:5556` and the engines connect to it; kvobserve binds that port
 instead and forwards to the scheduler (`relay_to`), which binds elsewhere. The relay runs in a
 process of its own (`relay_main`), so no analysis, garbage collection or snapshot of the
-collector ever holds a frame back: a thread would wait for the interpreter lock behind the
-analysis (measured: milliseconds at p99). For each relayed endpoint it binds the SUB, reads each
+collector ever holds a frame back: as a thread it waited for the interpreter lock behind the
+analysis (unpaced through the full analysis, 21,600 frames/s as a thread, 50-61,000 as a
+process on the same machine: benchmarks/relay.py). For each relayed endpoint it binds the SUB, reads each
 frame, sends it to the target and only then hands it to the collector's ingest thread over an
 ipc PUSH; when the ingest thread is behind, that queue fills and frames are skipped there
 (counted, `analysis_behind`; the stream sees a gap and asks for a replay).
@@ -355,6 +356,7 @@ def relay_main(control: str, parent: int) -> None:
     ctl = ctx.socket(zmq.PAIR)
     ctl.setsockopt(zmq.LINGER, 1000)
     ctl.connect(control)
+    ctl.send(b'{"hello": true}')  # queued until connected; then the collector sends commands
     poller = zmq.Poller()
     poller.register(ctl, zmq.POLLIN)
     lanes: dict[int, _Lane] = {}
@@ -484,6 +486,9 @@ class Relay:
         self._proc: Any = None
         self.status: dict[int, dict[str, Any]] = {}  # lane -> its last status
         self._lanes = 0
+        # commands wait here until the process said hello: a PAIR with no peer yet would block
+        self._pending: list[bytes] = []
+        self._ready = False
 
     def handoff_endpoint(self) -> tuple[int, str]:
         """A new lane id and where its frames are handed over: an ipc endpoint in Linux's
@@ -518,6 +523,12 @@ class Relay:
                 st = json.loads(self.control.recv(zmq.NOBLOCK))
             except zmq.Again:
                 return got
+            if st.get("hello"):  # connected: what was asked meanwhile goes now
+                self._ready = True
+                pending, self._pending = self._pending, []
+                for cmd in pending:
+                    self._post(cmd)
+                continue
             self.status[st["lane"]] = st
             got.append(st["lane"])
 
@@ -532,13 +543,29 @@ class Relay:
         log.info("relay process started (pid %d)", self._proc.pid)
 
     def _send(self, cmd: dict[str, Any]) -> None:
+        data = json.dumps(cmd).encode()
+        if self._ready:
+            self._post(data)
+        else:
+            self._pending.append(data)
+
+    def _post(self, data: bytes) -> None:
         assert self.control is not None
-        self.control.send(json.dumps(cmd).encode())
+        with contextlib.suppress(zmq.Again):  # never block: a process that is gone is restarted
+            self.control.send(data, zmq.NOBLOCK)
 
     @property
     def alive(self) -> bool:
         """Whether the relay process runs."""
         return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def exit_status(self) -> str:
+        """How the process ended, for a person: `exit 1`, `killed by SIGKILL`."""
+        code = self._proc.poll() if self._proc is not None else None
+        if code is None:
+            return "running"
+        return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
 
     def stop(self, timeout: float = 0.5) -> None:
         """End the process (by its PID when it does not stop on request; within 3 x `timeout`,

@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -345,3 +347,40 @@ async def test_a_relay_without_its_target_binds_after_waiting_and_counts_what_it
         assert relay is not None
         assert relay.reason == f"connection refused: nothing listens at {target}"
         assert (relay.dropped, relay.forwarded) == ({"no_target": 100}, 0)
+
+
+async def test_a_relay_process_that_dies_is_started_again(sims: Sims) -> None:
+    port = free_port_range("127.0.0.1", 2)
+    scheduler = StandIn(f"tcp://127.0.0.1:{port + 1}")
+    scheduler.open()
+    cfg = collector_config(
+        "vllm", worker_id="v", bind=f"tcp://127.0.0.1:{port}", relay_to=scheduler.endpoint,
+        dp_size=1, replay_endpoint=None,
+    )  # fmt: skip
+    try:
+        async with running_collector(cfg) as col:
+            await wait_snapshot(col, _relay_is("up"), what="relay up")
+            sims.start(
+                SimConfig(format="vllm-0.33", dp_size=1, host="127.0.0.2", replay_port=None,
+                          kv_connect=f"tcp://127.0.0.1:{port}", rate=100.0, max_batches=0,
+                          start_delay_s=0.5, http_port=None, topic="kv@127.0.0.2:8000@m")
+            )  # fmt: skip
+            await _until(lambda: scheduler.received > 20, "relaying")
+            assert col.ingest is not None and col.ingest._relay is not None
+            first = col.ingest._relay._proc
+            os.kill(first.pid, signal.SIGKILL)  # by its PID, as an OOM kill would
+            first.wait(5)
+            got = scheduler.received
+            why = "the relay process ended (killed by SIGKILL); starting it again"
+            snap = await wait_snapshot(
+                col,
+                lambda s: any(why in e.message for e in s.events)
+                and _relay_is("up")(s) and _relay(s).publishers == 1,
+                what="reported, then a new relay process, bound and forwarding again",
+            )  # fmt: skip
+            assert col.ingest._relay is not None and col.ingest._relay._proc is not first
+            await _until(lambda: scheduler.received > got + 20, "frames reach the scheduler again")
+            st = snap.streams[0]
+            assert st.restarts == 0  # the engine did not restart: the same sequence goes on
+    finally:
+        scheduler.stop()
