@@ -280,8 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"median over the rounds: p50 {med50:.3f} ms, p99 {med99:.3f} ms added; target p99 <= "
           f"{TARGET_P99_ADDED_MS:g} ms added and no loss: {'met' if met else 'NOT met'}")  # fmt: skip
     load = os.getloadavg()[0]
-    print(f"(load average {load:.1f} on {os.cpu_count()} CPUs at the end: p99 follows the "
-          "machine's scheduling more than the relay)")  # fmt: skip
+    print(f"(load average {load:.1f} on {os.cpu_count()} CPUs at the end)")
     print(f"kvobserve: {k['applied']:,} batches analysed ({k['gaps']} gaps), relay forwarded "
           f"{k['forwarded']:,}, dropped {dropped}, skipped {k['skipped'] or 0}")  # fmt: skip
     n = max(k["forwarded"], 1)
