@@ -1,6 +1,5 @@
 """Bind mode's settings: the bound endpoint, topic templates, the replay template, the relay.
 
-Which publisher a topic frame names (`kv@{pod}@{model}`):
 On a bound endpoint many publishers connect to one SUB, and a SUB does not say which peer sent a
 frame; the topic does. llm-d's deployments set each engine's topic to `kv@<pod-ip>:<port>@<model>`
 and read the pod and the model back from it. A template is literal text with the fields `{pod}`
@@ -148,7 +147,7 @@ def check_bind_worker(where: str, w: WorkerConfig) -> None:
             )
         shown = fill_replay(replay, "10.0.0.1:8000")
         check_zmq_endpoint(shown, f"{where}.replay_endpoint", ("tcp", "ipc"))
-        if "://" in shown and shown.startswith("tcp://") and _wildcard(shown):
+        if shown.startswith("tcp://") and _wildcard(shown):
             raise ConfigError(
                 f"{where}.replay_endpoint: wildcard host in {replay!r}: with bind the engines "
                 "run elsewhere; give their address, or {pod_ip} with a topic template"

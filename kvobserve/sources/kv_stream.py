@@ -7,7 +7,7 @@ ingest thread at its next wake-up (at most `tick_s` later) and returns a Future.
 ZMQ reconnects by itself with backoff (RECONNECT_IVL .. RECONNECT_IVL_MAX), so an engine that is
 not up yet is simply `up 0` until it is; each SUB's socket monitor says why (sources/link.py).
 In bind mode the loop also drains the endpoints it binds (sources/bind.py), routing each message
-to its stream by topic; a relayed endpoint is read by the relay thread first (sources/relay.py).
+to its stream by topic; a relayed endpoint is read by the relay process first (sources/relay.py).
 """
 
 from __future__ import annotations
