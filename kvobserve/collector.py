@@ -32,9 +32,17 @@ from kvobserve.sources.dynamo_plan import plan_dynamo
 from kvobserve.sources.dynamo_streams import DynamoOptions
 from kvobserve.sources.health import OK_STATES, Health
 from kvobserve.sources.ingest_options import IngestOptions
+from kvobserve.sources.kubernetes import PodWatch
 from kvobserve.sources.kv_stream import IngestLoop
 from kvobserve.sources.passthrough import relabel
-from kvobserve.sources.plan import ListenSpec, SchedulerSpec, StreamSpec, WorkerPlan, plan_worker
+from kvobserve.sources.plan import (
+    ListenSpec,
+    SchedulerSpec,
+    StreamSpec,
+    WorkerPlan,
+    plan_pods,
+    plan_worker,
+)
 from kvobserve.sources.scheduler import SchedulerSources, SchedulerValues
 from kvobserve.sources.stream_events import RecentEvents
 from kvobserve.wire.parts import split_parts
@@ -90,6 +98,7 @@ class Collector:
         clock: Callable[[], float] = time.time,
         observers: list[Callable[[Snapshot], object]] | None = None,
         rediscovery_s: float = 30.0,
+        pod_watch: dict[str, Any] | None = None,
     ) -> None:
         self.cfg = cfg
         self.observers = observers or []  # called with every published snapshot
@@ -110,6 +119,9 @@ class Collector:
         self.scheduler: dict[str, SchedulerSources] = {}
         self._rediscovery: list[Rediscovery] = []
         self._found: dict[str, DiscoveredEngine] = {}
+        # [worker.kubernetes] workers: their pod watches (PodWatch options, e.g. for tests)
+        self._pod_watch_options = pod_watch or {}
+        self.pod_watches: dict[str, PodWatch] = {}
         self._sched_specs: dict[str, tuple[SchedulerSpec, ...]] = {}
         self._task: asyncio.Task[None] | None = None
         self._seq = 0
@@ -146,6 +158,17 @@ class Collector:
         await self._sync_scheduler()
         for r in self._rediscovery:
             await r.start()
+        for w in self.cfg.workers:  # pods come and go: their watch re-plans (sources/kubernetes.py)
+            if w.kubernetes is not None:
+                watch = PodWatch(
+                    w.id,
+                    w.kubernetes,
+                    on_change=functools.partial(self._on_pods, w.id),
+                    events=self.events,
+                    **self._pod_watch_options,
+                )
+                self.pod_watches[w.id] = watch
+                await watch.start()
         await self._start_dynamo()
         self._task = asyncio.create_task(self._loop(), name="kvobserve-snapshots")
 
@@ -173,11 +196,16 @@ class Collector:
     def _replan(self) -> list[StreamSpec]:
         """Plan every worker anew from the config and discovery; the streams to watch."""
         node = self.cfg.collector
-        self.plans = [
-            plan_worker(i, w, node, self._found.get(w.id))
-            for i, w in enumerate(self.cfg.workers)
-            if not _dyn(w)
-        ]
+        self.plans = []
+        for i, w in enumerate(self.cfg.workers):
+            if _dyn(w):
+                continue
+            watch = self.pod_watches.get(w.id)
+            if w.kubernetes is not None:  # one worker per streaming pod; none until listed
+                if watch is not None:
+                    self.plans += plan_pods(i, w, node, watch.streams, watch.namespace)
+                continue
+            self.plans.append(plan_worker(i, w, node, self._found.get(w.id)))
         return [s for p in self.plans for s in p.watched]
 
     def _listens(self) -> list[ListenSpec]:
@@ -185,7 +213,14 @@ class Collector:
         return [x for p in self.plans for x in p.listens]
 
     async def _sync_scheduler(self) -> None:
-        """Start the scheduler sources of every plan; restart a worker's when its plan changed."""
+        """Start the scheduler sources of every plan; restart a worker's when its plan changed;
+        close those of workers no longer planned (a deleted pod)."""
+        planned = {p.worker.id for p in self.plans}
+        for wid in [w for w in self._sched_specs if w not in planned]:
+            del self._sched_specs[wid]
+            gone = self.scheduler.pop(wid, None)
+            if gone is not None:
+                await gone.close()
         for plan in self.plans:
             w = plan.worker
             specs = plan.scheduler if plan.dp_size else ()
@@ -213,6 +248,16 @@ class Collector:
                 await src.close()
                 continue
             self.scheduler[w.id] = src
+
+    async def _on_pods(self, worker_id: str, pods: dict[str, str]) -> None:
+        """The streaming pods of a `[worker.kubernetes]` worker changed: re-plan, as rediscovery."""
+        specs = self._replan()
+        if self.ingest is not None:
+            await asyncio.wrap_future(self.ingest.set_specs(specs))
+        await self._sync_scheduler()
+        log.info(
+            "pods of %s: %d streaming; now watching %d streams", worker_id, len(pods), len(specs)
+        )
 
     async def _on_rediscovered(
         self, worker_id: str, new: DiscoveredEngine, old: DiscoveredEngine | None
@@ -266,7 +311,8 @@ class Collector:
                     )
                 )
             wcfg = next(w for w in self.cfg.workers if w.id == wid)
-            if wcfg.passthrough_engine_metrics and src.scrape is not None:
+            # a failed scrape's families are its last ones: passed through only while it is up
+            if wcfg.passthrough_engine_metrics and src.scrape is not None and src.scrape.up:
                 extra = {"worker_id": wid, "node_rank": str(self.info.node_rank)}
                 fams = _families(relabel(src.scrape.families, extra))
                 room = MAX_PASSTHROUGH_SAMPLES - sum(len(f.samples) for f in passthrough)
@@ -335,6 +381,10 @@ class Collector:
 
     def _source_states(self) -> list[SourceState]:
         out = []
+        for wid, watch in self.pod_watches.items():  # the selector's own state, pods or none
+            h = watch.health
+            n = watch.watch_events_total + watch.lists_total
+            out.append(SourceState(wid, "kubernetes", watch.where, h.state, h.reason, h.since, n))
         for wid, src in self.scheduler.items():
             for s in src.sources:
                 h = s.health
@@ -379,6 +429,8 @@ class Collector:
             self._task = None
         for r in self._rediscovery:
             await r.close()
+        for watch in self.pod_watches.values():
+            await watch.close()
         for src in self.scheduler.values():
             await src.close()
         for d in self.drift:

@@ -14,10 +14,18 @@ from typing import Any
 
 from kvobserve.commands.check_probe import Found, probe_all
 from kvobserve.commands.common import fail, load
-from kvobserve.config import SECTIONS, Config, ConfigError, add_config_flags
+from kvobserve.config import (
+    COLLECT_DEFAULTS,
+    SECTIONS,
+    Config,
+    ConfigError,
+    WorkerConfig,
+    add_config_flags,
+)
 from kvobserve.sources.discovery import DiscoveredEngine, DiscoveryError, discover_urls
 from kvobserve.sources.dynamo_plan import DynamoPlan, plan_dynamo
-from kvobserve.sources.plan import WorkerPlan, plan_worker
+from kvobserve.sources.kubernetes import PodWatch
+from kvobserve.sources.plan import WorkerPlan, plan_pods, plan_worker
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +66,62 @@ async def _discover_all(
         else:
             found[w.id] = d
     return found, failed
+
+
+async def _list_pods(i: int, w: WorkerConfig, timeout_s: float) -> PodWatch:
+    """The pods of a `[worker.kubernetes]` worker, listed once; ConfigError when that fails."""
+    assert w.kubernetes is not None
+    watch = PodWatch(w.id, w.kubernetes)
+    try:
+        await watch.list_once(timeout_s)
+    except Exception as exc:  # the reason, as the collector would report it
+        _, reason = watch.describe(exc)
+        raise ConfigError(f"worker[{i}].kubernetes: cannot list pods: {reason}") from None
+    return watch
+
+
+def pods_json(w: WorkerConfig, watch: PodWatch | None) -> dict[str, Any]:
+    """A `[worker.kubernetes]` worker as `check --json` prints it; its pods' plans follow it."""
+    k = w.kubernetes
+    assert k is not None
+    return {
+        "worker_id": w.id,
+        "engine": w.engine,
+        "dp_size": w.dp_size,
+        "kubernetes": {
+            "server": watch.server if watch else None,
+            "namespace": (watch.namespace if watch else k.namespace) or None,
+            "selector": k.selector,
+            "port": k.port,
+            "replay_port": k.replay_port or None,
+            "topic": k.topic,
+        },
+        "stream_worker_id": f"{w.id}/<pod>",
+        "pods": watch.summary() if watch else None,
+    }
+
+
+def _print_pods(p: dict[str, Any]) -> None:
+    k = p["kubernetes"]
+    where = f"namespace {k['namespace'] or '(the client context)'} -l {k['selector']}"
+    server = f" at {k['server']}" if k["server"] else ""
+    print(f"\nworker {p['worker_id']} ({p['engine']}, pods of {where}{server})")
+    replay = f", replay port {k['replay_port']} + r" if k["replay_port"] else ", no replay"
+    print(
+        f"  each Running and Ready pod is worker {p['stream_worker_id']}: dp_size "
+        f"{p['dp_size']}, rank r at the pod IP port {k['port']} + r{replay}, topic {k['topic']!r}"
+    )
+    pods = p["pods"]
+    if pods is None:
+        print("  pods: listed at run time (--no-discovery)")
+        return
+    streaming = sum(1 for x in pods if x["stream"])
+    print(f"  pods now: {len(pods)} selected, {streaming} streaming")
+    for x in pods:
+        ready = "Ready" if x["ready"] else "not Ready"
+        state = f"{x['phase']}, {ready}" + (", terminating" if x["terminating"] else "")
+        mark = "*" if x["stream"] else " "
+        print(f"   {mark}{x['name']:<40} {x['ip'] or '-':<16} {state}")
 
 
 def _ranged(ranks: list[int]) -> str:
@@ -233,7 +297,16 @@ def _print_sources(p: dict[str, Any]) -> None:
         _print_probe(p["probe_found"])
 
 
-def _print_text(cfg: Config, plans: list[dict[str, Any]]) -> None:
+def http_listens(cfg: Config, collect: Config | None) -> dict[str, str]:
+    """Where each command this config is for serves HTTP ("off": nowhere), first the one this
+    node runs: `run` without [nats]; with it `collect` (`collect`: the config as `collect` loads
+    it, with its own default port) and `aggregate`."""
+    if cfg.nats is None or collect is None:
+        return {"run": cfg.http.listen or "off"}
+    return {"collect": collect.http.listen or "off", "aggregate": cfg.http.listen or "off"}
+
+
+def _print_text(cfg: Config, plans: list[dict[str, Any]], listens: dict[str, str]) -> None:
     """The plan as a human-readable table; `*` marks the ranks this node watches."""
     c = cfg.collector
     print(f"config {cfg.path or '(flags/env only)'}: valid")
@@ -241,10 +314,16 @@ def _print_text(cfg: Config, plans: list[dict[str, Any]]) -> None:
         f"cluster {cfg.cluster}  collector {c.id}  node_rank {c.node_rank} of {c.nnodes}"
         f"  host {c.host}"
     )
-    print(f"http {cfg.http.listen or 'off'}  nats {cfg.nats.url if cfg.nats else 'embedded'}")
+    (command, listen), *rest = listens.items()
+    also = "".join(f"; {other} {where}" for other, where in rest)
+    nats = cfg.nats.url if cfg.nats else "embedded"
+    print(f"http {listen} ({command}{also})  nats {nats}")
     for p in plans:
         if p["engine"] == "dynamo":
             _print_dynamo(p)
+            continue
+        if "kubernetes" in p:
+            _print_pods(p)
             continue
         src = f"  discovered from {p['discovered_from']}" if p["discovered_from"] else ""
         lead = "leader" if p["leader"] else "not leader"
@@ -283,6 +362,7 @@ def run(args: argparse.Namespace) -> int:
         return fail("check", f"--probe-seconds {args.probe_seconds}: must be > 0")
     try:
         cfg = load(args)
+        listens = http_listens(cfg, load(args, defaults=COLLECT_DEFAULTS) if cfg.nats else None)
         found, failed = (
             ({}, {}) if args.no_discovery else asyncio.run(_discover_all(cfg, args.timeout))
         )
@@ -292,6 +372,14 @@ def run(args: argparse.Namespace) -> int:
         for i, w in enumerate(cfg.workers):
             if w.engine == "dynamo":
                 plans.append(dynamo_json(plan_dynamo(i, w, node)))
+                continue
+            if w.kubernetes is not None:  # the selector, then a plan per streaming pod
+                watch = None if args.no_discovery else asyncio.run(_list_pods(i, w, args.timeout))
+                plans.append(pods_json(w, watch))
+                streams = watch.streams if watch else {}
+                for wp in plan_pods(i, w, node, streams, watch.namespace if watch else ""):
+                    plans.append(plan_json(wp))
+                    sglang_vllm.append((plans[-1], wp))
                 continue
             err = failed.get(w.id)
             if err is not None and not (w.kv_endpoint or w.bind):
@@ -318,6 +406,7 @@ def run(args: argparse.Namespace) -> int:
             "config": cfg.path,
             "cluster": cfg.cluster,
             "collector": {"id": c.id, "node_rank": c.node_rank, "nnodes": c.nnodes, "host": c.host},
+            "http": listens,
             "workers": plans,
         }
         for pj in plans:
@@ -326,7 +415,7 @@ def run(args: argparse.Namespace) -> int:
         json.dump(doc, sys.stdout, indent=2)
         print()
     else:
-        _print_text(cfg, plans)
+        _print_text(cfg, plans, listens)
         if not args.probe:
             print("\nendpoints not contacted: `kvobserve check --probe` connects to each")
         elif bad:

@@ -23,8 +23,9 @@ def _age(now: float, t: float) -> float | None:
     return round(max(0.0, now - t), 3) if t else None
 
 
-def stream_json(s: StreamView, now: float = 0.0, sched_usage: float | None = None) -> Json:
-    """One stream: labels, state and reason, counters and usage (gauges null when not up)."""
+def stream_json(s: StreamView, now: float = 0.0, token_usage: float | None = None) -> Json:
+    """One stream: labels, state and reason, counters, and its gauges (null while it is not up:
+    the staleness rule, docs/metrics.md)."""
     st = s.stats
     live = s.live
     if live:
@@ -32,6 +33,7 @@ def stream_json(s: StreamView, now: float = 0.0, sched_usage: float | None = Non
     else:
         state, since = "stale", s.collector_last_seen
         reason = f"collector {s.collector.collector_id} silent; last known: {st.state or '?'}"
+    up = s.up
     return {
         "worker_id": st.worker_id,
         "node_rank": s.collector.node_rank,
@@ -40,7 +42,7 @@ def stream_json(s: StreamView, now: float = 0.0, sched_usage: float | None = Non
         "engine": st.engine,
         "endpoint": st.endpoint,
         "topic": st.topic,
-        "up": s.up,
+        "up": up,
         "live": live,
         "batches": st.batches_total,
         "events": dict(st.events),
@@ -51,23 +53,23 @@ def stream_json(s: StreamView, now: float = 0.0, sched_usage: float | None = Non
         "replay_requests": dict(st.replay_requests),
         "restarts": st.restarts,
         "duplicate_batches": st.duplicate_batches,
-        "duplicate_stream": st.duplicate_stream if live else None,
+        "duplicate_stream": st.duplicate_stream if up else None,
         "rank_mismatch_batches": st.rank_mismatch_batches,
         "decode_errors": dict(st.decode_errors),
-        "state_complete": st.state_complete if live else None,
-        "blocks": {m.medium: m.blocks for m in st.media} if live else {},
-        "tokens": {m.medium: m.tokens for m in st.media} if live else {},
-        "capacity_tokens": s.capacity_tokens if live else None,
-        "usage_ratio": s.usage_ratio if s.up else None,  # resident tokens / capacity
-        "scheduler_usage_ratio": sched_usage if live else None,  # tokens of running requests
+        "state_complete": st.state_complete if up else None,
+        "blocks": {m.medium: m.blocks for m in st.media} if up else {},
+        "tokens": {m.medium: m.tokens for m in st.media} if up else {},
+        "capacity_tokens": s.capacity_tokens if up else None,
+        "cache_usage_ratio": s.usage_ratio if up else None,  # GPU-tier resident tokens / capacity
+        "token_usage_ratio": token_usage if up else None,  # the scheduler's: running requests
         # which scheduler sources report this rank (load, metrics, ...); "none": no source does
         "scheduler_source": (s.scheduler_source or "none") if live else None,
         "last_batch_ts": st.last_batch_ts or None,
-        "lag_seconds": st.lag_seconds if s.up else None,
+        "lag_seconds": st.lag_seconds if up else None,
         "state": state,
         "reason": reason,
         "state_since": _t(since),
-        "events_per_s": st.events_per_s if s.up else None,
+        "events_per_s": st.events_per_s if up else None,
         "last_message_time": _t(st.last_message_time),
         "last_message_age_s": _age(now, st.last_message_time),
         "last_gap_time": _t(st.last_gap_time),
@@ -76,18 +78,18 @@ def stream_json(s: StreamView, now: float = 0.0, sched_usage: float | None = Non
         "last_duplicate_time": _t(st.last_duplicate_time),
         "last_decode_error_time": _t(st.last_decode_error_time),
         "last_rank_mismatch_time": _t(st.last_rank_mismatch_time),
-        "incomplete_reason": (st.incomplete_reason or None) if live else None,
+        "incomplete_reason": (st.incomplete_reason or None) if up else None,
         # docs/cache-analytics.md
-        "trust": st.trust or None,
-        "trust_reason": st.trust_reason or None,
+        "trust": (st.trust or None) if up else None,
+        "trust_reason": (st.trust_reason or None) if up else None,
         "silent_loss": dict(st.silent_loss),
-        "over_capacity": s.over_capacity if live else None,
+        "over_capacity": s.over_capacity if up else None,
     }
 
 
 def streams_json(v: FleetView) -> list[Json]:
     """GET /api/v1/streams."""
-    usage = {(s.worker_id, s.dp_rank): s.token_usage_ratio for s, _ in v.scheduler}
+    usage = {(s.worker_id, s.dp_rank): s.token_usage_ratio for s, _ in v.scheduler}  # live ranks
     return [
         stream_json(s, v.now, usage.get((s.stats.worker_id, s.stats.dp_rank))) for s in v.streams
     ]
@@ -244,7 +246,7 @@ def hot_json(v: FleetView, top: int = HOT_TOP) -> Json:
     tokens) with store counts and the ranks holding them now, and the worker's placement."""
     by_worker: dict[str, list[StreamView]] = {}
     for s in v.streams:
-        if s.live:
+        if s.up:  # "holding now": a down stream's residency is unknown
             by_worker.setdefault(s.stats.worker_id, []).append(s)
     workers = []
     for w_id in sorted(by_worker.keys() | v.placement.keys()):

@@ -309,8 +309,13 @@ def _stream(
         stored,
         removed,
     )
-    if not sv.live:
-        return (*head, "", "", "", "", "", "", "", "")
+    ts = (
+        f"kvobserve_kv_last_batch_timestamp_seconds{ls}{fv(st.last_batch_ts)}\n"
+        if st.last_batch_ts > 0
+        else ""
+    )
+    if not sv.up:
+        return (*head, "", "", "", "", "", "", ts, "")
     usage = sv.usage_ratio
     return (
         *head,
@@ -320,9 +325,7 @@ def _stream(
         f"kvobserve_kv_cache_usage_ratio{ls}{fv(usage)}\n" if usage is not None else "",
         f"kvobserve_kv_duplicate_stream{ls}{'1.0' if st.duplicate_stream else '0.0'}\n",
         f"kvobserve_kv_state_complete{ls}{'1.0' if st.state_complete else '0.0'}\n",
-        f"kvobserve_kv_last_batch_timestamp_seconds{ls}{fv(st.last_batch_ts)}\n"
-        if st.last_batch_ts > 0
-        else "",
+        ts,
         f"kvobserve_kv_event_lag_seconds{ls}{fv(st.lag_seconds)}\n"
         if st.lag_seconds is not None
         else "",
@@ -375,6 +378,11 @@ def fleet_level(
                 _OWNERS.clear()
             _OWNERS[key] = text
         owners.append(text)
+    for (w_id, rank), c in sorted(v.last_owner.items()):
+        i = c.info
+        owner = (f'{{collector="{_e(i.collector_id)}",dp_rank="{rank}",'
+                 f'node_rank="{i.node_rank}",worker_id="{_e(w_id)}"}} ')  # fmt: skip
+        add("kvobserve_dp_rank_last_owner_info", owner, "1.0")
     for (name, w_id, lv), n in sorted(sums.counters.items()):
         add(name, f'{{{COUNTER_LABEL[name]}="{_e(lv)}",worker_id="{_e(w_id)}"}} ', fv(n))
     out = {name: "".join(lines).encode() for name, lines in add.out.items()}

@@ -165,11 +165,11 @@ def _stream_row(s: Json, cond: dict[str, str], clock: _Clock) -> str:
         )
     if s["duplicate_stream"]:
         dup = f'yes<br><span class="small">{_e(clock.hms(s.get("last_duplicate_time")))}</span>'
-    elif s.get("last_duplicate_time"):
-        dup = f'no<br><span class="small muted">last {_e(clock.hms(s["last_duplicate_time"]))}'
-        dup += "</span>"
-    else:
+    else:  # None: the stream is not up, so it is not known now
         dup = "-" if s["duplicate_stream"] is None else "no"
+        if s.get("last_duplicate_time"):
+            last = _e(clock.hms(s["last_duplicate_time"]))
+            dup += f'<br><span class="small muted">last {last}</span>'
     complete = s["state_complete"] if s["batches"] else None  # no batch yet: nothing to judge
     if not s["batches"] and not s["duplicate_stream"]:
         dup = "-"
@@ -200,8 +200,8 @@ def _stream_row(s: Json, cond: dict[str, str], clock: _Clock) -> str:
         f"<td class=n>{_secs(s.get('last_message_age_s'))}</td>"
         f"{td('gaps', gaps, True)}{td('restarts', restarts, True)}{td('dup', dup)}"
         f"{td('index', index)}{td('errors', errors, True)}"
-        f"<td class=n>{_pct(s.get('usage_ratio'))}</td>"
-        f"{td('sched', _pct(s.get('scheduler_usage_ratio')) + _via(s), True)}"
+        f"<td class=n>{_pct(s.get('cache_usage_ratio'))}</td>"
+        f"{td('sched', _pct(s.get('token_usage_ratio')) + _via(s), True)}"
         f'<td class="small">{_e(s["endpoint"])}<br>{_e(s["collector"])}</td></tr>'
     )
 
@@ -225,7 +225,7 @@ def _streams(streams: list[Json], alerts: list[Json], clock: _Clock) -> str:
     head = (
         "worker", "rank", "node", "state", "reason", "batches", "events/s", "lag",
         "last batch", "gaps", "restarts", "duplicate", "index", "errors",
-        "resident", "scheduler", "endpoint · collector",
+        "cache usage", "token usage", "endpoint · collector",
     )  # fmt: skip
     return _table(head, rows, "No streams.", "streams-table")
 
@@ -273,7 +273,10 @@ def _sources(sources: list[Json], clock: _Clock) -> str:
     ]
     head = ("worker", "source", "endpoint", "collector", "state", "reason", "since", "messages")
     return _table(
-        head, rows, "No scheduler sources (no leader with metrics_url, url or a side channel)."
+        head,
+        rows,
+        "No scheduler or discovery sources (no leader with metrics_url, url or a side channel, "
+        "no [worker.kubernetes]).",
     )
 
 
@@ -406,7 +409,7 @@ def render(
         f'<h2>Recent events</h2><div id="events">{_events((events or [])[:25], clock)}</div>'
         f'<h2>Publishers past the last rank</h2><div id="unexpected">'
         f"{_strays(fleet['unexpected'])}</div>"
-        f'<h2>Scheduler sources</h2><div id="sources">'
+        f'<h2>Scheduler and discovery sources</h2><div id="sources">'
         f"{_sources(fleet.get('scheduler_sources', []), clock)}</div>"
         + (
             f'<h2>Bound endpoints</h2><div id="binds">{_binds(fleet["binds"], clock)}</div>'

@@ -10,6 +10,8 @@ from kvobserve.simulate.encoders import FORMATS, WireFormat, get_format
 from kvobserve.simulate.faults import FaultConfig, faults_from_dict
 
 INDEXER_MODES = ("faithful", "lag", "lose_removals", "miss_worker")
+DP_LB_MODES = ("internal", "hybrid")
+EVENT_PLANES = ("nats", "zmq")
 
 
 @dataclass(frozen=True)
@@ -123,7 +125,7 @@ class SimConfig:
             )
         if self.grpc_port is not None and self.wire.engine != "sglang":
             raise ValueError(f"grpc_port: format {self.format} has no gRPC mode (SGLang only)")
-        if self.dp_lb not in ("internal", "hybrid"):
+        if self.dp_lb not in DP_LB_MODES:
             raise ValueError(f"dp_lb: {self.dp_lb!r} is not internal or hybrid")
         if self.node_hosts and len(self.node_hosts) != self.nnodes:
             raise ValueError(
@@ -135,7 +137,7 @@ class SimConfig:
         return self
 
     def _validate_dynamo(self) -> None:
-        if self.event_plane not in (None, "nats", "zmq"):
+        if self.event_plane is not None and self.event_plane not in EVENT_PLANES:
             raise ValueError(f"event_plane: {self.event_plane!r} is not nats or zmq")
         if self.event_plane is None:
             if self.indexer_port is not None or self.faults.drop_event_ids:

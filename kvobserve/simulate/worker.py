@@ -338,9 +338,11 @@ class SimulatedWorker:
                 continue  # the engines log and ignore malformed requests
             ident = frames[0]
             start = int.from_bytes(frames[2], "big")
+            st.replay_requests += 1
             for seq, seq_b, payload in list(st.ring):
                 if seq >= start:
                     router.send_multipart([ident, *replay_frames(fmt, self._topic, seq_b, payload)])
+                    st.replay_batches += 1
             router.send_multipart([ident, *replay_end(fmt)])
 
     # --- public -------------------------------------------------------------------------------

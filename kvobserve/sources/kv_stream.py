@@ -196,6 +196,13 @@ class IngestLoop:
             if link is None:
                 continue
             link.tick(now, wall)
+            last, connected = link.last_data, link.zmq_at
+            if st.seq is not None and last is not None and connected is not None:
+                # an idle stream asks for batches after its last one (a lost tail shows no gap);
+                # a SUB that connected again since may face another publisher process
+                ask = st.seq.check_tail(now, last, reconnected=connected > last)
+                if ask is not None:
+                    self.replays.act(st, ask)
             if link.wants_probe(now):
                 self.topic_probes.open(link, now)
             elif link.wants_park(now) and st.sock is not None:
@@ -411,6 +418,8 @@ class IngestLoop:
                 log.warning("cannot connect %s: %s", spec.endpoint, exc)
                 if st.link is not None:
                     st.link.health.set("connecting", f"cannot connect: {exc}", self._wall())
+        for gone in self._mirrors.keys() - {k[0] for k in self._streams}:
+            del self._mirrors[gone]  # a worker with no stream left (a deleted pod)
         self.refused_streams_total += len(self._refused_streams - before)  # newly refused
         if listens is not None:
             self._apply_listens(listens)
@@ -606,6 +615,9 @@ class IngestLoop:
                 st.history.update(st.seq, st.decode_errors, now, wall)
             s = stream_stats(st, st.seq, now, wall)
             cache_stats.fill_stream(s, st.seq, [q.index for q in siblings[spec.worker_id]], wall)
+            if st.link is not None:
+                link = st.link
+                s.trust_reason = st.seq.trust_reason(now, link.last_data, link.zmq_at is not None)
             streams.append(s)
             refused["medium_events"] += st.seq.index.media_refused_events
         pods: dict[str, list[str]] = {}

@@ -12,6 +12,8 @@ collector runs them.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
@@ -25,6 +27,7 @@ from kvobserve.analysis.layout import (
 )
 from kvobserve.config import WILDCARD_HOSTS, CollectorConfig, ConfigError, WorkerConfig
 from kvobserve.config.bind import TopicTemplate
+from kvobserve.config.kubernetes import pod_topic
 from kvobserve.sources.discovery_parse import DiscoveredEngine
 from kvobserve.wire.snapshot import WorkerInfo
 
@@ -313,10 +316,14 @@ def plan_worker(
     if load and load.startswith("tcp://"):
         first = int(load.rpartition(":")[2])
         load_ports = range(first, first + dp_size)
+    replays = {s.replay_endpoint: s.dp_rank for s in streams if s.replay_endpoint}
     for r, ep in list(probe_eps.items()):
         if int(ep.rpartition(":")[2]) in load_ports:
             del probe_eps[r]
             notes.append(f"probe {ep} skipped: it is the SGLang load publisher's port")
+        elif ep in replays:  # llm-d's per-pod layout: events 5557 + r, replay 5559 + r
+            del probe_eps[r]
+            notes.append(f"probe {ep} skipped: it is rank {replays[ep]}'s replay port")
     topic0 = streams[0].topic if streams else ""
     probes = tuple(
         StreamSpec(w.id, r, w.engine, ep, topic0, probe=True) for r, ep in probe_eps.items()
@@ -334,3 +341,27 @@ def plan_worker(
         dp_attention,
         found.block_size if found else None,
     )
+
+
+def plan_pods(
+    i: int, w: WorkerConfig, node: CollectorConfig, pods: Mapping[str, str], namespace: str
+) -> list[WorkerPlan]:
+    """The plans of a `[worker.kubernetes]` worker: one worker `{id}/{pod}` per streaming pod
+    (name -> IP), whose rank r publishes at the pod's IP on `port` + r. A pod is one node: this
+    collector watches every rank of it, whatever its own node_rank."""
+    k = w.kubernetes
+    assert k is not None, "a [worker.kubernetes] worker"
+    one_node = dataclasses.replace(node, node_rank=0, nnodes=1)
+    plans = []
+    for name, ip in sorted(pods.items()):
+        host = bracket(ip)
+        pod = dataclasses.replace(
+            w,
+            id=f"{w.id}/{name}",
+            kv_endpoint=f"tcp://{host}:{k.port}",
+            replay_endpoint=f"tcp://{host}:{k.replay_port}" if k.replay_port else None,
+            topic=pod_topic(k.topic, name, ip, namespace),
+            kubernetes=None,
+        )
+        plans.append(plan_worker(i, pod, one_node, None))
+    return plans

@@ -45,7 +45,7 @@ class WatchedStream:
         self.seq = seq  # None for probe ports
         self.sock: zmq.Socket[bytes] | None = None
         self.monitor: zmq.Socket[bytes] | None = None
-        self.replay: tuple[int, zmq.Socket[bytes]] | None = None
+        self.replay: tuple[int, zmq.Socket[bytes], bool] | None = None  # (id, DEALER, tail check)
         self.mirror: MirrorDetector | None = None
         self.decode_errors: dict[str, int] = {}
         self.bad_seqs: deque[int] = deque(maxlen=64)  # seqs that did not decode, live or replay
@@ -120,6 +120,7 @@ def stream_stats(
         st.rate_prev = (now, events_total)
     link, hist = st.link, st.history
     last = hist.last if hist is not None else {}
+    dup, began = sq.duplicate_stream(now), sq.duplicate_stream_began
     return StreamStats(
         spec.worker_id,
         spec.dp_rank,
@@ -137,7 +138,7 @@ def stream_stats(
         replay_requests={k: v for k, v in sq.replay_requests.items() if v},
         restarts=sq.restarts,
         duplicate_batches=sq.duplicate_batches,
-        duplicate_stream=sq.duplicate_stream(now),
+        duplicate_stream=dup,
         rank_mismatch_batches=sq.rank_mismatch_batches,
         decode_errors=dict(st.decode_errors),
         interleaved_batches=sq.interleaved_batches,
@@ -155,6 +156,7 @@ def stream_stats(
         last_loss_time=last.get("loss", 0.0),
         last_restart_time=last.get("restart", 0.0),
         last_duplicate_time=last.get("duplicate", 0.0),
+        duplicate_since=wall - (now - began) if dup and began is not None else 0.0,
         last_decode_error_time=last.get("decode_error", 0.0),
         last_rank_mismatch_time=last.get("rank_mismatch", 0.0),
         incomplete_reason=hist.incomplete_reason if hist is not None else "",

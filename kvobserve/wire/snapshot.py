@@ -95,6 +95,7 @@ class StreamStats(Struct, omit_defaults=True, gc=False):
     last_loss_time: float = 0.0
     last_restart_time: float = 0.0
     last_duplicate_time: float = 0.0  # last evidence of a second publisher
+    duplicate_since: float = 0.0  # first evidence of the current one (0: none now, or unknown)
     last_decode_error_time: float = 0.0
     last_rank_mismatch_time: float = 0.0
     incomplete_reason: str = ""  # why state_complete is False, when known

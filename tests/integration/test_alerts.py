@@ -347,6 +347,13 @@ def test_golden_fleet_raises_the_expected_alerts(prometheus: str) -> None:
     # The stream_info join adds what the inhibition and the description need.
     assert down["collector"] == "node-0" and down["endpoint"] == "tcp://10.0.0.6:5558"
     assert down["job"] == "kvobserve" and down["severity"] == "critical"
+    # ... and the last owner's join of the uncovered rank: node-2, the down collector
+    uncovered = next(
+        a["labels"]
+        for a in alerts()
+        if (a["labels"]["alertname"], a["labels"].get("dp_rank")) == ("DPRankUncovered", "3")
+    )
+    assert (uncovered["collector"], uncovered["node_rank"]) == ("node-2", "2")
     # Healthy ranks stay quiet.
     assert ("DPRankUncovered", "sglang-a", "0") not in got
     assert ("KVEventStreamDown", "sglang-a", "0") not in got

@@ -339,7 +339,7 @@ BAD: list[tuple[str, dict[str, Any], dict[str, str], str]] = [
         '[[worker]]\nengine = "tgi"\nkv_endpoint = "tcp://h:1"\n',
         {},
         {},
-        "worker[0].engine: must be 'sglang', 'vllm' or 'dynamo', got 'tgi'",
+        "worker[0].engine: must be one of sglang, vllm, dynamo, got 'tgi'",
     ),
     (
         '[[worker]]\nengine = "sglang"\nkv_endpoint = "udp://h:1"\n',

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvobserve.commands.check import _print_text, plan_json
+from kvobserve.commands.check import _print_text, http_listens, plan_json
 from kvobserve.config import load_config
 from kvobserve.config.bind import TopicTemplate
 from kvobserve.sources.plan import WorkerPlan, plan_worker
@@ -45,8 +45,9 @@ def test_the_check_lines_shown_are_what_check_prints(tmp_path: Path, heading: st
     plan = _plan(tmp_path, heading)
     path = tmp_path / "kvobserve.toml"
     out = io.StringIO()
+    cfg = load_config(str(path), {}, {})
     with contextlib.redirect_stdout(out):
-        _print_text(load_config(str(path), {}, {}), [plan_json(plan)])
+        _print_text(cfg, [plan_json(plan)], http_listens(cfg, None))
     printed = out.getvalue().splitlines()
     shown = _section(heading).split("$ kvobserve check -c ", 1)[1].split("```", 1)[0]
     lines = [ln for ln in shown.splitlines()[1:] if ln != "..."]
