@@ -62,6 +62,7 @@ _ROWS: Final = (
     Kind("worker_undiscovered", "KVWorkerUndiscovered", "critical", "worker not discovered"),
     Kind("layout_mismatch", "KVWorkerLayoutMismatch", "critical", "engine layout differs"),
     Kind("scheduler_source_down", "KVSchedulerSourceDown", "warning", "scheduler source down"),
+    Kind("relay_dropping", "KVRelayDropping", "warning", "relay dropping frames"),
 )
 KINDS: Final[dict[str, Kind]] = {k.kind: k for k in _ROWS}
 BY_ALERT: Final[dict[str, Kind]] = {k.alert: k for k in _ROWS}

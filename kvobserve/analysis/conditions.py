@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from kvobserve.analysis.alerting import KINDS, RECENT_S
 from kvobserve.analysis.layout import ranged
-from kvobserve.wire.snapshot import DriftStats, StreamStats
+from kvobserve.wire.snapshot import BindStats, DriftStats, StreamStats
 
 if TYPE_CHECKING:
     from kvobserve.analysis.fleet import FleetView, StreamView
@@ -136,6 +136,7 @@ def conditions(v: FleetView) -> Iterable[Condition]:
     for c in v.collectors:
         if not c.up:
             continue
+        yield from _relays(c.snapshot.binds, c.info.collector_id, v.now)
         for d in c.snapshot.drift:
             if drifted(d) and (d.worker_id, d.dp_rank) not in down:  # a down stream: unknown
                 yield Condition.of(
@@ -202,6 +203,22 @@ def configured(v: FleetView) -> Iterable[Condition]:
                 f"{info.collector_id} is {src.state}: {src.reason}",
                 src.since,
             )
+
+
+def _relays(binds: list[BindStats], collector: str, now: float) -> Iterable[Condition]:
+    """relay_dropping: a relay that did not forward frames within RECENT_S, and why."""
+    for b in binds:
+        r = b.relay
+        if r is None or not r.last_drop_time or now - r.last_drop_time > RECENT_S:
+            continue
+        drops = ", ".join(f"{k} {n}" for k, n in sorted(r.dropped.items()))
+        yield Condition.of(
+            "relay_dropping",
+            labels(collector=collector, worker_id=b.worker_id, dp_rank=b.dp_rank),
+            f"{b.worker_id} rank {b.dp_rank}: frames not forwarded to {r.target} ({drops}); "
+            f"relay {r.state}: {r.reason}",
+            r.last_drop_time,
+        )
 
 
 def _uncovered(v: FleetView, w: str, r: int) -> Condition:

@@ -77,7 +77,7 @@ def new_link(spec: StreamSpec, times: LinkTimes, events: RecentEvents, wall: flo
 
     name = f"stream {spec.worker_id} rank {spec.dp_rank} ({spec.endpoint})"
     health = Health(name, "starting", "connecting", wall, changed)
-    return Link(spec.endpoint, spec.topic, health, times)
+    return Link(spec.endpoint, spec.topic, health, times, bound=spec.bound)
 
 
 def count_bad(st: WatchedStream, reason: str, seq_frame: bytes) -> None:
