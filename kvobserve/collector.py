@@ -36,6 +36,7 @@ from kvobserve.sources.kubernetes import PodWatch
 from kvobserve.sources.kv_stream import IngestLoop
 from kvobserve.sources.passthrough import relabel
 from kvobserve.sources.plan import (
+    ListenSpec,
     SchedulerSpec,
     StreamSpec,
     WorkerPlan,
@@ -54,6 +55,7 @@ from kvobserve.wire.snapshot import (
     Snapshot,
     SourceErrors,
     SourceState,
+    WorkerInfo,
     encode_snapshot,
 )
 
@@ -116,6 +118,8 @@ class Collector:
         self.plans: list[WorkerPlan] = []
         self.scheduler: dict[str, SchedulerSources] = {}
         self._rediscovery: list[Rediscovery] = []
+        self._again: dict[str, Rediscovery] = {}  # by worker id
+        self._worker_health: dict[str, Health] = {}  # by worker id: its state (worker_state)
         self._found: dict[str, DiscoveredEngine] = {}
         # [worker.kubernetes] workers: their pod watches (PodWatch options, e.g. for tests)
         self._pod_watch_options = pod_watch or {}
@@ -131,15 +135,20 @@ class Collector:
 
     async def start(self) -> None:
         """Discover, open the streams, start the scheduler sources and the snapshot loop."""
-        for w in self.cfg.workers:
-            if not w.urls:
-                continue
+        todo = [w for w in self.cfg.workers if w.urls]
+        # every worker at once: one engine that does not answer delays no other worker
+        got = await asyncio.gather(
+            *(discover_urls(w.urls, w.engine) for w in todo), return_exceptions=True
+        )
+        for w, found in zip(todo, got, strict=True):
             failed: DiscoveryError | None = None
-            try:
-                self._found[w.id] = await discover_urls(w.urls, w.engine)
-            except DiscoveryError as exc:  # not up yet: configured endpoints, rediscovery later
-                log.warning("%s", exc)
-                failed = exc
+            if isinstance(found, DiscoveryError):  # not up yet: configured endpoints, rediscovery
+                log.warning("%s", found)
+                failed = found
+            elif isinstance(found, BaseException):
+                raise found
+            else:
+                self._found[w.id] = found
             again = Rediscovery(
                 w.urls,
                 w.engine,
@@ -149,7 +158,10 @@ class Collector:
             )
             again.last_error = failed  # logged once: the next polls log only a different error
             self._rediscovery.append(again)
-        self.ingest = IngestLoop(self._replan(), self._ingest_options, events=self.events)
+            self._again[w.id] = again
+        specs = self._replan()
+        self.ingest = IngestLoop(specs, self._ingest_options, events=self.events,
+                                 listens=self._listens())  # fmt: skip
         self.ingest.start()
         await self._sync_scheduler()
         for r in self._rediscovery:
@@ -204,6 +216,10 @@ class Collector:
             self.plans.append(plan_worker(i, w, node, self._found.get(w.id)))
         return [s for p in self.plans for s in p.watched]
 
+    def _listens(self) -> list[ListenSpec]:
+        """The endpoints this collector binds (bind mode), as the last _replan() planned."""
+        return [x for p in self.plans for x in p.listens]
+
     async def _sync_scheduler(self) -> None:
         """Start the scheduler sources of every plan; restart a worker's when its plan changed;
         close those of workers no longer planned (a deleted pod)."""
@@ -257,7 +273,7 @@ class Collector:
         self._found[worker_id] = new
         specs = self._replan()
         if self.ingest is not None:
-            self.ingest.set_specs(specs)
+            self.ingest.set_specs(specs, self._listens())
         await self._sync_scheduler()
         log.info("endpoints of %s changed; now watching %d streams", new.url, len(specs))
 
@@ -319,7 +335,7 @@ class Collector:
                     passthrough.append(fam)
         if self._passthrough_refused:
             refused["passthrough_samples"] = self._passthrough_refused
-        streams, workers = ingest.streams, [p.info() for p in self.plans]
+        streams, workers = ingest.streams, self._worker_infos(ingest.pods)
         dynamo: dict[str, Any] = {}
         if self.dynamo is not None:
             dyn = await asyncio.wrap_future(self.dynamo.stats())
@@ -345,6 +361,7 @@ class Collector:
             passthrough=passthrough,
             refused=refused,
             placement=ingest.placement,
+            binds=ingest.binds,
             counters=CollectorCounters(
                 ingest.messages_received,
                 ingest.loop_errors,
@@ -356,6 +373,52 @@ class Collector:
             events=self.events.recent(),
         )
 
+    def _worker_infos(self, pods: dict[str, list[str]]) -> list[WorkerInfo]:
+        """Every planned worker with its state now (docs/collector.md "Worker states"); with a
+        topic template (bind mode), each of its pods that sent instead (every rank of a pod is
+        bound here; the bound endpoint's own state stands for the worker)."""
+        now = self._clock()
+        out = []
+        for p in self.plans:
+            w = p.worker
+            if p.pods:
+                for pod in pods.get(w.id, ()):
+                    ranks = list(p.watched_ranks)
+                    out.append(
+                        WorkerInfo(pod, w.engine, p.dp_size, ranks, w.leader, w.capacity_tokens)
+                    )
+                continue
+            state, reason = self._worker_state(p)
+            h = self._worker_health.get(w.id)
+            if h is None:
+                h = self._worker_health[w.id] = Health("", "", "", now, self._worker_changed(w.id))
+            h.set(state, reason, now)
+            out.append(p.info(h.state, h.reason, h.since))
+        return out
+
+    def _worker_state(self, p: WorkerPlan) -> tuple[str, str]:
+        """(state, reason) of one worker: undiscovered, layout_mismatch or watching."""
+        again = self._again.get(p.worker.id)
+        err = again.last_error if again is not None else None
+        if not p.streams and not p.listens:
+            why = err.reason if err else f"no KV-event stream advertised by {p.worker.url}"
+            return "undiscovered", why
+        if p.misplaced:
+            return "layout_mismatch", "; ".join(m.text for m in p.mismatches)
+        reason = f"{len(p.watched_ranks)} of {p.dp_size} ranks on this node"
+        return "watching", reason + (f"; discovery fails now: {err.reason}" if err else "")
+
+    def _worker_changed(self, worker_id: str) -> Callable[[Health, str], None]:
+        def changed(h: Health, before: str) -> None:
+            if h.state == "watching" and before in ("", "watching"):
+                return  # the normal start is no news
+            level = logging.INFO if h.state == "watching" else logging.WARNING
+            log.log(level, "worker %s: %s: %s", worker_id, h.state, h.reason)
+            msg = f"{before} -> {h.state}: {h.reason}" if before else f"{h.state}: {h.reason}"
+            self.events.add("worker", msg, worker_id=worker_id, at=h.since)
+
+        return changed
+
     def _source_states(self) -> list[SourceState]:
         out = []
         for wid, watch in self.pod_watches.items():  # the selector's own state, pods or none
@@ -363,6 +426,7 @@ class Collector:
             n = watch.watch_events_total + watch.lists_total
             out.append(SourceState(wid, "kubernetes", watch.where, h.state, h.reason, h.since, n))
         for wid, src in self.scheduler.items():
+            src.check_silence()  # a source that stopped sending is down, not "up: receiving"
             for s in src.sources:
                 h = s.health
                 where = ", ".join(s.endpoints)

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from kvobserve.analysis.alerting import KINDS, RECENT_S
-from kvobserve.wire.snapshot import DriftStats, StreamStats
+from kvobserve.analysis.layout import ranged
+from kvobserve.wire.snapshot import BindStats, DriftStats, StreamStats
 
 if TYPE_CHECKING:
     from kvobserve.analysis.fleet import FleetView, StreamView
@@ -38,6 +39,9 @@ TOP_MEDIA = frozenset({"GPU", "DEVICE"})
 # router_index_drift: phantom + missing above this share of the engine's blocks, and this many
 DRIFT_SHARE = 0.05
 DRIFT_MIN_BLOCKS = 10
+MISMATCH = "layout_mismatch"  # the worker state (WorkerInfo.state) of the condition
+WORKER_TROUBLE = frozenset({"undiscovered", MISMATCH})  # worker states with a condition
+SOURCE_DOWN = frozenset({"down", "undecodable"})  # scheduler-source states that deliver nothing
 
 
 def thrashing(st: StreamStats) -> tuple[int, int] | None:
@@ -106,8 +110,14 @@ def conditions(v: FleetView) -> Iterable[Condition]:
                 f"{c.age_s:.0f} s",
                 c.snapshot.time,
             )
+    yield from configured(v)
+    # A worker that a live collector cannot watch as configured has one condition, not one per
+    # rank left uncovered (the shipped Alertmanager config inhibits DPRankUncovered the same way)
+    explained = {w.worker_id for w, _ in v.workers if w.state in WORKER_TROUBLE}
     for (w, r), ids in sorted(v.owners.items()):
         if not ids:
+            if w in explained:
+                continue
             yield _uncovered(v, w, r)
         elif len(ids) > 1:
             yield Condition.of(
@@ -126,6 +136,7 @@ def conditions(v: FleetView) -> Iterable[Condition]:
     for c in v.collectors:
         if not c.up:
             continue
+        yield from _relays(c.snapshot.binds, c.info.collector_id, v.now)
         for d in c.snapshot.drift:
             if drifted(d) and (d.worker_id, d.dp_rank) not in down:  # a down stream: unknown
                 yield Condition.of(
@@ -155,6 +166,59 @@ def conditions(v: FleetView) -> Iterable[Condition]:
                 f"{100 * sch.token_usage_ratio:.0f}% of the KV cache",
                 sch.updated,
             )
+
+
+def configured(v: FleetView) -> Iterable[Condition]:
+    """Configured workers and scheduler sources a live collector cannot watch (docs/collector.md
+    "Worker states"): one condition per worker and collector, not one per rank."""
+    for w, info in v.workers:
+        if w.state not in WORKER_TROUBLE:
+            continue
+        where = labels(worker_id=w.worker_id, node_rank=info.node_rank, collector=info.collector_id)
+        on = f"{w.worker_id} on {info.collector_id}"
+        if w.state == "undiscovered":
+            yield Condition.of(
+                "worker_undiscovered", where, f"{on}: undiscovered: {w.reason}", w.since
+            )
+        else:
+            left = (
+                f" (ranks {ranged(w.elsewhere)} are not watched here: the engine does not run them "
+                "on this node)"
+                if w.elsewhere
+                else ""
+            )
+            yield Condition.of("layout_mismatch", where, f"{on}: {w.reason}{left}", w.since)
+    for src, info in v.sources:
+        # a failed scrape is retried at the next interval: down for DOWN_AFTER_S is an outage
+        if src.state in SOURCE_DOWN and v.now - src.since >= DOWN_AFTER_S:
+            yield Condition.of(
+                "scheduler_source_down",
+                labels(
+                    worker_id=src.worker_id,
+                    node_rank=info.node_rank,
+                    collector=info.collector_id,
+                    source=src.source,
+                ),
+                f"{src.worker_id} scheduler source {src.source} ({src.endpoint}) on "
+                f"{info.collector_id} is {src.state}: {src.reason}",
+                src.since,
+            )
+
+
+def _relays(binds: list[BindStats], collector: str, now: float) -> Iterable[Condition]:
+    """relay_dropping: a relay that did not forward frames within RECENT_S, and why."""
+    for b in binds:
+        r = b.relay
+        if r is None or not r.last_drop_time or now - r.last_drop_time > RECENT_S:
+            continue
+        drops = ", ".join(f"{k} {n}" for k, n in sorted(r.dropped.items()))
+        yield Condition.of(
+            "relay_dropping",
+            labels(collector=collector, worker_id=b.worker_id, dp_rank=b.dp_rank),
+            f"{b.worker_id} rank {b.dp_rank}: frames not forwarded to {r.target} ({drops}); "
+            f"relay {r.state}: {r.reason}",
+            r.last_drop_time,
+        )
 
 
 def _uncovered(v: FleetView, w: str, r: int) -> Condition:

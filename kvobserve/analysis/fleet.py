@@ -23,8 +23,10 @@ from kvobserve.wire.snapshot import (
     CollectorInfo,
     SchedulerStats,
     Snapshot,
+    SourceState,
     StreamStats,
     UnexpectedStream,
+    WorkerInfo,
     WorkerPlacement,
 )
 
@@ -108,6 +110,10 @@ class FleetView:
     last_owner: dict[tuple[str, int], CollectorView] = field(default_factory=dict)
     # when each condition was first active, as the aggregator remembers it (analysis/conditions)
     began: dict[Key, float] = field(default_factory=dict)
+    # what live collectors say about each worker they are configured with, and their scheduler
+    # sources (states and reasons; docs/collector.md)
+    workers: list[tuple[WorkerInfo, CollectorInfo]] = field(default_factory=list)
+    sources: list[tuple[SourceState, CollectorInfo]] = field(default_factory=list)
     _conditions: list[Condition] | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -290,6 +296,8 @@ class FleetState:
                 for s in stale:  # not served; still who reports the rank, and its capacity
                     quiet[(s.worker_id, s.dp_rank)] = (s.source, s.max_total_tokens)
                 v.unexpected.extend([(u, info) for u in snap.unexpected])
+                v.workers.extend([(w, info) for w in snap.workers])
+                v.sources.extend([(src, info) for src in snap.sources])
         for w_id, size in v.dp_size.items():
             for r in range(size):
                 if (w_id, r) not in v.owners:

@@ -144,6 +144,18 @@ def render(
                 f"{c['collector']} {'up' if c['up'] else 'DOWN'} ({c['age_s']:.1f}s)" for c in cols
             )
         )
+    for w in fleet.get("workers", []):  # a worker without streams is in no row above
+        for st in w.get("states", []):
+            if st["state"] != "watching":
+                out.append(
+                    f"worker {w['worker_id']} on {st['collector']}: {st['state']}: {st['reason']}"
+                )
+    for src in fleet.get("scheduler_sources", []):
+        if src["state"] in ("down", "undecodable"):
+            out.append(
+                f"scheduler source {src['source']} of {src['worker_id']} on {src['collector']}: "
+                f"{src['state']}: {src['reason']}"
+            )
     strays = [u for u in fleet.get("unexpected", []) if u["active"]]
     for u in strays:
         out.append(

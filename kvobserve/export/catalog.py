@@ -12,12 +12,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvobserve import __version__
+from kvobserve.analysis.conditions import SOURCE_DOWN, WORKER_TROUBLE
 from kvobserve.analysis.fleet import CollectorView, FleetView
+from kvobserve.wire.snapshot import RELAY_DROP_REASONS
 
 STREAM = ("worker_id", "node_rank", "dp_rank")
 BLOCK = (*STREAM, "medium")
 WORKER_MEDIUM = ("worker_id", "medium")
 DRIFT = (*STREAM, "medium", "method")
+BOUND = ("collector", "worker_id", "dp_rank")  # an endpoint a collector binds (bind mode)
 CACHE_DETAIL = "per_stream_counters"  # the create_app flag ([aggregator] per_stream_detail)
 # The "while down" cells of families whose rule `stale` alone does not tell (docs/metrics.md)
 UP_RANKS = "up ranks only"
@@ -41,6 +44,9 @@ class Scope(enum.Enum):
     DRIFT_SOURCE = "drift_source"  # wire.snapshot.DriftSource, while its collector is up
     COLLECTOR = "collector"  # analysis.fleet.CollectorView
     SOURCE_ERROR = "source_error"  # wire.snapshot.SourceErrors
+    WORKER = "worker"  # wire.snapshot.WorkerInfo (up while its collector is)
+    SOURCE = "source"  # wire.snapshot.SourceState, a scheduler source (up while its collector is)
+    BIND = "bind"  # wire.snapshot.BindStats, an endpoint bound (up while its collector is)
 
 
 class When(enum.Enum):
@@ -56,7 +62,7 @@ class From:
     """Where a family's values come from: one sample per item of `scope` (attribute paths are
     read with operator.attrgetter, e.g. "stats.gaps" on a StreamView).
 
-    `value`: the sample's value (a path, or a constant); `each`: instead, a dict on the item,
+    `value`: the sample's value (a path, a function of the item, or a constant); `each`: instead, a dict on the item,
     one sample per key (sorted, after the `first` keys, which are always served, 0 when
     missing), the key being label `key` (by default the family's last label); `fixed`: instead,
     one sample per (label value, path); `labels`: (label, path) of labels read off the item
@@ -65,7 +71,7 @@ class From:
     """
 
     scope: Scope
-    value: str | int = ""
+    value: str | int | Callable[[Any], Any] = ""
     when: When = When.ALWAYS
     each: str = ""
     first: tuple[str, ...] = ()
@@ -172,6 +178,21 @@ def _set(scope: Scope, value: str) -> From:
     return From(scope, value, When.SET)
 
 
+def _worker_trouble(w: Any) -> bool:
+    """A worker a collector cannot watch (wire.snapshot.WorkerInfo)."""
+    return w.state in WORKER_TROUBLE
+
+
+def _source_down(s: Any) -> bool:
+    """A scheduler source that delivers nothing (wire.snapshot.SourceState)."""
+    return s.state in SOURCE_DOWN
+
+
+def _relay_up(b: Any) -> int:
+    """1 while a bound endpoint's relay target is connected and subscribed."""
+    return 1 if b.relay.state == "up" else 0
+
+
 def _unread(m: Any) -> bool:
     """A lower tier with unread blocks now or removed so far (wire.snapshot.MediumStats)."""
     return bool(m.unread_removed_total or m.unread_blocks)
@@ -208,7 +229,7 @@ def _replicated(
             yield (w, key), n
 
 
-_COUNTERS = ("snapshot.counters",)  # a collector's own counters (None from older collectors)
+_COUNTERS = "snapshot.counters"  # a collector's own counters (None from older collectors)
 _INFO = (("engine", "stats.engine"), ("endpoint", "stats.endpoint"), ("topic", "stats.topic"),
          ("collector", "collector.collector_id"))  # fmt: skip
 
@@ -394,6 +415,18 @@ CATALOG: tuple[MetricDef, ...] = (
        "Live collectors reading the worker's scheduler metrics (should be 1).",
        FromFleet(lambda v, _: (((w,), len(ids)) for w, ids in sorted(v.leaders.items()))),
        per="worker"),
+    _d("kvobserve_worker_state", "gauge", ("worker_id", "node_rank", "collector", "state"),
+       "1 while a live collector cannot watch a configured worker, by state: undiscovered (no "
+       "KV-event stream known: discovery failed or answered nothing usable), layout_mismatch "
+       "(the engine's own layout contradicts the config); served only then, the reason is in "
+       "/api/v1/fleet.", From(Scope.WORKER, 1, only=_worker_trouble), stale=False,
+       per="fault"),
+    _d("kvobserve_scheduler_source_state", "gauge",
+       ("worker_id", "node_rank", "collector", "source", "state"),
+       "1 while a scheduler source of a live collector delivers nothing, by state: down (it "
+       "failed, or a heartbeat source sent nothing for 10 intervals), undecodable; served only "
+       "then, the reason is in /api/v1/fleet.", From(Scope.SOURCE, 1, only=_source_down),
+       stale=False, per="fault"),
     # collectors
     _d("kvobserve_collector_up", "gauge", ("collector", "node_rank", "hostname"),
        "1 while the collector's snapshots arrive; 0 after 3 silent intervals.",
@@ -411,17 +444,41 @@ CATALOG: tuple[MetricDef, ...] = (
        From(Scope.COLLECTOR, each="snapshot.refused"), per="fault"),
     _d("kvobserve_collector_messages_received_total", "counter", ("collector",),
        "KV-event messages the collector read from its streams and probe ports.",
-       From(Scope.COLLECTOR, "snapshot.counters.messages_received", only=_COUNTERS[0]),
+       From(Scope.COLLECTOR, "snapshot.counters.messages_received", only=_COUNTERS),
        per="collector"),
     _d("kvobserve_collector_ingest_errors_total", "counter", ("collector",),
        "Turns of the collector's ingest loop that failed (logged; the loop goes on).",
-       From(Scope.COLLECTOR, "snapshot.counters.ingest_errors", only=_COUNTERS[0]),
+       From(Scope.COLLECTOR, "snapshot.counters.ingest_errors", only=_COUNTERS),
        per="collector"),
     _d("kvobserve_collector_publish_dropped_total", "counter", ("collector", "reason"),
        "Snapshots the collector could not publish, by reason (closed, buffer_full, too_large, "
        "error); reported with its next snapshot that arrives.",
-       From(Scope.COLLECTOR, each="snapshot.counters.publish_dropped", only=_COUNTERS[0]),
+       From(Scope.COLLECTOR, each="snapshot.counters.publish_dropped", only=_COUNTERS),
        per="fault"),
+    # bind mode (docs/deployment.md): the endpoints a collector binds, per rank, and their relays
+    _d("kvobserve_bind_publishers", "gauge", (*BOUND, "endpoint"),
+       "Connections open on an endpoint the collector binds for publishers to connect to.",
+       From(Scope.BIND, "publishers"), stale=False, per="bind"),
+    _d("kvobserve_bind_messages_total", "counter", BOUND,
+       "Messages received on the bound endpoint.", From(Scope.BIND, "messages_total"),
+       per="bind"),
+    _d("kvobserve_bind_skipped_total", "counter", (*BOUND, "reason"),
+       "Messages of the bound endpoint that no stream took, by reason: topic_mismatch (the "
+       "topic does not fit the worker's topic), refused (a new publisher past max_streams), "
+       "analysis_behind (relayed, but the analysis was behind: its stream sees a gap); served "
+       "once nonzero.", From(Scope.BIND, each="skipped"), per="bind"),
+    _d("kvobserve_relay_up", "gauge", (*BOUND, "target"),
+       "1 while the relay target of the bound endpoint is connected and subscribed.",
+       From(Scope.BIND, _relay_up, labels=(("target", "relay.target"),), only="relay"),
+       stale=False, per="bind"),
+    _d("kvobserve_relay_forwarded_total", "counter", BOUND,
+       "Frames forwarded unchanged to the relay target.",
+       From(Scope.BIND, "relay.forwarded", only="relay"), per="bind"),
+    _d("kvobserve_relay_dropped_total", "counter", (*BOUND, "reason"),
+       "Frames not forwarded to the relay target, by reason: no_target (none connected and "
+       "subscribed), queue_full (relay_queue frames already waiting for it).",
+       From(Scope.BIND, each="relay.dropped", first=RELAY_DROP_REASONS, only="relay"),
+       per="bind"),
     # scheduler metrics per rank, joined across collectors, under the node that owns the rank
     _d("kvobserve_scheduler_running_requests", "gauge", STREAM, "Running requests of the rank.",
        _set(Scope.SCHEDULER, "running_requests"), down=SCHEDULER),

@@ -24,6 +24,7 @@ PER = {
     "worker_type": "per worker and event type, shared by its ranks",
     "histogram": "(buckets + 3) per worker and storage tier, shared by its ranks",
     "collector": "per collector, shared by its streams",
+    "bind": "per endpoint a collector binds (bind mode: one per rank of the worker)",
     "fleet": "not per stream",
 }
 

@@ -192,8 +192,10 @@ class _Row:
         self.const: int | None = None
         if isinstance(src.value, int):
             self.const = src.value
-        elif src.value:
-            self.value = attrgetter(src.value)
+        elif isinstance(src.value, str):
+            self.value = attrgetter(src.value) if src.value else None
+        else:
+            self.value = src.value
         self.when = src.when
         self.each = attrgetter(src.each) if src.each else None
         self.first = src.first
@@ -521,6 +523,8 @@ def _scopes(cgs: list[tuple[CollectorView, Group]]) -> dict[Scope, _Items]:
         m_live,
     )
 
+    cids = [c.info.collector_id for c, _ in cgs]
+
     def ranked(items: list[Any], owner: list[int]) -> _Items:
         """Items that name their worker and rank, under their collector's node."""
         return _Items(
@@ -544,7 +548,24 @@ def _scopes(cgs: list[tuple[CollectorView, Group]]) -> dict[Scope, _Items]:
     drift, drift_owner = per_collector(_drift)
     sources, src_owner = per_collector(lambda c, g: c.snapshot.drift_sources if c.up else [])
     errors, err_owner = per_collector(lambda c, g: c.snapshot.scheduler_errors)
-    cids = [c.info.collector_id for c, _ in cgs]
+    workers, w_owner = per_collector(lambda c, g: c.snapshot.workers)
+    states, s_owner_ = per_collector(lambda c, g: c.snapshot.sources)
+    binds, b_owner = per_collector(lambda c, g: c.snapshot.binds)
+    up = [c.up for c, _ in cgs]
+
+    def collectors_up(owner: list[int]) -> Callable[[], list[bool] | None]:
+        return lambda: None if all(up) else list(map(up.__getitem__, owner))
+
+    def of_collector(items: list[Any], owner: list[int]) -> _Items:
+        """Items of a collector, labelled with its id and node (up while it is)."""
+        made: dict[str, Callable[[], list[str]]] = {
+            "collector": lambda: list(map(cids.__getitem__, owner)),
+            "node_rank": lambda: list(map(nodes.__getitem__, owner)),
+            "worker_id": lambda: list(map(_WORKER, items)),
+            "dp_rank": lambda: list(map(str, map(_DP, items))),
+        }
+        return _Items(items, owner, made, collectors_up(owner))
+
     collectors = [c for c, _ in cgs]
     co_owner = list(range(len(cgs)))
     return {
@@ -570,6 +591,9 @@ def _scopes(cgs: list[tuple[CollectorView, Group]]) -> dict[Scope, _Items]:
                 "hostname": lambda: [c.info.hostname for c in collectors],
             },
         ),
+        Scope.WORKER: of_collector(workers, w_owner),
+        Scope.SOURCE: of_collector(states, s_owner_),
+        Scope.BIND: of_collector(binds, b_owner),
         Scope.SOURCE_ERROR: _Items(
             errors,
             err_owner,
@@ -591,6 +615,16 @@ def _drift(c: CollectorView, g: Group) -> list[Any]:
     return [d for d in drift if (d.worker_id, d.dp_rank) not in down] if down else list(drift)
 
 
+# the labels that tell a scope's items apart (with those _claims adds), STREAM's by default
+_IDENTITY = {
+    Scope.SOURCE_ERROR: ("worker_id", "node_rank"),
+    Scope.DRIFT_SOURCE: ("worker_id",),
+    Scope.WORKER: ("worker_id",),
+    Scope.SOURCE: ("worker_id",),
+    Scope.BIND: ("worker_id", "dp_rank"),
+}
+
+
 def _claims(scopes: dict[Scope, _Items], n: int) -> tuple[list[frozenset[Labels]], list[bool]]:
     """Per collector of the batch: the label sets of its series that another collector's could
     repeat (those without a `collector` label: its streams', ranks' and errors'), and whether
@@ -604,18 +638,22 @@ def _claims(scopes: dict[Scope, _Items], n: int) -> tuple[list[frozenset[Labels]
         (Scope.UNEXPECTED, ("endpoint",)),
         (Scope.DRIFT, ("medium", "method")),
         (Scope.SOURCE_ERROR, ("source", "reason")),
+        (Scope.DRIFT_SOURCE, ()),
+        (Scope.WORKER, ("state",)),
+        (Scope.SOURCE, ("source", "state")),
+        (Scope.BIND, ()),
     ):
         sc = scopes[scope]
         if not sc.items:
             continue
-        names = ("worker_id", "node_rank") if scope is Scope.SOURCE_ERROR else STREAM
+        names = _IDENTITY.get(scope, STREAM)
         cols = [sc.label(name) for name in names]
         full = list(zip(*cols, *(sc.label(e, e) for e in extra), strict=True))
-        claim = full if scope is not Scope.MEDIUM and not extra else None
-        if scope in (Scope.UNEXPECTED, Scope.DRIFT):
-            claim = list(zip(*cols, strict=True))
-        elif scope is Scope.SOURCE_ERROR:
+        claim: list[Labels] | None = None  # a collector-labelled scope: no clash possible
+        if scope in (Scope.STREAM, Scope.SCHEDULER, Scope.SOURCE_ERROR):
             claim = full
+        elif scope in (Scope.UNEXPECTED, Scope.DRIFT):
+            claim = list(zip(*cols, strict=True))
         start = 0
         for o, run in groupby(sc.owner):  # each collector's items are consecutive
             end = start + len(list(run))

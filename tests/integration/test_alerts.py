@@ -334,6 +334,9 @@ def test_golden_fleet_raises_the_expected_alerts(prometheus: str) -> None:
         ("KVEventUnexpectedStream", "sglang-a", "4"),
         # Connected, busy per the scheduler, and no batch in the window (the counters are static).
         ("KVEventStreamStalled", "sglang-a", "0"),
+        # node-1 cannot discover sglang-c; node-0's metrics scrape of sglang-a fails (pending)
+        ("KVWorkerUndiscovered", "sglang-c", ""),
+        ("KVSchedulerSourceDown", "sglang-a", ""),
     }
     # Rules evaluate every second; wait until an evaluation has seen two scrapes.
     _poll("the expected alerts", lambda: expected <= keys())
@@ -359,6 +362,10 @@ def test_golden_fleet_raises_the_expected_alerts(prometheus: str) -> None:
     assert ("KVEventStreamDown", "sglang-a", "0") not in got
     # The scheduler says sglang-a dp_rank 1 is idle: no stall alert for it.
     assert ("KVEventStreamStalled", "sglang-a", "1") not in got
+    # The down collector's layout mismatch and silent source are not served: no alert on them.
+    assert ("KVWorkerLayoutMismatch", "sglang-a", "") not in got
+    sources = {a["labels"].get("source") for a in alerts() if "source" in a["labels"]}
+    assert sources == {"metrics"}, sources
 
 
 def test_dashboard_queries_return_data(prometheus: str) -> None:

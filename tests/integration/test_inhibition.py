@@ -137,3 +137,45 @@ def test_a_lost_collector_pages_once_and_mutes_nothing_of_other_nodes(alertmanag
         ("DPRankUncovered", AGGREGATOR, "-", "1"),
         ("KVEventStreamDown", "127.0.0.9:9477", "node-1", "0"),
     }
+
+
+@pytest.mark.parametrize(
+    ("name", "state"),
+    [("KVWorkerLayoutMismatch", "layout_mismatch"), ("KVWorkerUndiscovered", "undiscovered")],
+)
+def test_a_worker_a_collector_cannot_watch_pages_once(
+    alertmanager: str, name: str, state: str
+) -> None:
+    """Issue 21, seen 4: `run` with nnodes = 1 on a 2-node engine leaves ranks 4-7 uncovered.
+    The worker's own alert pages; those ranks' DPRankUncovered are inhibited by it, and another
+    worker's uncovered rank and the same worker id of another aggregator are not."""
+    worker = _alert(name, worker_id="sglang-dp8", node_rank="0", collector="box", state=state)
+    ranks = [_alert("DPRankUncovered", worker_id="sglang-dp8", dp_rank=str(r)) for r in range(4, 8)]
+    others = [
+        _alert("DPRankUncovered", worker_id="vllm-dp2", dp_rank="1"),
+        _alert("DPRankUncovered", "127.0.0.9:9477", worker_id="sglang-dp8", dp_rank="4"),
+    ]
+    _post(alertmanager, [worker, *ranks, *others])
+
+    def settled() -> list[dict[str, Any]] | None:
+        got: list[dict[str, Any]] = http_json(f"{alertmanager}/api/v2/alerts")
+        if len(got) < 1 + len(ranks) + len(others):
+            return None
+        return got if any(a["status"]["inhibitedBy"] for a in got) else None
+
+    got = poll(settled, time.monotonic() + 20, "every alert received and the inhibition applied")
+    source = next(a for a in got if a["labels"]["alertname"] == name)
+    assert (source["status"]["state"], source["status"]["inhibitedBy"]) == ("active", [])
+    muted = {
+        (a["labels"]["instance"], a["labels"]["worker_id"], a["labels"]["dp_rank"])
+        for a in got
+        if a["status"]["inhibitedBy"] == [source["fingerprint"]]
+        and a["status"]["state"] == "suppressed"
+    }
+    assert muted == {(AGGREGATOR, "sglang-dp8", str(r)) for r in range(4, 8)}
+    paging = {_key(a) for a in got if a["status"]["state"] == "active"}
+    assert paging == {
+        (name, AGGREGATOR, "box", "-"),
+        ("DPRankUncovered", AGGREGATOR, "-", "1"),
+        ("DPRankUncovered", "127.0.0.9:9477", "-", "4"),
+    }
