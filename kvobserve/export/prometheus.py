@@ -91,8 +91,8 @@ def fleet_metrics(plan: Plan, v: FleetView) -> list[Metric]:
         for col in cols:
             for labels, value in zip(col.labels, col.values, strict=True):
                 ls = dict(zip(names, labels, strict=True))
-                if d.type != "histogram":
-                    m.add_sample(d.name, ls, value)
+                if d.type != "histogram":  # a flag (up, complete, ...) as 1 or 0, for OTLP too
+                    m.add_sample(d.name, ls, int(value) if type(value) is bool else value)
                     continue
                 cum, top = cumulative(value)
                 for bound, n in zip(value.bounds, cum, strict=False):
