@@ -210,3 +210,24 @@ def test_label_values_with_a_nul_are_written_as_prometheus_client_does() -> None
     body = check(cache, state.view(NOW), False)
     assert b'endpoint="tcp://h:1/\x00x"' in body
     check(cache, state.view(NOW), True)
+
+
+def test_collectors_read_in_blocks() -> None:
+    # Blocks of 2 collectors: every block's lines go where its collectors' do, as they change.
+    now = time.time()
+    fs = synthetic(7, 3, now)
+    clash = rich_state()
+    clash.snapshot("node-1").collector.node_rank = 0
+    for view in (rich_state().view(NOW), clash.view(NOW)):
+        cache = ScrapeCache(block=2)
+        check(cache, view, False)
+        check(cache, view, True)
+    cache = ScrapeCache(block=2)
+    check(cache, fs.view(now), False)
+    for c, seq in ((3, 4), (0, 4), (6, 5)):
+        fs.update(scale.synthetic_snapshot(c, 8, seq, now + seq), now + seq)
+        check(cache, fs.view(now + seq), seq % 2 == 0)
+    for c in range(7):
+        fs.update(scale.synthetic_snapshot(c, 8, 9, now + 9), now + 9)
+    packed = cache.render(fs.view(now + 9), EXTRA, encoder(False), False, gzip=True)
+    assert gzip.decompress(packed) == reference(fs.view(now + 9), Detail(), False)
