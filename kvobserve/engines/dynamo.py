@@ -1,0 +1,32 @@
+"""NVIDIA Dynamo: a deployment of engines whose workers republish their KV events on Dynamo's event
+plane (NATS or ZMQ direct), read by their own ingest (sources/dynamo_*.py, docs/dynamo.md).
+Versions are those of ai-dynamo-runtime, whose bytes are in tests/fixtures/dynamo-captures."""
+
+from __future__ import annotations
+
+from kvobserve.engines.profile import EngineProfile, WireVersion
+
+_STORED = ("parent_hash", "start_position", "blocks")
+_REMOVED = ("block_hashes",)
+
+PROFILE = EngineProfile(
+    name="dynamo",
+    title="Dynamo",
+    event_plane=True,
+    default_namespace="dynamo",
+    versions=(
+        WireVersion(
+            "0.7.1", "JSON RouterEvent on JetStream (`…-kv-events.queue`)",
+            ("parent_hash", "blocks"), _REMOVED, "none", ("uint64",),
+            ("dynamo-captures/0.7.1",), "the relay stamps the engine seq as event_id",
+        ),
+        WireVersion(
+            "1.2.1", "envelope + one RouterEvent (component scope), or JSON on JetStream",
+            _STORED, _REMOVED, "none", ("uint64",), ("dynamo-captures/1.2.1",),
+        ),
+        WireVersion(
+            "1.6.1", "envelope + RouterEvent array (endpoint scope), NATS or ZMQ direct",
+            _STORED, _REMOVED, "none", ("uint64",), ("dynamo-captures/1.6.1",),
+        ),
+    ),
+)  # fmt: skip
