@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvobserve.simulate.wire_structs import Hash, TokenIds
+from kvobserve.simulate.wire_structs import Hash, Removed2, Stored6, TokenIds
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,18 @@ RemoveFn = Callable[[list[Hash], str | None, RemoveMeta], Any]
 MetaFn = Callable[["WireFormat", int, Sequence[Any], int], StoreMeta]
 
 
+def stored6(
+    h: list[Hash], p: Hash | None, t: TokenIds, bs: int, m: str | None, x: StoreMeta
+) -> Any:
+    """The first era's store (SGLang 0.4.7 and vLLM 0.10 share it): no medium, no metadata."""
+    return Stored6(h, p, t, bs, x.lora_id)
+
+
+def removed2(h: list[Hash], m: str | None, x: RemoveMeta) -> Any:
+    """The first era's removal: the hashes only."""
+    return Removed2(h)
+
+
 @dataclass(frozen=True)
 class Shares:
     """What request number `n` carries, before a version shapes it into its fields."""
@@ -79,21 +91,21 @@ class WireFormat:
     engine: str  # the engine profile it belongs to (simulate/engines/)
     release: str  # the version it stands for, as the engine reports it ("0.5.23")
     version: tuple[int, int]  # (minor, patch) for SGLang 0.x.y, (minor, 0) for vLLM 0.x
-    has_medium: bool
-    hash_kind: str  # "int64" (signed) | "uint64" | "bytes32"
-    per_page_stores: bool  # SGLang: one BlockStored per page, short last page allowed
-    removed_per_node: bool  # SGLang >= 0.5.19: one BlockRemoved lists a whole radix node
-    replay_with_topic: bool  # 4-frame replay replies and end marker
-    group_idx: int | None  # vLLM >= 0.20 sets group_idx = 0
-    root_parent: Hash | None
     make_stored: StoreFn
     make_removed: RemoveFn
     cleared: Any
-    meta_fields: frozenset[str]  # the request metadata this version sends (see request_meta)
     make_meta: MetaFn
+    meta_fields: frozenset[str]  # the request metadata this version sends (see request_meta)
+    has_medium: bool
+    hash_kind: str  # "int64" (signed) | "uint64" | "bytes32"
     cpu_medium: str  # the host tier's medium name on the wire
     api_routes: tuple[str, ...]  # what the API server serves (node 0, or every hybrid node)
     stub_routes: tuple[str, ...] = ()  # what a follower node's dummy server serves, if any
+    per_page_stores: bool = False  # SGLang: one BlockStored per page, short last page allowed
+    removed_per_node: bool = False  # SGLang >= 0.5.19: one BlockRemoved lists a radix node
+    replay_with_topic: bool = False  # 4-frame replay replies and end marker
+    group_idx: int | None = None  # vLLM >= 0.20 sets group_idx = 0
+    root_parent: Hash | None = None
     server_info: frozenset[str] = frozenset()  # the /server_info parts this version has
     load_pub: bool = False  # the opt-in `load` PUB (SGLang >= 0.5.19)
     pure_dp_one_port: bool = False  # pure DP: every rank's publisher on the base port

@@ -20,14 +20,14 @@ from kvobserve.simulate.wire_format import (
     StoreFn,
     StoreMeta,
     WireFormat,
+    removed2,
     shares,
+    stored6,
 )
 from kvobserve.simulate.wire_structs import (
     ClearedArr,
     ClearedMap,
     Hash,
-    Removed2,
-    Stored6,
     TokenIds,
 )
 
@@ -87,12 +87,6 @@ class RemovedS23(Struct, omit_defaults=True, tag_field="type", tag="BlockRemoved
     medium: str | None = None
 
 
-def _s_arr6(
-    h: list[Hash], p: Hash | None, t: TokenIds, bs: int, m: str | None, x: StoreMeta
-) -> Any:
-    return Stored6(h, p, t, bs, x.lora_id)
-
-
 def _s_arr7(
     h: list[Hash], p: Hash | None, t: TokenIds, bs: int, m: str | None, x: StoreMeta
 ) -> Any:
@@ -107,10 +101,6 @@ def _s_s19(h: list[Hash], p: Hash | None, t: TokenIds, bs: int, m: str | None, x
 
 def _s_s23(h: list[Hash], p: Hash | None, t: TokenIds, bs: int, m: str | None, x: StoreMeta) -> Any:
     return StoredS23(h, p, t, bs, x.lora_id, m, x.cache_salt, x.session_id, x.lora_name)
-
-
-def _r_arr2(h: list[Hash], m: str | None, x: RemoveMeta) -> Any:
-    return Removed2(h)
 
 
 def _r_arr3(h: list[Hash], m: str | None, x: RemoveMeta) -> Any:
@@ -161,37 +151,26 @@ def _fmt(
     old = version < (5, 0)  # 0.4.7: only /get_server_info; no /metrics or /ping on followers
     health = ("/health", "/health_generate")
     return WireFormat(
-        name=name,
-        engine="sglang",
-        release=release,
-        version=version,
-        has_medium=medium,
-        hash_kind="int64",
+        name, "sglang", release, version, stored, removed, cleared, _meta,
+        frozenset(meta.split()), medium, "int64", "CPU_PINNED",
+        api_routes=(*health, "/metrics", *(() if old else ("/server_info",)), "/get_server_info"),
+        stub_routes=(*health, *(() if old else ("/metrics", "/ping"))),  # sglang #7720
         per_page_stores=True,
         removed_per_node=per_node,
         replay_with_topic=topic_replay,
-        group_idx=None,
         root_parent=root_parent,
-        make_stored=stored,
-        make_removed=removed,
-        cleared=cleared,
-        meta_fields=frozenset(meta.split()),
-        make_meta=_meta,
-        cpu_medium="CPU_PINNED",
-        api_routes=(*health, "/metrics", *(() if old else ("/server_info",)), "/get_server_info"),
-        stub_routes=(*health, *(() if old else ("/metrics", "/ping"))),  # sglang #7720
         server_info=frozenset(k for k, since in _SERVER_INFO_SINCE.items() if version >= since),
         load_pub=version >= (5, 19),
         # before select_kv_publisher_dp_rank (0.5.16) every pure-DP scheduler publishes as its
         # attention-DP rank, 0: ranks >= 1 fail to bind the base port
         pure_dp_one_port=version < (5, 16),
-    )
+    )  # fmt: skip
 
 
 _S23_META = "cache_salt session_id lora_name"
 FORMATS = (
     _fmt(
-        "sglang-0.4", "0.4.7", (0, 4), _s_arr6, _r_arr2, ClearedArr(),
+        "sglang-0.4", "0.4.7", (0, 4), stored6, removed2, ClearedArr(),
         medium=False, root_parent=ROOT_PARENT_047,
     ),
     _fmt("sglang-0.5.12", "0.5.12", (5, 12), _s_arr7, _r_arr3, ClearedArr(), medium=True),

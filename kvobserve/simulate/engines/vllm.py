@@ -20,14 +20,14 @@ from kvobserve.simulate.wire_format import (
     StoreFn,
     StoreMeta,
     WireFormat,
+    removed2,
     shares,
+    stored6,
 )
 from kvobserve.simulate.wire_structs import (
     ClearedArr,
     ClearedMap,
     Hash,
-    Removed2,
-    Stored6,
     TokenIds,
 )
 
@@ -87,12 +87,6 @@ def _group(x: StoreMeta | RemoveMeta) -> int:
     return 0 if x.group_idx is None else x.group_idx  # 0.21+ sends group 0 by default
 
 
-def _s_arr6(
-    h: list[Hash], p: Hash | None, t: TokenIds, bs: int, m: str | None, x: StoreMeta
-) -> Any:
-    return Stored6(h, p, t, bs, x.lora_id)
-
-
 def _s_v23(h: list[Hash], p: Hash | None, t: TokenIds, bs: int, m: str | None, x: StoreMeta) -> Any:
     return StoredV23(
         h, p, t, bs, x.lora_id, m, x.lora_name, x.extra_keys, _group(x), x.kv_cache_spec_kind,
@@ -106,10 +100,6 @@ def _s_v33(h: list[Hash], p: Hash | None, t: TokenIds, bs: int, m: str | None, x
         x.kv_cache_spec_sliding_window, x.locality, x.ownership, x.session_id,
         x.lookahead_token_ids,
     )  # fmt: skip
-
-
-def _r_arr2(h: list[Hash], m: str | None, x: RemoveMeta) -> Any:
-    return Removed2(h)
 
 
 def _r_v23(h: list[Hash], m: str | None, x: RemoveMeta) -> Any:
@@ -160,31 +150,18 @@ def _fmt(
     topic_replay: bool = False,
     group_idx: int | None = None,
 ) -> WireFormat:
+    routes = ("/health", "/metrics", *(("/kv_event_sources",) if version >= (31, 0) else ()))
     return WireFormat(
-        name=name,
-        engine="vllm",
-        release=release,
-        version=version,
-        has_medium=medium,
-        hash_kind=hash_kind,
-        per_page_stores=False,
-        removed_per_node=False,
+        name, "vllm", release, version, stored, removed, cleared, _meta,
+        frozenset(meta.split()), medium, hash_kind, "CPU", routes,
         replay_with_topic=topic_replay,
         group_idx=group_idx,
-        root_parent=None,
-        make_stored=stored,
-        make_removed=removed,
-        cleared=cleared,
-        meta_fields=frozenset(meta.split()),
-        make_meta=_meta,
-        cpu_medium="CPU",
-        api_routes=("/health", "/metrics", *(("/kv_event_sources",) if version >= (31, 0) else ())),
-    )
+    )  # fmt: skip
 
 
 _V33_META = "lora_id lora_name extra_keys session_id lookahead_token_ids"
 FORMATS = (
-    _fmt("vllm-0.10", "0.10.0", (10, 0), _s_arr6, _r_arr2, ClearedArr(), medium=False, meta="lora_id"),
+    _fmt("vllm-0.10", "0.10.0", (10, 0), stored6, removed2, ClearedArr(), medium=False, meta="lora_id"),
     _fmt(
         "vllm-0.23", "0.23.0", (23, 0), _s_v23, _r_v23, ClearedArr(),
         medium=True, meta="lora_id lora_name extra_keys", group_idx=0,
