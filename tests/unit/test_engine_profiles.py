@@ -162,6 +162,24 @@ def test_a_capture_is_of_its_version_and_sends_only_declared_fields(
     )
 
 
+def test_array_layouts_agree_by_position() -> None:
+    """tap names an array event's elements by the longest layout: every other layout must be a
+    prefix of it, up to a map element (SGLang 0.5.19's `{cache_salt}`), which ends a layout."""
+    for tag in ("stored", "removed"):
+        layouts = [
+            getattr(v, tag)
+            for p in PROFILES.values()
+            if not p.event_plane
+            for v in p.versions
+            if v.form == "array"
+        ]
+        longest = max(layouts, key=len)
+        for lay in layouts:
+            assert all(not f.startswith("{") for f in lay[:-1]), lay  # a map comes last
+            plain = lay[:-1] if lay[-1].startswith("{") else lay
+            assert plain == longest[: len(plain)], lay
+
+
 # values of the fields the hot path decodes (it checks their types); any other field is a string
 _TYPED = {
     "block_hashes": [7], "parent_block_hash": None, "token_ids": [1, 2], "block_size": 2,
