@@ -17,16 +17,18 @@ PROFILE = EngineProfile(
     versions=(
         WireVersion(
             "0.7.1", "JSON RouterEvent on JetStream (`…-kv-events.queue`)",
-            ("parent_hash", "blocks"), _REMOVED, "none", ("uint64",),
-            ("dynamo-captures/0.7.1",), "the relay stamps the engine seq as event_id",
+            stored=("parent_hash", "blocks"), removed=_REMOVED, replay="none", hashes=("uint64",),
+            captures=("dynamo-captures/0.7.1",), note="the relay stamps the engine seq as event_id",
         ),
         WireVersion(
             "1.2.1", "envelope + one RouterEvent (component scope), or JSON on JetStream",
-            _STORED, _REMOVED, "none", ("uint64",), ("dynamo-captures/1.2.1",),
+            stored=_STORED, removed=_REMOVED, replay="none", hashes=("uint64",),
+            captures=("dynamo-captures/1.2.1",),
         ),
         WireVersion(
             "1.6.1", "envelope + RouterEvent array (endpoint scope), NATS or ZMQ direct",
-            _STORED, _REMOVED, "none", ("uint64",), ("dynamo-captures/1.6.1",),
+            stored=_STORED, removed=_REMOVED, replay="none", hashes=("uint64",),
+            captures=("dynamo-captures/1.6.1",),
         ),
     ),
 )  # fmt: skip

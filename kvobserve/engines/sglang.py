@@ -41,26 +41,29 @@ PROFILE = EngineProfile(
     signed_hashes=True,  # hash_str_to_int64 (0.4.7: CPython's tuple hash)
     versions=(
         WireVersion(
-            "0.4.7", "array", _STORED_ARRAY, ("block_hashes",), "3 frames", ("int64",),
-            ("engine-captures/sglang-0.4.7",), "a root's parent is hash(()), not null",
+            "0.4.7", "array", stored=_STORED_ARRAY, removed=("block_hashes",), replay="3 frames",
+            hashes=("int64",), captures=("engine-captures/sglang-0.4.7",),
+            note="a root's parent is hash(()), not null",
         ),
         WireVersion(
-            "0.5.12", "array", (*_STORED_ARRAY, "medium"), _REMOVED, "3 frames", ("int64",),
-            ("engine-captures/sglang-0.5.12",),
+            "0.5.12", "array", stored=(*_STORED_ARRAY, "medium"), removed=_REMOVED,
+            replay="3 frames", hashes=("int64",), captures=("engine-captures/sglang-0.5.12",),
         ),
         WireVersion(
-            "0.5.19", "array", (*_STORED_ARRAY, "medium", "{cache_salt}"), _REMOVED, "3 frames",
-            ("int64",), ("engine-captures/sglang-0.5.19",),
-            "a store's element 7 is a {cache_salt} map, only when a salt is set; one removal "
-            "per radix node",
+            "0.5.19", "array", stored=(*_STORED_ARRAY, "medium", "{cache_salt}"),
+            removed=_REMOVED, replay="3 frames", hashes=("int64",),
+            captures=("engine-captures/sglang-0.5.19",),
+            note="a store's element 7 is a {cache_salt} map, only when a salt is set; one "
+            "removal per radix node",
         ),
         WireVersion(
-            "0.5.22", "map", _STORED_MAP, _REMOVED, "4 frames, with topic", ("int64",), (),
-            "the wire of 0.5.23; /server_info reports attention DP as attn_dp_size",
+            "0.5.22", "map", stored=_STORED_MAP, removed=_REMOVED, replay="4 frames, with topic",
+            hashes=("int64",),
+            note="the wire of 0.5.23; /server_info reports attention DP as attn_dp_size",
         ),
         WireVersion(
-            "0.5.23", "map", _STORED_MAP, _REMOVED, "4 frames, with topic", ("int64",),
-            ("engine-captures/sglang-0.5.23",),
+            "0.5.23", "map", stored=_STORED_MAP, removed=_REMOVED, replay="4 frames, with topic",
+            hashes=("int64",), captures=("engine-captures/sglang-0.5.23",),
         ),
     ),
 )  # fmt: skip

@@ -44,20 +44,20 @@ PROFILE = EngineProfile(
     default_endpoint="tcp://*:5557",
     versions=(
         WireVersion(
-            "0.10.0", "array", _STORED, ("block_hashes",), "3 frames", ("uint64",),
-            ("engine-captures/vllm-0.10.0",),
+            "0.10.0", "array", stored=_STORED, removed=("block_hashes",), replay="3 frames",
+            hashes=("uint64",), captures=("engine-captures/vllm-0.10.0",),
         ),
         WireVersion(
-            "0.23.0", "array", _STORED_23, ("block_hashes", "medium", "group_idx"), "3 frames",
-            ("uint64",), ("engine-captures/vllm-0.23.0",),
+            "0.23.0", "array", stored=_STORED_23, removed=("block_hashes", "medium", "group_idx"),
+            replay="3 frames", hashes=("uint64",), captures=("engine-captures/vllm-0.23.0",),
         ),
         WireVersion(
             "0.33.0", "map",
-            (*_STORED_23, "locality", "ownership", "session_id", "lookahead_token_ids"),
-            ("block_hashes", "medium", "group_idx", "locality", "ownership"),
-            "4 frames, with topic", ("uint64", "bytes32"),
-            ("engine-captures/vllm-0.33.0", "engine-captures/vllm-0.33.0-bytes-hashes"),
-            "32-byte hashes with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0",
+            stored=(*_STORED_23, "locality", "ownership", "session_id", "lookahead_token_ids"),
+            removed=("block_hashes", "medium", "group_idx", "locality", "ownership"),
+            replay="4 frames, with topic", hashes=("uint64", "bytes32"),
+            captures=("engine-captures/vllm-0.33.0", "engine-captures/vllm-0.33.0-bytes-hashes"),
+            note="32-byte hashes with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0",
         ),
     ),
 )  # fmt: skip
