@@ -11,7 +11,7 @@ kvobserve: every layer, config included, can read it.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +106,7 @@ class EngineProfile:
     default_endpoint: str = ""  # the KV-event endpoint the engine binds when its config names none
     default_namespace: str = ""  # an event plane's namespace when the deployment names none
     signed_hashes: bool = False  # block hashes are signed int64 (placement shifts them by 2^63)
-    versions: tuple[WireVersion, ...] = field(default=())
+    versions: tuple[WireVersion, ...] = ()
 
     @property
     def several_urls(self) -> bool:
