@@ -36,9 +36,9 @@ from kvobserve.analysis.fleet import CollectorView, FleetView
 from kvobserve.export.catalog import BY_NAME, CATALOG
 from kvobserve.export.exposition import Listed, header
 from kvobserve.export.prometheus import rest_families
-from kvobserve.export.series import EMPTY, Batch, Detail, Plan, groups, ordered
+from kvobserve.export.series import EMPTY, Batch, Detail, Memo, Plan, groups, ordered
 from kvobserve.export.sums import Labels, Sums
-from kvobserve.export.templates import FamilyText, Filled
+from kvobserve.export.templates import FamilyText, Filled, PerCollector
 
 BLOCK = 64  # collectors read as one batch (measured: 10-15% less CPU than one of 512 under load)
 GZIP_LEVEL = 1  # per-piece segments of ~1 kB: higher levels gain little and cost 2-3x the CPU
@@ -105,8 +105,10 @@ class ScrapeCache:
         self._headers: dict[tuple[str, bool], tuple[bytes, bytes]] = {}
         # per block of the changed collectors, the lines of each family
         self._texts: dict[int, dict[str, FamilyText]] = {}
+        self._per: dict[str, PerCollector] = {}  # per family: each collector's template
         self._level: dict[str, FamilyText] = {}  # the fleet-level lines, per family
-        self._memo: dict[int, dict[object, list[Labels]]] = {}  # per block: Plan.batch's memo
+        self._memo: dict[int, Memo] = {}  # per block: the label sets read before (Plan.batch)
+        self._seen = Memo()  # each collector's label sets read before
         # family -> (its pieces, joined, deflate segment) at the last gzip render of whole families
         self._joined: dict[str, tuple[list[bytes], bytes, bytes]] = {}
         self.rendered = 0  # chunks rendered since start (reused ones are not counted)
@@ -210,8 +212,8 @@ class ScrapeCache:
             hit = self._headers[(name, om)] = (text, _Deflate(self.gzip_level)(text))
         return hit
 
-    def _family_text(self, name: str) -> FamilyText:
-        return FamilyText(name, self._plan.names[name], BY_NAME[name].type == "histogram")
+    def _family_text(self, name: str, per: PerCollector | None = None) -> FamilyText:
+        return FamilyText(name, self._plan.names[name], BY_NAME[name].type == "histogram", per)
 
     def _chunks(
         self, view: FleetView, order: list[CollectorView]
@@ -241,7 +243,9 @@ class ScrapeCache:
             for b in range(0, len(todo), self.block):
                 block = todo[b : b + self.block]
                 cgs = [(order[i], by_c.get(order[i].info.collector_id, EMPTY)) for i in block]
-                memo = self._memo.setdefault(b, {})
+                memo = self._memo.get(b)
+                if memo is None:
+                    memo = self._memo[b] = Memo(collectors=self._seen.collectors)
                 batch = self._plan.batch(cgs, memo=memo)
                 texts = self._texts.setdefault(b, {})
                 written = self._written(batch, [c.info.collector_id for c, _ in cgs], texts)
@@ -253,29 +257,37 @@ class ScrapeCache:
         for c, key, ch in zip(order, keys, done, strict=True):
             fresh[c.info.collector_id] = (c.snapshot, key, ch)
         if len(fresh) < len(self._cache):  # a forgotten collector leaves the cache
-            for texts in self._texts.values():
-                for family in texts.values():
-                    family.forget(fresh)
+            for name, per in self._per.items():
+                self._per[name] = {k: v for k, v in per.items() if k in fresh}
+            self._texts = {}  # made again with the new dicts
+            self._seen.forget(fresh)
+            for memo in self._memo.values():
+                memo.collectors = self._seen.collectors
         self._cache = fresh
         clashing = sorted({*(i for i, ch in enumerate(done) if not ch.clean), *_clashes(done)})
         if clashing:
             cgs = [(order[i], by_c.get(order[i].info.collector_id, EMPTY)) for i in clashing]
             batch = self._plan.batch(cgs, dedupe=set())
-            again = self._written(batch, [c.info.collector_id for c, _ in cgs], {})
+            again = self._written(batch, [c.info.collector_id for c, _ in cgs], None)
             for j, i in enumerate(clashing):
                 done[i] = Chunk(again, j, batch.sums[j], batch.claims[j])
             lines = None
         return done, lines if len(todo) == len(done) else None
 
     def _written(
-        self, batch: Batch, ids: list[str], texts: dict[str, FamilyText]
+        self, batch: Batch, ids: list[str], texts: dict[str, FamilyText] | None
     ) -> list[tuple[str, Filled]]:
-        """The batch's lines, per family in catalog order, from each family's templates."""
+        """The batch's lines, per family in catalog order, from each family's templates
+        (`texts` None: made for this batch only, as for a label clash)."""
         out = []
         for name, col in batch.columns.items():
-            family = texts.get(name)
-            if family is None:
-                family = texts[name] = self._family_text(name)
+            got = texts.get(name) if texts is not None else None
+            if got is not None:
+                family = got
+            elif texts is None:
+                family = self._family_text(name)
+            else:
+                family = texts[name] = self._family_text(name, self._per.setdefault(name, {}))
             out.append((name, family.fill(col, ids)))
         return out
 

@@ -105,6 +105,18 @@ class Batch:
 _WORKER, _DP = attrgetter("worker_id"), attrgetter("dp_rank")
 
 
+@dataclass
+class Memo:
+    """Label sets read before, kept from one batch to the next by whoever reads them."""
+
+    batch: dict[object, list[Labels]] = field(default_factory=dict)  # a block's, by row kind
+    collectors: dict[tuple[object, str], list[Labels]] = field(default_factory=dict)
+
+    def forget(self, keep: set[str] | dict[str, Any]) -> None:
+        """Drop what collectors not in `keep` had."""
+        self.collectors = {k: v for k, v in self.collectors.items() if k[1] in keep}
+
+
 class _Items:
     """One scope's items over a batch: each one's collector, its labels (read on first use),
     and whether it is up (None: all are)."""
@@ -122,8 +134,9 @@ class _Items:
         self._labels: dict[str, list[str]] = {}
         self._live = live
         self._live_got: tuple[list[bool] | None] | None = None
-        self.keys: dict[object, list[Labels]] = {}  # label value tuples by (names, selection)
-        self.memo: dict[object, list[Labels]] | None = None  # the last batch's, to reuse
+        self.keys: dict[object, list[Labels]] = {}  # label value tuples by (labels, selection)
+        self.memo: Memo | None = None  # the label sets read before, to reuse (Plan.batch)
+        self.ids: list[str] = []  # the batch's collectors
         self._runs: dict[object, list[Run]] = {}
 
     def runs(self, cache: object, owner: list[int], keys: list[Labels]) -> list[Run]:
@@ -135,28 +148,44 @@ class _Items:
                 self._runs[cache] = got
         return got
 
-    def interned(self, key: object, keys: list[Labels]) -> list[Labels]:
-        """`keys`, or the equal list of the batch before (so that comparing a template's
-        labels with the last ones is an identity check)."""
-        if self.memo is None:
+    def interned(self, key: object, keys: list[Labels], owner: list[int]) -> list[Labels]:
+        """`keys`, made of the label sets read before where they are equal (so that comparing
+        a template's labels with the last ones is an identity check): the batch's before,
+        else each collector's."""
+        memo = self.memo
+        if memo is None:
             return keys
-        last = self.memo.get(key)
+        last = memo.batch.get(key)
         if last is not None and last == keys:
             return last
-        self.memo[key] = keys
-        return keys
+        out: list[Labels] = []
+        start = 0
+        ids, mine = self.ids, memo.collectors
+        for o, run in groupby(owner):  # each collector's items are consecutive
+            end = start + len(list(run))
+            new = keys[start:end]
+            had = mine.get((key, ids[o]))
+            if had is not None and had == new:
+                out.extend(had)
+            else:
+                mine[(key, ids[o])] = new
+                out.extend(new)
+            start = end
+        memo.batch[key] = out
+        return out
 
     def label(self, name: str, path: str = "") -> list[str]:
         """Label `name` of every item: the scope's own, else read at `path` (by default the
         item's attribute of that name)."""
-        got = self._labels.get(name)
+        make = self._make.get(name)
+        key = name if make is not None else f"{name}={path or name}"
+        got = self._labels.get(key)
         if got is None:
-            make = self._make.get(name)
             if make is not None:
                 got = make()
             else:
                 got = list(map(str, map(attrgetter(path or name), self.items)))
-            self._labels[name] = got
+            self._labels[key] = got
         return got
 
     @property
@@ -182,7 +211,6 @@ class _Row:
         self.key = (src.key or names[-1]) if src.each or src.fixed else ""
         paths = dict(src.labels)
         self.item_labels = tuple((n, paths.get(n, "")) for n in names if n != self.key)
-        self.item_names = tuple(n for n, _ in self.item_labels)
         self.live = m.stale is False
         only = src.only
         self.only: Callable[[Any], object] | None = (
@@ -212,7 +240,7 @@ class _Row:
             mask = list(map(truth, map(self.only, items)))
             sel = mask if sel is None else [a and b for a, b in zip(sel, mask, strict=True)]
         shared = sel is None or sel is sc.live
-        cache = (self.item_names, sel is None)
+        cache = (self.item_labels, sel is None)
         keys = sc.keys.get(cache) if shared else None
         at: list[int] | None = None
         if sel is not None:
@@ -228,7 +256,7 @@ class _Row:
                 cols = [list(compress(c, sel)) for c in cols]
             keys = list(zip(*cols, strict=True)) if cols else [()] * len(items)
             if shared:
-                keys = sc.keys[cache] = sc.interned((self.scope, cache), keys)
+                keys = sc.keys[cache] = sc.interned((self.scope, cache), keys, owner)
         return items, owner, keys, at, cache if shared else None
 
     def _values(self, items: list[Any]) -> list[Any]:
@@ -412,15 +440,16 @@ class Plan:
         self,
         cgs: list[tuple[CollectorView, Group]],
         dedupe: set[object] | None = None,
-        memo: dict[object, list[Labels]] | None = None,
+        memo: Memo | None = None,
     ) -> Batch:
         """The series of these collectors (in this order). `dedupe`: a seen-set shared by
         collectors whose label sets may repeat: the first copy of a series wins, and a stream
         is summed into its worker's series once. `memo`: kept by the caller from one batch to
         the next, so that label sets equal to the last batch's are the same objects."""
         scopes = _scopes(cgs)
+        ids = [c.info.collector_id for c, _ in cgs]
         for sc in scopes.values():
-            sc.memo = memo
+            sc.memo, sc.ids = memo, ids
         sums = [Sums() for _ in cgs]
         columns: dict[str, Column] = {}
         for row in self.rows:

@@ -20,6 +20,8 @@ from kvobserve.export.series import Column
 from kvobserve.wire.snapshot import Histogram
 
 _SEP = "\x00"  # between collectors in a batch's text; a label value holding one: cut apart
+# collector -> its lines' shape, template, the values it takes, the last values and their lines
+PerCollector = dict[str, tuple[object, str, int, list[Any], bytes]]
 
 
 class Filled:
@@ -56,12 +58,19 @@ class FamilyText:
 
     __slots__ = ("_batch", "_counts", "_last", "_per", "_shape", "hist", "labelnames", "name")
 
-    def __init__(self, name: str, labelnames: tuple[str, ...], hist: bool = False) -> None:
+    def __init__(
+        self,
+        name: str,
+        labelnames: tuple[str, ...],
+        hist: bool = False,
+        per: PerCollector | None = None,
+    ) -> None:
         self.name = name
         self.labelnames = labelnames
         self.hist = hist
         # collector -> its shape, template, values it takes, last values and their lines
-        self._per: dict[str, tuple[object, str, int, list[Any], bytes]] = {}
+        # (shared by the FamilyTexts of one family over different batches)
+        self._per: PerCollector = {} if per is None else per
         self._shape: tuple[object, ...] | None = None  # of the last batch
         self._batch: list[str] = []  # its template: one, with _SEP between collectors; or one each
         self._counts: list[int] = []  # values per template
@@ -94,10 +103,6 @@ class FamilyText:
                 filled = Filled(None, out)
         self._last = (values, filled)
         return filled
-
-    def forget(self, keep: set[str] | dict[str, Any]) -> None:
-        """Drop the templates of collectors not in `keep`."""
-        self._per = {k: v for k, v in self._per.items() if k in keep}
 
     def _by_collector(
         self, col: Column, ids: list[str], values: list[Any], bounds: list[Any] | None
