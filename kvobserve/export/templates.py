@@ -20,8 +20,9 @@ from kvobserve.export.series import Column
 from kvobserve.wire.snapshot import Histogram
 
 _SEP = "\x00"  # between collectors in a batch's text; a label value holding one: cut apart
-# collector -> its lines' shape, template, the values it takes, the last values and their lines
-PerCollector = dict[str, tuple[object, str, int, list[Any], bytes]]
+# collector -> its lines' shape, template, the values it takes, whether the template holds _SEP,
+# the last values and their lines
+PerCollector = dict[str, tuple[object, str, int, bool, list[Any], bytes]]
 
 
 class Filled:
@@ -56,7 +57,18 @@ class Filled:
 class FamilyText:
     """One family's lines over batches of collectors, from templates kept for their shapes."""
 
-    __slots__ = ("_batch", "_counts", "_last", "_per", "_shape", "hist", "labelnames", "name")
+    __slots__ = (
+        "_counts",
+        "_cut",
+        "_joined",
+        "_last",
+        "_per",
+        "_shape",
+        "_templates",
+        "hist",
+        "labelnames",
+        "name",
+    )
 
     def __init__(
         self,
@@ -68,12 +80,13 @@ class FamilyText:
         self.name = name
         self.labelnames = labelnames
         self.hist = hist
-        # collector -> its shape, template, values it takes, last values and their lines
-        # (shared by the FamilyTexts of one family over different batches)
+        # each collector's template and last lines (shared by a family's FamilyTexts)
         self._per: PerCollector = {} if per is None else per
         self._shape: tuple[object, ...] | None = None  # of the last batch
-        self._batch: list[str] = []  # its template: one, with _SEP between collectors; or one each
-        self._counts: list[int] = []  # values per template
+        self._templates: list[str] = []  # its collectors' templates
+        self._counts: list[int] = []  # the values each takes
+        self._joined: str | None = None  # them with _SEP between, once a batch of that shape came
+        self._cut = False  # a label value holds _SEP: a template per collector
         self._last: tuple[list[Any], Filled] | None = None
 
     def fill(self, col: Column, ids: list[str]) -> Filled:
@@ -93,11 +106,13 @@ class FamilyText:
             return self._last[1]
         else:
             text = list(map(format_value, values))
-            if len(self._batch) == 1:
-                filled = Filled(self._batch[0] % tuple(text))
+            if not self._cut:
+                if self._joined is None:
+                    self._joined = _SEP.join(self._templates)
+                filled = Filled(self._joined % tuple(text))
             else:
                 out, start = [], 0
-                for tmpl, k in zip(self._batch, self._counts, strict=True):
+                for tmpl, k in zip(self._templates, self._counts, strict=True):
                     out.append((tmpl % tuple(text[start : start + k])).encode())
                     start += k
                 filled = Filled(None, out)
@@ -108,33 +123,35 @@ class FamilyText:
         self, col: Column, ids: list[str], values: list[Any], bounds: list[Any] | None
     ) -> Filled:
         """Each collector's lines, from its template (made again where its shape changed; its
-        last lines where its values did not); and the batch's template for the next scrape."""
+        last lines where its values did not)."""
         per = Counter(col.owner)  # each collector's series are consecutive
         templates, counts, pieces = [], [], []
+        known = self._per
+        cut = False
         b = v = 0
         fv = format_value
         for j, cid in enumerate(ids):
             a, b = b, b + per[j]
-            shape = (col.labels[a:b], None if bounds is None else bounds[a:b])
-            hit = self._per.get(cid)
-            if hit is None or hit[0] != shape:
+            shape = col.labels[a:b] if bounds is None else (col.labels[a:b], bounds[a:b])
+            hit = known.get(cid)
+            if hit is not None and hit[0] == shape:
+                _, tmpl, k, sep, last, piece = hit
+                mine = values[v : v + k]
+                if last != mine:
+                    piece = (tmpl % tuple(map(fv, mine))).encode()
+                    known[cid] = (shape, tmpl, k, sep, mine, piece)
+            else:
                 tmpl, k = self._template(col.labels[a:b], col.values[a:b])
-            else:
-                tmpl, k = hit[1], hit[2]
-            mine = values[v : v + k]
-            v += k
-            if hit is not None and hit[0] == shape and hit[3] == mine:
-                piece = hit[4]
-            else:
+                sep = _SEP in tmpl
+                mine = values[v : v + k]
                 piece = (tmpl % tuple(map(fv, mine))).encode()
-                self._per[cid] = (shape, tmpl, k, mine, piece)
+                known[cid] = (shape, tmpl, k, sep, mine, piece)
+            cut = cut or sep
+            v += k
             templates.append(tmpl)
             counts.append(k)
             pieces.append(piece)
-        if any(_SEP in t for t in templates):
-            self._batch, self._counts = templates, counts
-        else:
-            self._batch, self._counts = [_SEP.join(templates)], [sum(counts)]
+        self._templates, self._counts, self._joined, self._cut = templates, counts, None, cut
         return Filled(None, pieces)
 
     def _template(self, labels: list[tuple[str, ...]], values: list[Any]) -> tuple[str, int]:
