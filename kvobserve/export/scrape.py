@@ -268,9 +268,9 @@ class ScrapeCache:
         if clashing:
             cgs = [(order[i], by_c.get(order[i].info.collector_id, EMPTY)) for i in clashing]
             batch = self._plan.batch(cgs, dedupe=set())
-            again = self._written(batch, [c.info.collector_id for c, _ in cgs], None)
+            first_copies = self._written(batch, [c.info.collector_id for c, _ in cgs], None)
             for j, i in enumerate(clashing):
-                done[i] = Chunk(again, j, batch.sums[j], batch.claims[j])
+                done[i] = Chunk(first_copies, j, batch.sums[j], batch.claims[j])
             lines = None
         return done, lines if len(todo) == len(done) else None
 

@@ -129,7 +129,6 @@ class FamilyText:
         known = self._per
         cut = False
         b = v = 0
-        fv = format_value
         for j, cid in enumerate(ids):
             a, b = b, b + per[j]
             shape = col.labels[a:b] if bounds is None else (col.labels[a:b], bounds[a:b])
@@ -138,13 +137,13 @@ class FamilyText:
                 _, tmpl, k, sep, last, piece = hit
                 mine = values[v : v + k]
                 if last != mine:
-                    piece = (tmpl % tuple(map(fv, mine))).encode()
+                    piece = (tmpl % tuple(map(format_value, mine))).encode()
                     known[cid] = (shape, tmpl, k, sep, mine, piece)
             else:
                 tmpl, k = self._template(col.labels[a:b], col.values[a:b])
                 sep = _SEP in tmpl
                 mine = values[v : v + k]
-                piece = (tmpl % tuple(map(fv, mine))).encode()
+                piece = (tmpl % tuple(map(format_value, mine))).encode()
                 known[cid] = (shape, tmpl, k, sep, mine, piece)
             cut = cut or sep
             v += k
