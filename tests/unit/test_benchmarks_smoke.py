@@ -86,6 +86,21 @@ def test_scale_short_run_measures_both_renderers(tmp_path: Path) -> None:
     assert main.samples == new.samples  # the same series, rendered on request and ahead
 
 
+def test_scale_against_another_checkout(tmp_path: Path) -> None:
+    # "other" stands in for a worktree of main: its own kvobserve (this one's, by a link)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "kvobserve").symlink_to(Path(scale.__file__).resolve().parents[1] / "kvobserve")
+    work = tmp_path / "work"
+    work.mkdir()
+    plan = scale.Plan(steady=scale.LEARN + 1, interval_s=1.0, cold=1, warm=1, idle_s=0.2)
+    rounds = asyncio.run(scale.compare(other, 2, 2, plan, work, 1))
+    assert [list(r) for r in rounds] == [["other", "this"]]
+    a, b = rounds[0]["other"], rounds[0]["this"]
+    assert a.streams == b.streams == 4 and a.samples == b.samples > 0
+    assert all(len(f.cold_render_cpu) == 1 and f.cold_render_cpu[0] > 0 for f in (a, b))
+
+
 def test_scale_short_run_over_shards(tmp_path: Path) -> None:
     plan = scale.Plan(steady=1, interval_s=1.0, cold=1, warm=1, idle_s=0.2)
     figs = asyncio.run(scale.run(24, 1, plan, tmp_path, shards=2))
