@@ -62,12 +62,14 @@ class From:
     """Where a family's values come from: one sample per item of `scope` (attribute paths are
     read with operator.attrgetter, e.g. "stats.gaps" on a StreamView).
 
-    `value`: the sample's value (a path, a function of the item, or a constant); `each`: instead, a dict on the item,
-    one sample per key (sorted, after the `first` keys, which are always served, 0 when
-    missing), the key being label `key` (by default the family's last label); `fixed`: instead,
-    one sample per (label value, path); `labels`: (label, path) of labels read off the item
-    other than the scope's own and the item's attributes of the same name (`medium`,
-    `endpoint`, ...); `only`: items whose attribute at that path (or whose function) is true.
+    `value`: the sample's value (a path, a function of the item, or a constant). `each`:
+    instead, a dict on the item, one sample per key (sorted, after the `first` keys, which are
+    always served, 0 when missing), the key being label `key` (by default the family's last
+    label). `fixed`: instead, one sample per (label value, path). `labels`: (label, path) of
+    labels read off the item other than the scope's own and the item's attributes of the same
+    name (`medium`, `endpoint`, ...). `only`: items whose attribute at that path (or whose
+    function) is true. `when`: which values are served. The row's `stale` says whether items
+    that are down are.
     """
 
     scope: Scope
@@ -283,8 +285,8 @@ CATALOG: tuple[MetricDef, ...] = (
        _st("stats.gaps")),
     _d("kvobserve_kv_batches_missed_total", "counter", STREAM, "Batches missing in sequence gaps.",
        _st("stats.missed")),
-    _d("kvobserve_kv_batches_recovered_total", "counter", STREAM, "Missed batches recovered by replay.",
-       _st("stats.recovered")),
+    _d("kvobserve_kv_batches_recovered_total", "counter", STREAM,
+       "Missed batches recovered by replay.", _st("stats.recovered")),
     _d("kvobserve_kv_batches_lost_total", "counter", STREAM, "Missed batches not recovered.",
        _st("stats.lost")),
     _d("kvobserve_kv_replay_requests_total", "counter", (*STREAM, "result"),

@@ -1,4 +1,4 @@
-"""docs/metrics.md, generated from the catalog: the prose around it, the table and the series budget.
+"""docs/metrics.md from the catalog: the prose around the table, the table, the series budget.
 
 `python -m kvobserve.export.prometheus --docs > docs/metrics.md` prints it;
 tests/unit/test_export_docs.py checks the file is this text.
@@ -30,7 +30,7 @@ PER = {
 
 
 def per_stream(m: MetricDef, detail: bool = False) -> float:
-    """Series per stream of `m` in the reference fleet (REFERENCE), by default or with its opt-in."""
+    """Series per stream of `m` in the reference fleet (REFERENCE), by default or opted in."""
     r = REFERENCE
     if m.optin and not detail:
         return 0.0
