@@ -195,7 +195,9 @@ class CacheAnalytics:
                 self.recomputed_elsewhere += len(again)
                 self.hot.add(again[0])
 
-    def _moves(self, tiers: dict[str, Tier], tier: Tier, hashes: list[BlockHash], ts: float) -> None:
+    def _moves(
+        self, tiers: dict[str, Tier], tier: Tier, hashes: list[BlockHash], ts: float
+    ) -> None:
         name = tier.name
         window = self.options.move_window_s
         for src in tiers.values():

@@ -107,7 +107,7 @@ class BlockIndex:
                         or analytics.peers  # sibling ranks to check
                         or ev.lora_name  # type: ignore[attr-defined]
                     ):
-                        analytics.on_store(tiers, tier, ev, ts)
+                        analytics.on_store(tiers, tier, ev, ts)  # type: ignore[arg-type]
                 before = len(resident)
                 # a resident hash keeps its first store time (3.11's specialised dict opcodes
                 # make this loop faster than map(resident.setdefault, ...))

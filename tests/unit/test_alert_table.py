@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from kvobserve.analysis.alerting import BY_ALERT, DEFAULT_RUNBOOK_URL, KINDS, SEVERITIES
+from kvobserve.analysis.conditions import BY_ALERT, DEFAULT_RUNBOOK_URL, KINDS, SEVERITIES
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.export import api
 from kvobserve.wire.snapshot import CollectorInfo, Snapshot, StreamStats, WorkerInfo
