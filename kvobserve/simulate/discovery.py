@@ -14,7 +14,7 @@ import shlex
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvobserve.simulate.worker import SimulatedWorker
+    from kvobserve.simulate.ranks import Node
 
 SGLANG_VERSIONS = {
     (0, 4): "0.4.7", (5, 12): "0.5.12", (5, 19): "0.5.19", (5, 22): "0.5.22", (5, 23): "0.5.23",
@@ -24,13 +24,13 @@ WILDCARD = "*"  # every simulated engine is launched with the engines' default `
 _WILDCARD_BINDS = {"*": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}
 
 
-def engine_version(w: SimulatedWorker) -> str:
+def engine_version(w: Node) -> str:
     """The engine version string the format stands for."""
     table = SGLANG_VERSIONS if w.fmt.engine == "sglang" else VLLM_VERSIONS
     return table[w.fmt.version]
 
 
-def kv_events_config(w: SimulatedWorker) -> dict[str, Any]:
+def kv_events_config(w: Node) -> dict[str, Any]:
     """The `--kv-events-config` the engine was launched with: wildcard endpoints, rank 0's ports."""
     c = w.cfg
     cfg: dict[str, Any] = {
@@ -45,7 +45,7 @@ def kv_events_config(w: SimulatedWorker) -> dict[str, Any]:
     return cfg
 
 
-def _launch_command(w: SimulatedWorker, raw_config: str) -> str:
+def _launch_command(w: Node, raw_config: str) -> str:
     c = w.cfg
     args = ["python", "-m", "sglang.launch_server", "--model-path", c.model_name]
     args += ["--dp-size", str(c.dp_size), "--nnodes", str(c.nnodes), "--node-rank", "0"]
@@ -58,7 +58,7 @@ def _launch_command(w: SimulatedWorker, raw_config: str) -> str:
     return shlex.join(args)
 
 
-def server_info(w: SimulatedWorker) -> dict[str, Any]:
+def server_info(w: Node) -> dict[str, Any]:
     """SGLang `GET /server_info` (`/get_server_info`) of node 0, as this version builds it."""
     c, v = w.cfg, w.fmt.version
     raw = json.dumps(kv_events_config(w))
@@ -102,7 +102,7 @@ def server_info(w: SimulatedWorker) -> dict[str, Any]:
     return info
 
 
-def _kv_events_block(w: SimulatedWorker) -> dict[str, Any]:
+def _kv_events_block(w: Node) -> dict[str, Any]:
     c, v = w.cfg, w.fmt.version
     block: dict[str, Any] = {
         "publisher": "zmq",
@@ -126,7 +126,7 @@ def _bound(host: str, port: int) -> str:
     return f"tcp://[{h}]:{port}" if ":" in h else f"tcp://{h}:{port}"
 
 
-def _sglang_sources(w: SimulatedWorker) -> list[dict[str, Any]]:
+def _sglang_sources(w: Node) -> list[dict[str, Any]]:
     """gRPC mode: this node's local schedulers' sources, sorted by rank."""
     c = w.cfg
     out = []
@@ -143,7 +143,7 @@ def _sglang_sources(w: SimulatedWorker) -> list[dict[str, Any]]:
     return out
 
 
-def kv_event_sources(w: SimulatedWorker) -> dict[str, Any]:
+def kv_event_sources(w: Node) -> dict[str, Any]:
     """vLLM `GET /kv_event_sources`: `{dp_rank: KVEventsConfig}` for the ranks this server manages.
 
     `endpoint` is the configured endpoint offset by the rank: a wildcard host stays a wildcard.

@@ -20,8 +20,7 @@ from kvobserve.simulate.discovery import kv_event_sources, server_info
 from kvobserve.simulate.serve import ThreadedApp
 
 if TYPE_CHECKING:
-    from kvobserve.simulate.ranks import RankState
-    from kvobserve.simulate.worker import SimulatedWorker
+    from kvobserve.simulate.ranks import Node, RankState
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -29,7 +28,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 class _EngineMetrics(Collector):
     """SGLang `sglang:*` or vLLM `vllm:*` scheduler metrics, one series per hosted rank."""
 
-    def __init__(self, w: SimulatedWorker) -> None:
+    def __init__(self, w: Node) -> None:
         self.w = w
 
     def collect(self) -> Iterator[Metric]:
@@ -106,7 +105,7 @@ class _EngineMetrics(Collector):
 class SimHttpServer:
     """aiohttp on a private loop in a thread; `start()` returns the bound port."""
 
-    def __init__(self, w: SimulatedWorker, host: str, port: int) -> None:
+    def __init__(self, w: Node, host: str, port: int) -> None:
         self.w = w
         self.host = host
         self.port = port
