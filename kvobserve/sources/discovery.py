@@ -19,7 +19,6 @@ import aiohttp
 
 from kvobserve.sources.discovery_parse import (
     DiscoveredEngine,
-    DiscoveredSource,
     DiscoveryError,
     merge,
     parse_sglang_server_info,
@@ -29,16 +28,6 @@ from kvobserve.sources.discovery_parse import (
 )
 from kvobserve.sources.periodic import PeriodicPoll, connect_reason, http_failure_reason
 
-__all__ = [
-    "DiscoveredEngine",
-    "DiscoveredSource",
-    "DiscoveryError",
-    "Rediscovery",
-    "discover",
-    "discover_urls",
-    "parse_sglang_server_info",
-    "parse_vllm_kv_event_sources",
-]
 NO_ROUTE_VLLM = (
     "vLLM before 0.31 has no /kv_event_sources; give kv_endpoint, replay_endpoint and dp_size "
     "in the [[worker]] table by hand"

@@ -18,7 +18,7 @@ import pytest
 
 from kvobserve.analysis.conditions import active
 from kvobserve.analysis.views import FleetView
-from kvobserve.commands.run import start_embedded
+from kvobserve.commands.embedded import start_embedded
 from kvobserve.config import Config, load_config
 from kvobserve.simulate import FaultConfig, SimConfig, SimulatedWorker, nodes_of
 from kvobserve.simulate.profiles import PROFILES

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from kvobserve.analysis.conditions import active
-from kvobserve.commands.run import start_embedded
+from kvobserve.commands.embedded import start_embedded
 from kvobserve.simulate import FaultConfig, SimConfig, SimulatedWorker
 from kvobserve.simulate.profiles import PROFILES
 from kvobserve.sources.ingest_options import IngestOptions
