@@ -32,6 +32,7 @@ from kvobserve.sources.kubernetes import PodWatch
 from kvobserve.sources.kv_stream import IngestLoop
 from kvobserve.sources.passthrough import relabel
 from kvobserve.sources.plan import (
+    ListenSpec,
     SchedulerSpec,
     StreamSpec,
     WorkerPlan,
@@ -154,7 +155,9 @@ class Collector:
             again.last_error = failed  # logged once: the next polls log only a different error
             self._rediscovery.append(again)
             self._again[w.id] = again
-        self.ingest = IngestLoop(self._replan(), self._ingest_options, events=self.events)
+        specs = self._replan()
+        self.ingest = IngestLoop(specs, self._ingest_options, events=self.events,
+                                 listens=self._listens())  # fmt: skip
         self.ingest.start()
         await self._sync_scheduler()
         for r in self._rediscovery:
@@ -209,6 +212,10 @@ class Collector:
             self.plans.append(plan_worker(i, w, node, self._found.get(w.id)))
         return [s for p in self.plans for s in p.watched]
 
+    def _listens(self) -> list[ListenSpec]:
+        """The endpoints this collector binds (bind mode), as the last _replan() planned."""
+        return [x for p in self.plans for x in p.listens]
+
     async def _sync_scheduler(self) -> None:
         """Start the scheduler sources of every plan; restart a worker's when its plan changed;
         close those of workers no longer planned (a deleted pod)."""
@@ -262,7 +269,7 @@ class Collector:
         self._found[worker_id] = new
         specs = self._replan()
         if self.ingest is not None:
-            self.ingest.set_specs(specs)
+            self.ingest.set_specs(specs, self._listens())
         await self._sync_scheduler()
         log.info("endpoints of %s changed; now watching %d streams", new.url, len(specs))
 
@@ -324,7 +331,7 @@ class Collector:
                     passthrough.append(fam)
         if self._passthrough_refused:
             refused["passthrough_samples"] = self._passthrough_refused
-        streams, workers = ingest.streams, self._worker_infos()
+        streams, workers = ingest.streams, self._worker_infos(ingest.pods)
         dynamo: dict[str, Any] = {}
         if self.dynamo is not None:
             dyn = await asyncio.wrap_future(self.dynamo.stats())
@@ -350,6 +357,7 @@ class Collector:
             passthrough=passthrough,
             refused=refused,
             placement=ingest.placement,
+            binds=ingest.binds,
             counters=CollectorCounters(
                 ingest.messages_received,
                 ingest.loop_errors,
@@ -361,16 +369,25 @@ class Collector:
             events=self.events.recent(),
         )
 
-    def _worker_infos(self) -> list[WorkerInfo]:
-        """Every planned worker with its state now (docs/collector.md "Worker states")."""
+    def _worker_infos(self, pods: dict[str, list[str]]) -> list[WorkerInfo]:
+        """Every planned worker with its state now (docs/collector.md "Worker states"); with a
+        topic template (bind mode), each of its pods that sent instead (every rank of a pod is
+        bound here; the bound endpoint's own state stands for the worker)."""
         now = self._clock()
         out = []
         for p in self.plans:
+            w = p.worker
+            if p.pods:
+                for pod in pods.get(w.id, ()):
+                    ranks = list(p.watched_ranks)
+                    out.append(
+                        WorkerInfo(pod, w.engine, p.dp_size, ranks, w.leader, w.capacity_tokens)
+                    )
+                continue
             state, reason = self._worker_state(p)
-            wid = p.worker.id
-            h = self._worker_health.get(wid)
+            h = self._worker_health.get(w.id)
             if h is None:
-                h = self._worker_health[wid] = Health("", "", "", now, self._worker_changed(wid))
+                h = self._worker_health[w.id] = Health("", "", "", now, self._worker_changed(w.id))
             h.set(state, reason, now)
             out.append(p.info(h.state, h.reason, h.since))
         return out
@@ -379,7 +396,7 @@ class Collector:
         """(state, reason) of one worker: undiscovered, layout_mismatch or watching."""
         again = self._again.get(p.worker.id)
         err = again.last_error if again is not None else None
-        if not p.streams:
+        if not p.streams and not p.listens:
             why = err.reason if err else f"no KV-event stream advertised by {p.worker.url}"
             return "undiscovered", why
         if p.misplaced:

@@ -14,6 +14,7 @@ KVEventUnexpectedStream KVEventPublisherRestarted KVEventStreamDown KVEventStrea
 KVEventDecodeErrors KVCacheNearFull KVIndexIncomplete DPRankUncovered DPRankMultipleOwners
 MultipleSchedulerLeaders KVObserveCollectorDown KVEventSilentLoss KVCacheThrash KVRouterIndexDrift
 KVWorkerUndiscovered KVWorkerLayoutMismatch KVSchedulerSourceDown
+KVRelayDropping
 """.split()  # noqa: SIM905 (a compact copy of the contract)
 )
 

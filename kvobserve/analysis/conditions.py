@@ -13,7 +13,8 @@ views only of the streams some row's pre-check lets through: a pre-check that mi
 would leave a condition on the page that never fires. A property test over generated fleets
 holds every row's pre-check to its check (tests/unit/test_condition_prechecks.py). The other
 conditions are found over the fleet's membership (collectors, workers, owners, leaders, scheduler
-values, drift, unexpected streams), which both paths build whole: they need no pre-check.
+values, what collectors report of relays and drift, unexpected streams), which both paths build
+whole: they need no pre-check.
 
 Event kinds (gap, loss, restart, decode errors, rank mismatch, silent loss) hold for RECENT_S
 after their last occurrence, as the alert rules' `increase(...[15m]) > 0` do. Pure: `now` is the
@@ -37,7 +38,7 @@ from kvobserve.analysis.layout import ranged
 from kvobserve.analysis.tiers import TOP_MEDIA
 from kvobserve.analysis.views import FleetView, Key, Labels, StreamView
 from kvobserve.config.model import HttpConfig
-from kvobserve.wire.snapshot import DriftStats, StreamStats
+from kvobserve.wire.snapshot import BindStats, DriftStats, StreamStats
 
 SEVERITIES: Final = ("critical", "warning", "info")  # most severe first
 RECENT_S: Final = 900.0  # event conditions hold this long after the event, like increase([15m])
@@ -210,7 +211,7 @@ def _found(v: FleetView) -> Iterable[Condition]:
                 labels(worker_id=w),
                 f"{w} has {len(ids)} scheduler-metrics leaders: {', '.join(ids)}",
             )
-    yield from _drift(v)
+    yield from _reported(v)
     at = Around(v)
     for s in v.streams:
         for check in _CHECKS:
@@ -314,12 +315,14 @@ def _uncovered(v: FleetView, w: str, r: int) -> Condition:
     )
 
 
-def _drift(v: FleetView) -> Iterable[Condition]:
-    """router_index_drift of live collectors' comparisons, except of ranks that are down."""
+def _reported(v: FleetView) -> Iterable[Condition]:
+    """What each live collector reports: its relays dropping frames, and router-index drift of
+    its comparisons (except of ranks that are down)."""
     down = {(s.stats.worker_id, s.stats.dp_rank) for s in v.streams if not s.up}
     for c in v.collectors:
         if not c.up:
             continue
+        yield from _relays(c.snapshot.binds, c.info.collector_id, v.now)
         for d in c.snapshot.drift:
             if drifted(d) and (d.worker_id, d.dp_rank) not in down:  # a down stream: unknown
                 yield Condition.of(
@@ -330,6 +333,22 @@ def _drift(v: FleetView) -> Iterable[Condition]:
                     f"{d.engine_blocks} ({d.method})",
                     d.at,
                 )
+
+
+def _relays(binds: list[BindStats], collector: str, now: float) -> Iterable[Condition]:
+    """relay_dropping: a relay that did not forward frames within RECENT_S, and why."""
+    for b in binds:
+        r = b.relay
+        if r is None or not r.last_drop_time or now - r.last_drop_time > RECENT_S:
+            continue
+        drops = ", ".join(f"{k} {n}" for k, n in sorted(r.dropped.items()))
+        yield Condition.of(
+            "relay_dropping",
+            labels(collector=collector, worker_id=b.worker_id, dp_rank=b.dp_rank),
+            f"{b.worker_id} rank {b.dp_rank}: frames not forwarded to {r.target} ({drops}); "
+            f"relay {r.state}: {r.reason}",
+            r.last_drop_time,
+        )
 
 
 # --- a stream's conditions: each a pre-check and a check -------------------------------------
@@ -573,6 +592,7 @@ _ROWS: Final = (
     Kind("dp_rank_uncovered", "DPRankUncovered", "critical", "rank not watched"),
     Kind("dp_rank_multiple_owners", "DPRankMultipleOwners", "warning", "rank watched twice"),
     Kind("multiple_scheduler_leaders", "MultipleSchedulerLeaders", "warning", "several leaders"),
+    Kind("relay_dropping", "KVRelayDropping", "warning", "relay dropping frames"),
     Kind("router_index_drift", "KVRouterIndexDrift", "warning", "router index drifted"),
     # a stream's conditions
     Kind("stream_down", "KVEventStreamDown", "critical", "stream down",

@@ -158,6 +158,19 @@ def plan_json(p: WorkerPlan) -> dict[str, Any]:
         # ranks the config gives this node that the engine runs elsewhere (or not at all)
         "elsewhere": list(p.elsewhere),
         "probe_endpoints": [s.endpoint for s in p.probes],
+        "bind": w.bind,
+        "topic": w.topic,
+        "listens": [
+            {
+                "dp_rank": x.dp_rank,
+                "endpoint": x.endpoint,
+                "replay_endpoint": x.replay_endpoint,
+                "relay_to": x.relay_to,
+            }
+            for x in p.listens
+        ],
+        "streams_from_topic": p.pods,
+        "relay_queue": w.relay_queue if w.relay_to else None,
         "scheduler_sources": [
             {
                 "source": s.source,
@@ -178,6 +191,15 @@ def probe_targets(p: WorkerPlan) -> list[Found]:
     Only the ranks this node owns: other nodes' ranks are reached by their own collectors.
     """
     wid = p.worker.id
+    if p.worker.bind is not None:  # publishers connect to us: only what we connect to is probed
+        replays = [x for x in p.listens if x.replay_endpoint and "{" not in x.replay_endpoint]
+        out = [Found("replay", wid, x.dp_rank, x.replay_endpoint or "") for x in replays]
+        return out + [
+            Found("metrics", wid, None, e)
+            for sp in p.scheduler
+            if sp.source == "metrics"
+            for e in sp.endpoints
+        ]
     mine = [s for s in p.streams if s.dp_rank in set(p.watched_ranks)]
     out = [Found("stream", wid, s.dp_rank, s.endpoint, s.topic) for s in mine]
     out += [Found("replay", wid, s.dp_rank, s.replay_endpoint) for s in mine if s.replay_endpoint]
@@ -231,6 +253,41 @@ def _print_dynamo(p: dict[str, Any]) -> None:
     print(f"  drift against: {p['indexer_url'] or 'none'}")
 
 
+def _print_bind(p: dict[str, Any]) -> None:
+    """A bind-mode worker: what this node binds, how streams are named, where frames go."""
+    wid, topic = p["worker_id"], p["topic"]
+    if not p["listens"]:
+        print(f"  bind mode: the worker's leader binds {p['bind']}; this node binds nothing")
+        return
+    print("  bind mode: the engines connect here (rank r to port + r); this node binds:")
+    print(f"  {'dp_rank':<8} {'bind':<28} {'replay':<28} relay to")
+    for x in p["listens"]:
+        replay, relay = x["replay_endpoint"] or "-", x["relay_to"] or "-"
+        print(f" *{x['dp_rank']:<8} {x['endpoint']:<28} {replay:<28} {relay}")
+    if p["streams_from_topic"]:
+        print(f"  streams: one per pod, worker_id {wid}/{{pod}} from the topic (e.g. "
+              f"'kv@10.0.0.7:8000@llama' is {wid}/10.0.0.7:8000), as pods send")  # fmt: skip
+    else:
+        print(f"  streams: one per rank, worker_id {wid}, topic prefix {topic!r}; a second "
+              "publisher on a rank's port is a duplicate stream")  # fmt: skip
+    if p["relay_queue"]:
+        print(f"  relay: every frame forwarded unchanged first, at most {p['relay_queue']} "
+              "waiting for the target (more are dropped and counted)")  # fmt: skip
+    _print_sources(p)
+
+
+def _print_sources(p: dict[str, Any]) -> None:
+    """A worker's scheduler sources, and what --probe found."""
+    sched = p["scheduler_sources"]
+    print("  scheduler sources:" + ("" if sched else " none"))
+    for x in sched:
+        rank = f"rank {x['dp_rank']}" if x["dp_rank"] is not None else _SCOPES[x["scope"]]
+        print(f"    {x['source']:<10} {x['endpoint']:<40} ({rank})")
+    if "probe" in p:
+        print(f"  probed for {p['probe_seconds']:g} s:")
+        _print_probe(p["probe_found"])
+
+
 def http_listens(cfg: Config, collect: Config | None) -> dict[str, str]:
     """Where each command this config is for serves HTTP ("off": nowhere), first the one this
     node runs: `run` without [nats]; with it `collect` (`collect`: the config as `collect` loads
@@ -268,6 +325,9 @@ def _print_text(cfg: Config, plans: list[dict[str, Any]], listens: dict[str, str
         )
         for note in p["notes"]:
             print(f"  note: {note}")
+        if p["bind"] is not None:
+            _print_bind(p)
+            continue
         print(f"  {'dp_rank':<8} {'node':<5} {'endpoint':<32} {'replay':<32} topic")
         others: dict[int, list[int]] = {}
         for s in p["streams"]:
@@ -290,14 +350,7 @@ def _print_text(cfg: Config, plans: list[dict[str, Any]], listens: dict[str, str
             )
         print(f"  ranks watched by this node (*): {ranged(p['watched_ranks'])}")
         print(f"  probe endpoints: {', '.join(p['probe_endpoints']) or 'none'}")
-        sched = p["scheduler_sources"]
-        print("  scheduler sources:" + ("" if sched else " none"))
-        for x in sched:
-            rank = f"rank {x['dp_rank']}" if x["dp_rank"] is not None else _SCOPES[x["scope"]]
-            print(f"    {x['source']:<10} {x['endpoint']:<40} ({rank})")
-        if "probe" in p:
-            print(f"  probed for {p['probe_seconds']:g} s:")
-            _print_probe(p["probe_found"])
+        _print_sources(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -327,7 +380,7 @@ def run(args: argparse.Namespace) -> int:
                     sglang_vllm.append((plans[-1], wp))
                 continue
             err = failed.get(w.id)
-            if err is not None and not w.kv_endpoint:
+            if err is not None and not (w.kv_endpoint or w.bind):
                 raise err  # nothing to watch without it
             wp = plan_worker(i, w, node, found.get(w.id))
             plan = plan_json(wp)

@@ -32,6 +32,12 @@ _WORKER_FLAGS: dict[str, tuple[str, type, str]] = {
     "node_rank": ("--node-rank", int, "which node this process is (default 0)"),
     "host": ("--host", str, "bind host (default 127.0.0.1)"),
     "kv_port": ("--kv-port", int, "KV PUB base port, rank r on base+r (0 = free range)"),
+    "kv_connect": (
+        "--connect",
+        str,
+        "the KV PUBs connect to this endpoint (rank r: port + r) instead of binding --kv-port, "
+        "as vLLM does with a concrete host and llm-d's central mode",
+    ),
     "replay_port": ("--replay-port", int, "replay ROUTER base port (0 = free range)"),
     "http_port": ("--http-port", int, "HTTP /metrics + discovery port (0 = free)"),
     "dp_lb": (

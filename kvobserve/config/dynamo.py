@@ -33,6 +33,9 @@ ENGINE_STREAM_KEYS = (
     "probe_extra_ports",
     "dp_attention",
     "version",
+    "bind",
+    "relay_to",
+    "relay_queue",
 )
 
 

@@ -15,6 +15,7 @@ import tomllib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from kvobserve.config.bind import check_bind_worker
 from kvobserve.config.dynamo import build_dynamo_worker, reject_dynamo_keys
 from kvobserve.config.kubernetes import build_kubernetes_worker
 from kvobserve.config.model import (
@@ -258,9 +259,11 @@ def _build_worker(i: int, w: dict[str, Any], node_rank: int) -> WorkerConfig:
         w["url"] = ",".join(urls)
     if "metrics_url" in w:
         check_url(w["metrics_url"], f"{where}.metrics_url")
-    url, kv = w.get("url"), w.get("kv_endpoint")
+    url, kv = w.get("url"), w.get("kv_endpoint") or w.get("bind")
     if kv is None and url is None:
-        raise ConfigError(f"{where}: needs kv_endpoint or url (discovery), has neither")
+        raise ConfigError(
+            f"{where}: needs kv_endpoint, bind (publishers connect) or url (discovery), has none"
+        )
     for key, schemes in (
         ("kv_endpoint", ("tcp", "ipc", "inproc")),
         ("replay_endpoint", ("tcp", "ipc", "inproc")),
@@ -281,6 +284,7 @@ def _build_worker(i: int, w: dict[str, Any], node_rank: int) -> WorkerConfig:
     at_least(cfg.probe_extra_ports, 0, f"{where}.probe_extra_ports")
     if not cfg.id.strip():
         raise ConfigError(f"{where}.id: must not be empty, got {cfg.id!r}")
+    check_bind_worker(where, cfg)
     return cfg
 
 

@@ -57,7 +57,9 @@ class WorkerConfig:
     """One engine deployment (all its DP ranks); `dp_size` None = take it from discovery.
 
     `url`: one engine HTTP server, or several comma-separated (vLLM API servers that each list
-    their own ranks); `dp_attention` None = from discovery, else false.
+    their own ranks); `dp_attention` None = from discovery, else false. With `bind` the worker's
+    leader binds one endpoint per rank and the engines connect; `topic` may then be a template
+    that names each publisher (config/topic.py).
     """
 
     id: str
@@ -95,6 +97,10 @@ class WorkerConfig:
     drift_interval_s: float = 30.0
     drift_lag_s: float = 1.0  # how far the router may trail (or lead) our index
     kubernetes: KubernetesConfig | None = None  # [worker.kubernetes]: pods found by a selector
+    # bind mode (docs/deployment.md): this collector binds, the engines' publishers connect
+    bind: str | None = None  # the endpoint bound for rank 0 (rank r: port + r); None: connect
+    relay_to: str | None = None  # bind mode: every frame forwarded here first (rank r: port + r)
+    relay_queue: int = 10_000  # frames waiting for the relay target; more are dropped (counted)
 
     @property
     def urls(self) -> tuple[str, ...]:

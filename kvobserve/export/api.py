@@ -15,6 +15,7 @@ from kvobserve.analysis.conditions import (
 from kvobserve.analysis.hot import merge_top
 from kvobserve.analysis.placement import PlacementEstimate
 from kvobserve.analysis.views import FleetView, StreamView
+from kvobserve.wire.snapshot import RelayStats
 
 Json = dict[str, Any]
 
@@ -127,7 +128,8 @@ def events_json(events: Iterable[Json], limit: int = 100) -> list[Json]:
 
 
 def fleet_json(v: FleetView) -> Json:
-    """GET /api/v1/fleet: collectors, workers with rank owners and leaders, unexpected streams."""
+    """GET /api/v1/fleet: collectors, workers with rank owners and leaders, unexpected streams,
+    scheduler sources, bound endpoints (bind mode) and their relays."""
     collectors = [
         {
             "collector": c.info.collector_id,
@@ -192,11 +194,48 @@ def fleet_json(v: FleetView) -> Json:
         }
         for u, info in v.unexpected
     ]
+    binds = [
+        {
+            "collector": c.info.collector_id,
+            "node_rank": c.info.node_rank,
+            "worker_id": b.worker_id,
+            "dp_rank": b.dp_rank,
+            "endpoint": b.endpoint,
+            "topic": b.topic,
+            "state": b.state if c.up else "stale",
+            "reason": b.reason,
+            "since": _t(b.since),
+            "publishers": b.publishers,
+            "messages": b.messages_total,
+            "skipped": dict(b.skipped),
+            "skip_reason": b.skip_reason,
+            "streams": b.streams,
+            "relay": None if b.relay is None else _relay_json(b.relay, c.up),
+        }
+        for c in v.collectors
+        for b in c.snapshot.binds
+    ]
     return {
         "collectors": collectors,
         "workers": workers,
         "unexpected": unexpected,
         "scheduler_sources": sources,
+        "binds": binds,
+    }
+
+
+def _relay_json(r: RelayStats, up: bool) -> Json:
+    """A bound endpoint's relay, as /api/v1/fleet gives it."""
+    return {
+        "target": r.target,
+        "state": r.state if up else "stale",
+        "reason": r.reason,
+        "since": _t(r.since),
+        "forwarded": r.forwarded,
+        "filtered": r.filtered,
+        "dropped": dict(r.dropped),
+        "last_drop": _t(r.last_drop_time),
+        "queue": r.queue,
     }
 
 

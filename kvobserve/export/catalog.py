@@ -8,6 +8,7 @@ STREAM = ("worker_id", "node_rank", "dp_rank")
 BLOCK = (*STREAM, "medium")
 WORKER_MEDIUM = ("worker_id", "medium")
 DRIFT = (*STREAM, "medium", "method")
+BOUND = ("collector", "worker_id", "dp_rank")  # an endpoint a collector binds (bind mode)
 CACHE_DETAIL = "per_stream_counters"  # the create_app flag ([aggregator] per_stream_detail)
 # The "while down" cells of families whose rule `stale` alone does not tell (docs/metrics.md)
 UP_RANKS = "up ranks only"
@@ -86,6 +87,7 @@ PER = {
     "worker_type": "per worker and event type, shared by its ranks",
     "histogram": "(buckets + 3) per worker and storage tier, shared by its ranks",
     "collector": "per collector, shared by its streams",
+    "bind": "per endpoint a collector binds (bind mode: one per rank of the worker)",
     "fleet": "not per stream",
 }
 
@@ -290,6 +292,24 @@ CATALOG: tuple[MetricDef, ...] = (
     _d("kvobserve_collector_publish_dropped_total", "counter", ("collector", "reason"),
        "Snapshots the collector could not publish, by reason (closed, buffer_full, too_large, "
        "error); reported with its next snapshot that arrives.", per="fault"),
+    # bind mode (docs/deployment.md): the endpoints a collector binds, per rank, and their relays
+    _d("kvobserve_bind_publishers", "gauge", (*BOUND, "endpoint"),
+       "Connections open on an endpoint the collector binds for publishers to connect to.",
+       per="bind"),
+    _d("kvobserve_bind_messages_total", "counter", BOUND,
+       "Messages received on the bound endpoint.", per="bind"),
+    _d("kvobserve_bind_skipped_total", "counter", (*BOUND, "reason"),
+       "Messages of the bound endpoint that no stream took, by reason: topic_mismatch (the "
+       "topic does not fit the worker's topic), refused (a new publisher past max_streams), "
+       "analysis_behind (relayed, but the analysis was behind: its stream sees a gap); served "
+       "once nonzero.", per="bind"),
+    _d("kvobserve_relay_up", "gauge", (*BOUND, "target"),
+       "1 while the relay target of the bound endpoint is connected and subscribed.", per="bind"),
+    _d("kvobserve_relay_forwarded_total", "counter", BOUND,
+       "Frames forwarded unchanged to the relay target.", per="bind"),
+    _d("kvobserve_relay_dropped_total", "counter", (*BOUND, "reason"),
+       "Frames not forwarded to the relay target, by reason: no_target (none connected and "
+       "subscribed), queue_full (relay_queue frames already waiting for it).", per="bind"),
     # scheduler metrics per rank, joined across collectors, under the node that owns the rank
     _d("kvobserve_scheduler_running_requests", "gauge", STREAM, "Running requests of the rank.",
        down=SCHEDULER),

@@ -14,7 +14,7 @@ from prometheus_client.utils import floatToGoString
 
 from kvobserve import __version__
 from kvobserve.analysis.views import CollectorView, FleetView, StreamView
-from kvobserve.export import cache
+from kvobserve.export import binds, cache
 from kvobserve.export import templates as templates_mod
 from kvobserve.export.exposition import TextFamilies, _escape, format_value
 from kvobserve.export.rollup import COUNTER_LABEL, LIFETIME, WorkerSums
@@ -152,6 +152,7 @@ def render(
     own = TextFamilies()  # few lines: the reference writer's own, so the bytes agree
     cache.collector_samples(own, c, g.streams, sums, detail.counters, detail.shard)
     configured(own, c)
+    binds.collector_samples(own, c)
     text.update(own.chunks())
     return Chunk(text, sums, cl)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from kvobserve import __version__
 from kvobserve.analysis.conditions import SOURCE_DOWN, WORKER_TROUBLE
 from kvobserve.analysis.views import CollectorView, FleetView, StreamView
-from kvobserve.export import cache
+from kvobserve.export import binds, cache
 from kvobserve.export.exposition import Sink
 from kvobserve.export.rollup import COUNTER_LABEL, LIFETIME, WorkerSums
 from kvobserve.wire.snapshot import SchedulerStats, UnexpectedStream
@@ -158,6 +158,7 @@ def collector(f: Sink, c: CollectorView, g: Group, sums: WorkerSums, detail: Det
                 f.add(name, lb, val)
     cache.collector_samples(f, c, g.streams, sums, detail.counters, detail.shard)
     configured(f, c)
+    binds.collector_samples(f, c)
 
 
 def configured(f: Sink, c: CollectorView) -> None:

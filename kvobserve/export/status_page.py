@@ -294,6 +294,36 @@ def _sources(sources: list[Json], clock: _Clock, alerts: list[Json]) -> str:
     )
 
 
+def _binds(binds: list[Json], clock: _Clock) -> str:
+    """Bind mode: each bound endpoint, who is connected, and its relay (when it has one)."""
+    rows = []
+    for b in binds:
+        r = b["relay"]
+        skipped = ", ".join(f"{k} {n}" for k, n in sorted(b["skipped"].items()))
+        relay = "-"
+        if r is not None:
+            dropped = ", ".join(f"{k} {n}" for k, n in sorted(r["dropped"].items()))
+            relay = (
+                f'<span class="{"ok" if r["state"] == "up" else "st"}">{_e(r["state"])}</span> '
+                f"{_e(r['target'])}: {_e(r['reason'])} ({_e(clock.ago(r['since']))}); "
+                f"{_e(r['forwarded'])} forwarded" + (f", dropped {_e(dropped)}" if dropped else "")
+            )
+        cls = "" if r is None or not r["dropped"] else ' class="c-warning"'
+        rows.append(
+            f"<tr{cls}><td>{_e(b['worker_id'])}</td><td class=n>{_e(b['dp_rank'])}</td>"
+            f"<td>{_e(b['endpoint'])}</td><td>{_e(b['topic'])}</td>"
+            f'<td class="{"ok" if b["state"] == "connected" else "st"}">{_e(b["state"])}</td>'
+            f"<td>{_e(b['reason'])}</td><td class=n>{_e(b['streams'])}</td>"
+            f"<td class=n>{_e(b['messages'])}</td>"
+            f'<td class="small">{_e(skipped or "-")}'
+            + (f"<br>{_e(b['skip_reason'])}" if skipped and b["skip_reason"] else "")
+            + f'</td><td class="small">{relay}</td></tr>'
+        )
+    head = ("worker", "rank", "bound", "topic", "state", "reason", "streams", "messages",
+            "skipped", "relay")  # fmt: skip
+    return _table(head, rows, "No bound endpoint.", "binds-table")
+
+
 def _collectors(collectors: list[Json]) -> str:
     rows = [
         f"<tr{'' if c['up'] else ' class=c-critical'}><td>{_e(c['collector'])}</td>"
@@ -411,7 +441,12 @@ def render(
         f"{_strays(fleet['unexpected'])}</div>"
         f'<h2>Scheduler and discovery sources</h2><div id="sources">'
         f"{_sources(fleet.get('scheduler_sources', []), clock, alerts)}</div>"
-        f'<h2>Hot prefixes</h2><div id="hot">{_hot(hot)}</div>'
+        + (
+            f'<h2>Bound endpoints</h2><div id="binds">{_binds(fleet["binds"], clock)}</div>'
+            if fleet.get("binds")
+            else ""
+        )
+        + f'<h2>Hot prefixes</h2><div id="hot">{_hot(hot)}</div>'
         f'<h2>Nodes</h2><div id="collectors">{_collectors(fleet["collectors"])}</div>'
         f'<h2>Workers and DP-rank owners</h2><div id="workers">'
         f"{_workers(fleet['workers'], alerts, clock)}</div>"

@@ -23,6 +23,9 @@ class IngestOptions:
     tick_s: float = 0.05
     limits: SequencerLimits = DEFAULT_LIMITS
     max_streams: int = 4096  # streams (incl. probes) per collector: a label cardinality cap
+    forget_after_s: float = 300.0  # bind mode: a pod (topic template) silent this long is forgotten
+    rebind_s: float = 10.0  # bind mode: an endpoint that could not be bound is tried this often
+    relay_wait_s: float = 5.0  # a relayed endpoint is bound once its target subscribed, or then
     link: LinkTimes = DEFAULT_LINK_TIMES
     # docs/cache-analytics.md; None = residency and sequence only (benchmarks compare both)
     analytics: AnalyticsOptions | None = DEFAULT_ANALYTICS

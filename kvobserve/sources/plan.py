@@ -5,7 +5,9 @@
 the last rank, and the scheduler sources with the exact endpoints they connect to or bind.
 A wildcard host (`tcp://*:5557`) is the node that owns the rank: this node's own ranks are
 connected at `[collector] host`, other nodes' ranks keep the wildcard (this node does not know
-their addresses). `kvobserve check` prints these plans; the collector runs them.
+their addresses). A worker with `bind` is received by its leader, which binds one endpoint per
+rank (`ListenSpec`) for the engines to connect to. `kvobserve check` prints these plans; the
+collector runs them.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from kvobserve.analysis.layout import (
     watched_ranks,
 )
 from kvobserve.config import WILDCARD_HOSTS, CollectorConfig, ConfigError, WorkerConfig
+from kvobserve.config.bind import TopicTemplate
 from kvobserve.config.kubernetes import pod_topic
 from kvobserve.sources.discovery_parse import DiscoveredEngine
 from kvobserve.wire.snapshot import WorkerInfo
@@ -40,11 +43,41 @@ class StreamSpec:
     topic: str = ""
     replay_endpoint: str | None = None
     probe: bool = False  # a port past the worker's last rank: nothing should publish there
+    bound: bool = False  # bind mode: `endpoint` is what this collector binds; publishers connect
 
     @property
     def key(self) -> tuple[str, int]:
         """(worker_id, dp_rank)."""
         return (self.worker_id, self.dp_rank)
+
+
+@dataclass(frozen=True, slots=True)
+class ListenSpec:
+    """One endpoint this collector binds for the publishers of one rank to connect to.
+
+    With a topic template each publisher (pod) is its own stream, `{worker_id}/{pod}`, found as
+    it sends; else the endpoint feeds the one stream (worker_id, dp_rank). `replay_endpoint` is
+    this rank's (port + rank), `{pod_ip}` still in it; `relay_to` likewise.
+    """
+
+    worker_id: str
+    dp_rank: int
+    engine: str
+    endpoint: str
+    topic: str = ""
+    replay_endpoint: str | None = None
+    relay_to: str | None = None
+    relay_queue: int = 10_000
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """(worker_id, dp_rank)."""
+        return (self.worker_id, self.dp_rank)
+
+    @property
+    def template(self) -> TopicTemplate:
+        """The topic, parsed (validated with the config)."""
+        return TopicTemplate.parse(self.topic, f"{self.worker_id}.topic")
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +127,12 @@ class WorkerPlan:
     mismatches: tuple[LayoutMismatch, ...] = ()  # settings the engine's layout contradicts
     misplaced: bool = False  # ... so that this node's ranks differ from what the engine runs here
     elsewhere: tuple[int, ...] = ()  # ranks the config gives this node that the engine does not
+    listens: tuple[ListenSpec, ...] = ()  # bind mode, on the worker's leader
+
+    @property
+    def pods(self) -> bool:
+        """Bind mode with a topic template: the streams are the pods that send, `{id}/{pod}`."""
+        return bool(self.listens) and self.listens[0].template.templated
 
     @property
     def watched(self) -> list[StreamSpec]:
@@ -266,10 +305,56 @@ def _layout_notes(
     return notes
 
 
+def plan_bind(
+    i: int, w: WorkerConfig, node: CollectorConfig, found: DiscoveredEngine | None
+) -> WorkerPlan:
+    """Bind mode: the worker's leader binds `bind` + r for every rank r; the engines connect.
+
+    The engines' endpoint names one host, so one collector receives every rank: the leader.
+    """
+    assert w.bind is not None
+    where = f"worker[{i}]"
+    dp_size = w.dp_size or (found.dp_size if found else 1)
+    pods = TopicTemplate.parse(w.topic, f"{where}.topic").templated
+    listens: list[ListenSpec] = []
+    streams: list[StreamSpec] = []
+    try:
+        for r in range(dp_size):
+            ep = offset_endpoint(w.bind, r, w.engine)
+            replay = offset_endpoint(w.replay_endpoint, r, w.engine) if w.replay_endpoint else None
+            relay = offset_endpoint(w.relay_to, r, w.engine) if w.relay_to else None
+            listens.append(ListenSpec(w.id, r, w.engine, ep, w.topic, replay, relay, w.relay_queue))
+            if not pods:
+                streams.append(StreamSpec(w.id, r, w.engine, ep, w.topic, replay, bound=True))
+    except ValueError as exc:  # e.g. an ipc:// endpoint with several ranks
+        raise ConfigError(f"{where}.bind: {exc}") from None
+    notes = [*(found.notes if found else ())]
+    if not w.leader:
+        notes.append(f"bound by the worker's leader (node_rank 0 unless {where}.leader is set)")
+    load_base = found.load_endpoint_base if found else None
+    ranks = range(dp_size) if w.leader else range(0)
+    return WorkerPlan(
+        w,
+        dp_size,
+        tuple(streams),
+        tuple(ranks),
+        (),
+        scheduler_specs(w, ranks, load_base, host=node.host, leader=w.leader),
+        found.url if found else None,
+        tuple(notes),
+        (0,) * dp_size,
+        False,
+        found.block_size if found else None,
+        listens=tuple(listens) if w.leader else (),
+    )
+
+
 def plan_worker(
     i: int, w: WorkerConfig, node: CollectorConfig, found: DiscoveredEngine | None
 ) -> WorkerPlan:
     """The plan of worker `i` on this node; ConfigError when a rank has no endpoint."""
+    if w.bind is not None:
+        return plan_bind(i, w, node, found)
     where = f"worker[{i}]"
     dp_size = w.dp_size or (found.dp_size if found else 1)
     notes = [] if w.dp_size or found else ["dp_size unknown without discovery; assuming 1"]

@@ -102,6 +102,7 @@ def _map(line: str, env: Env) -> tuple[list[str], dict[str, str], str | None]:
         (r"--nats URL", f"--nats {env.nats}"),
         (r"--url (URL|(http://)?(localhost|<aggregator>|127\.0\.0\.1):947[78])", f"--url {env.aggregator}"),
         (r"--cluster NAME", "--cluster prod-a"),
+        (r"tcp://127\.0\.0\.1:6557", f"tcp://127.0.0.1:{free_port()}"),  # bind mode's port
         (r"(0\.0\.0\.0):9477", listen),
         (r"tcp://(10\.0\.0\.5|127\.0\.0\.1):5657", env.replay),
         (r"tcp://(10\.0\.0\.5|127\.0\.0\.1):(5557|41230)|tcp://<host>:<port>|tcp://host:port", env.kv),

@@ -31,7 +31,7 @@ def _sections() -> dict[str, str]:
 
 def test_every_rule_is_in_the_table_with_its_severity() -> None:
     rules = _rule_severities()
-    assert set(rules) == set(BY_ALERT), "alerts in the rule file and in analysis/alerting.py"
+    assert set(rules) == set(BY_ALERT), "alerts in the rule file and in analysis/conditions.py"
     for alert, severity in rules.items():
         assert BY_ALERT[alert].severity == severity, alert
 

@@ -26,9 +26,11 @@ from kvobserve.analysis.conditions import (
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.analysis.views import Key
 from kvobserve.wire.snapshot import (
+    BindStats,
     CollectorInfo,
     DriftStats,
     MediumStats,
+    RelayStats,
     SchedulerStats,
     Snapshot,
     SourceState,
@@ -131,6 +133,11 @@ def fleets(draw: st.DrawFn) -> Fleet:
                 snap.unexpected.append(
                     UnexpectedStream(w, size, "tcp://h:1", 5, draw(st.booleans()))
                 )
+            if draw(st.booleans()):  # bind mode, with a relay that may have dropped frames
+                relay = RelayStats(
+                    "ipc://@r", "up", dropped={"queue_full": 2}, last_drop_time=draw(t)
+                )
+                snap.binds.append(BindStats(w, 0, "tcp://*:5557", relay=relay))
         state.update(snap, received)
     return state, began
 
@@ -167,8 +174,8 @@ def test_the_per_second_check_finds_what_the_whole_view_shows(fleet: Fleet) -> N
     assert [(c, c.since) for c in fast] == [(c, c.since) for c in whole]
 
 
-@pytest.mark.parametrize("kind", STREAM_KINDS)
-def test_the_generated_fleets_reach_every_stream_condition(kind: str) -> None:
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_the_generated_fleets_reach_every_condition(kind: str) -> None:
     """The properties above are not vacuous: each row's condition occurs in generated fleets."""
 
     def has(fleet: Fleet) -> bool:

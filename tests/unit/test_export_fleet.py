@@ -6,6 +6,7 @@ from kvobserve.analysis.conditions import active
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.analysis.views import FleetView
 from kvobserve.wire.snapshot import (
+    BindStats,
     CollectorCounters,
     CollectorInfo,
     DriftSource,
@@ -13,6 +14,7 @@ from kvobserve.wire.snapshot import (
     Family,
     Histogram,
     MediumStats,
+    RelayStats,
     Sample,
     SchedulerStats,
     Snapshot,
@@ -176,6 +178,33 @@ def _node1() -> Snapshot:
             ),
         ],
         streams=streams,
+        binds=[  # bind mode with a relay that lost its target 30 s ago
+            BindStats(
+                "llmd",
+                0,
+                "tcp://*:5556",
+                "kv@{pod}@{model}",
+                "connected",
+                "2 publisher(s) connected to tcp://*:5556",
+                NOW - 100,
+                2,
+                500,
+                {"topic_mismatch": 4},
+                "topic 'other' does not fit 'kv@{pod}@{model}'",
+                2,
+                RelayStats(
+                    "tcp://10.0.1.9:5556",
+                    "connecting",
+                    "disconnected: tcp://10.0.1.9:5556 went away (restarted?)",
+                    NOW - 30,
+                    480,
+                    6,
+                    {"no_target": 14},
+                    NOW - 30,
+                    10_000,
+                ),
+            )
+        ],
         passthrough=[
             Family(
                 "sglang:num_running_reqs",
