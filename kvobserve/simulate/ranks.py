@@ -12,8 +12,8 @@ from typing import Any, Protocol
 import zmq
 
 from kvobserve.simulate.config import SimConfig
-from kvobserve.simulate.encoders import WireFormat
 from kvobserve.simulate.stream import SimStream
+from kvobserve.simulate.wire_format import WireFormat
 
 
 @dataclass(frozen=True)

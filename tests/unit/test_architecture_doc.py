@@ -38,7 +38,8 @@ def _modules() -> set[str]:
 def _named(text: str) -> set[str]:
     """The modules the layer list (the first code block) and the simulator's paragraph name,
     as paths under kvobserve/: a line that starts with `kvobserve/<pkg>/` opens a package, and
-    every `name.py` until the next one is a module of it."""
+    every `name.py` until the next one is a module of it; the simulator's paragraph names its
+    modules bare and those of its subpackages by their paths (`simulate/engines/...`)."""
     block = text.split("```")[1]
     named: set[str] = set()
     package = ""
@@ -52,6 +53,7 @@ def _named(text: str) -> set[str]:
         named.update(package + m for m in MODULE.findall(line))
     (simulator,) = [p for p in text.split("\n\n") if p.startswith("`kvobserve/simulate/`")]
     named.update("simulate/" + m for m in MODULE.findall(simulator))
+    named.update(p for p in PATH.findall(simulator) if p.startswith("simulate/"))
     return named
 
 
