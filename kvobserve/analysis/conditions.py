@@ -6,19 +6,20 @@ Prometheus alert (the rule of the same name in alerts/kvobserve-rules.yml, which
 (docs/alerts.md) and the status page's cell it tints. A test holds the rule file's `severity`
 labels and the runbook's sections to this table.
 
-A stream's condition (stream_down, sequence_gap, ...) is found by its row's `check`, one stream
-at a time; the row's `precheck` is a cheap test of the stream's stats alone that holds whenever
-the check may find it. The per-second check (`FleetState.conditions`, analysis/fleet.py) builds
-views only of the streams some row's pre-check lets through: a pre-check that missed a case
-would leave a condition on the page that never fires. A property test over generated fleets
-holds every row's pre-check to its check (tests/unit/test_condition_prechecks.py). The other
+A stream's condition is found one stream at a time (`Kind.find`), with a pre-check (`Kind.may`):
+a cheap test of the stream's stats alone that holds whenever `find` may find it. An event kind
+(gap, loss, restart, decode errors, rank mismatch, silent loss) holds for RECENT_S after the
+event's last occurrence, as the alert rules' `increase(...[15m]) > 0` do: its row names that
+time field of StreamStats (`event_time`) and what to say (`describe`), and the pre-check is that
+the time is recent. Any other stream condition (stream_down, duplicate_stream, ...) has its own
+`check` and `precheck` beside each other below. The per-second check (`FleetState.conditions`,
+analysis/fleet.py) builds views only of the streams some row's pre-check lets through
+(`may_have_condition`): a pre-check that missed a case would leave a condition on the page that
+never fires. A property test over generated fleets holds every row's pre-check to its check and
+the per-second check to the whole view (tests/unit/test_condition_prechecks.py). The other
 conditions are found over the fleet's membership (collectors, workers, owners, leaders, scheduler
 values, what collectors report of relays and drift, unexpected streams), which both paths build
-whole: they need no pre-check.
-
-Event kinds (gap, loss, restart, decode errors, rank mismatch, silent loss) hold for RECENT_S
-after their last occurrence, as the alert rules' `increase(...[15m]) > 0` do. Pure: `now` is the
-view's.
+whole: they need no pre-check. Pure: `now` is the view's.
 
 `since` is when the condition began. Each condition takes it from its evidence (a collector's
 last snapshot, a stream's state change, the first sign of a second publisher, ...); what
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
+from operator import attrgetter
 from typing import Final
 
 from kvobserve.analysis.layout import ranged
@@ -115,9 +117,11 @@ class Around:
 
 
 # A stream's pre-check: (its stats, whether its collector is up, now) -> whether its check may
-# find the condition. Its check: (the stream's view, the rest) -> the condition, or None.
+# find the condition. Its check: (the stream's view, the rest) -> (description, since) of the
+# condition it found (since 0: unknown), or None.
+Found = tuple[str, float] | None
 PreCheck = Callable[[StreamStats, bool, float], bool]
-StreamCheck = Callable[[StreamView, Around], "Condition | None"]
+StreamCheck = Callable[[StreamView, Around], Found]
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,8 +136,36 @@ class Kind:
     # restarts, dup, index, errors, sched), the worker's or the scheduler source's row; None:
     # only the conditions table shows it
     cell: str | None = None
-    precheck: PreCheck | None = None  # a stream's condition: see the module's docstring
+    # A stream's condition: an event kind holds for RECENT_S after the event's last occurrence,
+    # the StreamStats time field `event_time`, as `describe` tells it (None: no condition after
+    # all); any other has its own `check` and a cheap `precheck` (the module's docstring).
+    event_time: str = ""
+    describe: Callable[[StreamStats], str | None] | None = None
+    precheck: PreCheck | None = None
     check: StreamCheck | None = None
+
+    @property
+    def per_stream(self) -> bool:
+        """Whether it is a stream's condition: found stream by stream, with a pre-check."""
+        return bool(self.event_time) or self.check is not None
+
+    def may(self, st: StreamStats, live: bool, now: float) -> bool:
+        """The pre-check: False only for a stream where `find` finds nothing."""
+        if self.event_time:
+            t: float = getattr(st, self.event_time)
+            return t > 0 and now - t <= RECENT_S
+        return self.precheck is not None and self.precheck(st, live, now)
+
+    def find(self, s: StreamView, at: Around) -> Found:
+        """The condition of this kind on the stream, (description, since), or None."""
+        if not self.event_time:
+            return None if self.check is None else self.check(s, at)
+        st = s.stats
+        t: float = getattr(st, self.event_time)
+        if not (s.live and at.recent(t)) or self.describe is None:
+            return None
+        what = self.describe(st)
+        return None if what is None else (f"{_name(st)}: {what}", t)
 
     @property
     def anchor(self) -> str:
@@ -184,7 +216,12 @@ def active(v: FleetView) -> list[Condition]:
 
 
 def may_have_condition(st: StreamStats, live: bool, now: float) -> bool:
-    """Whether any row's pre-check holds for the stream (the per-second check's filter)."""
+    """Whether some row's pre-check holds for the stream (the per-second check's filter): the
+    event kinds' in one read of their time fields (the latest is recent when any is), the
+    others' one by one."""
+    last = max(_EVENT_TIMES(st))
+    if last > 0 and now - last <= RECENT_S:
+        return True
     for pre in _PRECHECKS:  # noqa: SIM110 - any() over a generator costs ~1.5x per stream
         if pre(st, live, now):
             return True
@@ -214,10 +251,12 @@ def _found(v: FleetView) -> Iterable[Condition]:
     yield from _reported(v)
     at = Around(v)
     for s in v.streams:
-        for check in _CHECKS:
-            found = check(s, at)
+        where: Labels | None = None
+        for k in _PER_STREAM:
+            found = k.find(s, at)
             if found is not None:
-                yield found
+                where = where or _where(s)
+                yield Condition(k.kind, k.severity, where, *found)
     for u, info in v.unexpected:
         if u.active:
             yield Condition.of(
@@ -352,9 +391,11 @@ def _relays(binds: list[BindStats], collector: str, now: float) -> Iterable[Cond
 
 
 # --- a stream's conditions: each a pre-check and a check -------------------------------------
-# A pre-check reads only the stream's stats and is looser than its check: cheap, and plainly
-# true wherever the check finds its condition. A stream of a silent collector has stream_down
-# and nothing else: nothing newer is known.
+# A check (or an event kind's `describe`) returns what it found, a description and since when;
+# the table's loop makes it a condition of its row's kind, labelled with the stream. A pre-check
+# reads only the stream's stats and is looser than its check: cheap, and plainly true wherever
+# the check finds its condition. A stream of a silent collector has stream_down and nothing
+# else: nothing newer is known.
 
 
 def _where(s: StreamView) -> Labels:
@@ -379,176 +420,97 @@ def _down_since(s: StreamView) -> float:
     return lost
 
 
-def _down(s: StreamView, at: Around) -> Condition | None:
+def _down(s: StreamView, at: Around) -> Found:
     st = s.stats
     if not s.live:
         why = f"its collector {s.collector.collector_id} is silent"
-        return Condition.of("stream_down", _where(s), f"{_name(st)} is down: {why}", _down_since(s))
+        return f"{_name(st)} is down: {why}", _down_since(s)
     if st.up:
         return None
     # its first connect under way, or it just went (a restart): not down yet; a stream that
     # is down already stays down while its state changes (one outage, one start)
-    where = _where(s)
     settling = st.state == "starting" or at.now - st.state_since < DOWN_AFTER_S
-    if settling and ("stream_down", where) not in at.began:
+    if settling and ("stream_down", _where(s)) not in at.began:
         return None
     why = f"{st.state or 'down'}: {st.reason}" if st.reason else st.state or "not connected"
-    return Condition.of("stream_down", where, f"{_name(st)} is down: {why}", st.state_since)
+    return f"{_name(st)} is down: {why}", st.state_since
 
 
 def _maybe_duplicate(st: StreamStats, live: bool, now: float) -> bool:
     return st.duplicate_stream
 
 
-def _duplicate(s: StreamView, at: Around) -> Condition | None:
+def _duplicate(s: StreamView, at: Around) -> Found:
     st = s.stats
     if not (s.up and st.duplicate_stream):  # a down stream's flag is its last value
         return None
-    return Condition.of(
-        "duplicate_stream",
-        _where(s),
-        f"{_name(st)}: two publishers (interleaved or mirrored)",
-        st.duplicate_since or st.last_duplicate_time,  # the latter from older collectors
-    )
+    # `last_duplicate_time` from older collectors
+    since = st.duplicate_since or st.last_duplicate_time
+    return f"{_name(st)}: two publishers (interleaved or mirrored)", since
 
 
 def _maybe_incomplete(st: StreamStats, live: bool, now: float) -> bool:
     return not st.state_complete
 
 
-def _incomplete(s: StreamView, at: Around) -> Condition | None:
+def _incomplete(s: StreamView, at: Around) -> Found:
     st = s.stats
     # before any batch the index is simply empty; during a replay its outcome is not known yet
     if not (s.up and not st.state_complete and st.batches_total and not st.replaying):
         return None
     why = st.incomplete_reason or "joined mid-stream or lost batches"
-    return Condition.of(
-        "index_incomplete", _where(s), f"{_name(st)}: block index incomplete: {why}"
+    return f"{_name(st)}: block index incomplete: {why}", 0.0
+
+
+def _counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{k} {n}" for k, n in sorted(counts.items()))
+
+
+# What each event kind says (the row's `describe`); its time field is in the table.
+
+
+def _lost(st: StreamStats) -> str:
+    return f"batches lost for good ({st.lost} in total, not recovered by replay)"
+
+
+def _gap(st: StreamStats) -> str:
+    return (
+        f"sequence gap ({st.gaps} in total: {st.missed} batches missed, "
+        f"{st.recovered} recovered, {st.lost} lost)"
     )
 
 
-# Event kinds: the pre-check reads the time of the last occurrence (inline: a helper's call
-# would double the per-stream cost of the per-second check); the check asks `at.recent`.
+def _restarted(st: StreamStats) -> str:
+    return f"publisher restarted ({st.restarts} in total); block index reset"
 
 
-def _maybe_lost(st: StreamStats, live: bool, now: float) -> bool:
-    t = st.last_loss_time
-    return t > 0 and now - t <= RECENT_S
+def _undecodable(st: StreamStats) -> str:
+    return f"messages that do not decode, skipped ({_counts(st.decode_errors) or 'see counters'})"
 
 
-def _lost(s: StreamView, at: Around) -> Condition | None:
-    st = s.stats
-    if not (s.live and at.recent(st.last_loss_time)):
-        return None
-    return Condition.of(
-        "events_lost",
-        _where(s),
-        f"{_name(st)}: batches lost for good ({st.lost} in total, not recovered by replay)",
-        st.last_loss_time,
-    )
+def _mislabelled(st: StreamStats) -> str:
+    return f"{st.rank_mismatch_batches} batches name another DP rank (port rule?)"
 
 
-def _maybe_gap(st: StreamStats, live: bool, now: float) -> bool:
-    t = st.last_gap_time
-    return t > 0 and now - t <= RECENT_S
-
-
-def _gap(s: StreamView, at: Around) -> Condition | None:
-    st = s.stats
-    if not (s.live and at.recent(st.last_gap_time)):
-        return None
-    return Condition.of(
-        "sequence_gap",
-        _where(s),
-        f"{_name(st)}: sequence gap ({st.gaps} in total: {st.missed} batches missed, "
-        f"{st.recovered} recovered, {st.lost} lost)",
-        st.last_gap_time,
-    )
-
-
-def _maybe_restarted(st: StreamStats, live: bool, now: float) -> bool:
-    t = st.last_restart_time
-    return t > 0 and now - t <= RECENT_S
-
-
-def _restarted(s: StreamView, at: Around) -> Condition | None:
-    st = s.stats
-    if not (s.live and at.recent(st.last_restart_time)):
-        return None
-    return Condition.of(
-        "publisher_restarted",
-        _where(s),
-        f"{_name(st)}: publisher restarted ({st.restarts} in total); block index reset",
-        st.last_restart_time,
-    )
-
-
-def _maybe_undecodable(st: StreamStats, live: bool, now: float) -> bool:
-    t = st.last_decode_error_time
-    return t > 0 and now - t <= RECENT_S
-
-
-def _undecodable(s: StreamView, at: Around) -> Condition | None:
-    st = s.stats
-    if not (s.live and at.recent(st.last_decode_error_time)):
-        return None
-    reasons = ", ".join(f"{k} {n}" for k, n in sorted(st.decode_errors.items()))
-    return Condition.of(
-        "decode_errors",
-        _where(s),
-        f"{_name(st)}: messages that do not decode, skipped ({reasons or 'see counters'})",
-        st.last_decode_error_time,
-    )
-
-
-def _maybe_mislabelled(st: StreamStats, live: bool, now: float) -> bool:
-    t = st.last_rank_mismatch_time
-    return t > 0 and now - t <= RECENT_S
-
-
-def _mislabelled(s: StreamView, at: Around) -> Condition | None:
-    st = s.stats
-    if not (s.live and at.recent(st.last_rank_mismatch_time)):
-        return None
-    return Condition.of(
-        "rank_mismatch",
-        _where(s),
-        f"{_name(st)}: {st.rank_mismatch_batches} batches name another DP rank (port rule?)",
-        st.last_rank_mismatch_time,
-    )
-
-
-def _maybe_silent_loss(st: StreamStats, live: bool, now: float) -> bool:
-    t = st.last_silent_loss_time
-    return t > 0 and now - t <= RECENT_S
-
-
-def _silent_loss(s: StreamView, at: Around) -> Condition | None:
-    st = s.stats
-    if not (s.live and at.recent(st.last_silent_loss_time) and st.silent_loss):
-        return None
-    reasons = ", ".join(f"{k} {n}" for k, n in sorted(st.silent_loss.items()))
-    return Condition.of(
-        "silent_loss",
-        _where(s),
-        f"{_name(st)}: evidence of events lost without a sequence gap ({reasons})",
-        st.last_silent_loss_time,
-    )
+def _silent_loss(st: StreamStats) -> str | None:
+    if not st.silent_loss:
+        return None  # the time is set, the evidence is not (an older collector)
+    return f"evidence of events lost without a sequence gap ({_counts(st.silent_loss)})"
 
 
 def _maybe_thrash(st: StreamStats, live: bool, now: float) -> bool:
     return thrashing(st) is not None
 
 
-def _thrash(s: StreamView, at: Around) -> Condition | None:
+def _thrash(s: StreamView, at: Around) -> Found:
     thrash = thrashing(s.stats) if s.live else None
     if thrash is None:
         return None
-    return Condition.of(
-        "cache_thrash",
-        _where(s),
-        f"{_name(s.stats)}: {thrash[0]} of {thrash[1]} top-tier block stores restored a block "
+    restored, stored = thrash
+    return (
+        f"{_name(s.stats)}: {restored} of {stored} top-tier block stores restored a block "
         "evicted minutes before",
+        0.0,
     )
 
 
@@ -556,7 +518,7 @@ def _maybe_stalled(st: StreamStats, live: bool, now: float) -> bool:
     return st.state in QUIET_STATES
 
 
-def _stalled(s: StreamView, at: Around) -> Condition | None:
+def _stalled(s: StreamView, at: Around) -> Found:
     st = s.stats
     quiet_since = st.last_message_time or st.state_since
     if not (
@@ -567,9 +529,7 @@ def _stalled(s: StreamView, at: Around) -> Condition | None:
         and at.running(st.worker_id, st.dp_rank) != 0  # not known to be idle
     ):
         return None
-    return Condition.of(
-        "stream_stalled",
-        _where(s),
+    return (
         f"{_name(st)}: connected, no batch for {(at.now - quiet_since) / 60:.0f} min "
         "and the rank is not known to be idle",
         quiet_since,
@@ -602,17 +562,17 @@ _ROWS: Final = (
     Kind("index_incomplete", "KVIndexIncomplete", "info", "block index incomplete",
          cell="index", precheck=_maybe_incomplete, check=_incomplete),
     Kind("events_lost", "KVEventsLost", "critical", "batches lost",
-         cell="gaps", precheck=_maybe_lost, check=_lost),
+         cell="gaps", event_time="last_loss_time", describe=_lost),
     Kind("sequence_gap", "KVEventSequenceGap", "warning", "sequence gap",
-         cell="gaps", precheck=_maybe_gap, check=_gap),
+         cell="gaps", event_time="last_gap_time", describe=_gap),
     Kind("publisher_restarted", "KVEventPublisherRestarted", "info", "publisher restarted",
-         cell="restarts", precheck=_maybe_restarted, check=_restarted),
+         cell="restarts", event_time="last_restart_time", describe=_restarted),
     Kind("decode_errors", "KVEventDecodeErrors", "warning", "undecodable messages",
-         cell="errors", precheck=_maybe_undecodable, check=_undecodable),
+         cell="errors", event_time="last_decode_error_time", describe=_undecodable),
     Kind("rank_mismatch", "KVEventRankMismatch", "warning", "wrong rank in batches",
-         cell="errors", precheck=_maybe_mislabelled, check=_mislabelled),
+         cell="errors", event_time="last_rank_mismatch_time", describe=_mislabelled),
     Kind("silent_loss", "KVEventSilentLoss", "warning", "events lost without a gap",
-         precheck=_maybe_silent_loss, check=_silent_loss),
+         event_time="last_silent_loss_time", describe=_silent_loss),
     Kind("cache_thrash", "KVCacheThrash", "warning", "evicted blocks stored again",
          precheck=_maybe_thrash, check=_thrash),
     Kind("stream_stalled", "KVEventStreamStalled", "warning", "stream stalled",
@@ -624,5 +584,6 @@ _ROWS: Final = (
 )  # fmt: skip
 KINDS: Final[dict[str, Kind]] = {k.kind: k for k in _ROWS}
 BY_ALERT: Final[dict[str, Kind]] = {k.alert: k for k in _ROWS}
-_CHECKS: Final = tuple(k.check for k in _ROWS if k.check is not None)
-_PRECHECKS: Final = tuple(k.precheck for k in _ROWS if k.precheck is not None)
+_PER_STREAM: Final = tuple(k for k in _ROWS if k.per_stream)
+_EVENT_TIMES: Final = attrgetter(*(k.event_time for k in _PER_STREAM if k.event_time))
+_PRECHECKS: Final = tuple(k.precheck for k in _PER_STREAM if k.precheck is not None)
