@@ -106,7 +106,16 @@ def test_the_llm_d_central_config_loads() -> None:
         ({"kv_endpoint": "tcp://*:5557", "relay_to": "tcp://s:5556"},
          "--relay-to (worker[0].relay_to): 'tcp://s:5556' forwards what a bound endpoint"),
         ({"bind": "tcp://*:5556", "relay_to": "tcp://*:5556"}, "wildcard host in 'tcp://*:5556'"),
-        ({"bind": "tcp://*:5556", "relay_to": "tcp://localhost:5556"}, "itself: every frame"),
+        ({"bind": "tcp://*:5556", "relay_to": "tcp://localhost:5556"},
+         "'tcp://localhost:5556' reaches --bind (worker[0].bind) 'tcp://*:5556' on this machine"),
+        # any loopback address reaches a wildcard bind; rank 1 relays to 5557, which rank 1 binds
+        ({"bind": "tcp://*:5556", "relay_to": "tcp://127.0.0.2:5556"}, "every frame would come back"),
+        ({"bind": "tcp://*:5556", "relay_to": "tcp://127.0.0.1:5557", "dp_size": "2"},
+         "(rank r binds port + r and relays to port + r, 2 ranks): every frame would come back"),
+        # the engines' endpoint names the collector's host; ZMQ binds addresses, not names
+        ({"bind": "tcp://collector:5557"},
+         "--bind (worker[0].bind): 'collector' in 'tcp://collector:5557' is a host name, which "
+         "cannot be bound: bind every address of this machine, tcp://*:5557"),
         ({"bind": "tcp://*:5556", "replay_endpoint": "tcp://{pod_ip}:5559"},
          "names {pod_ip}, which a topic template with {pod} gives"),
         ({"bind": "tcp://*:5556", "topic": LLMD, "replay_endpoint": "tcp://{pod}:5559"},
@@ -121,6 +130,18 @@ def test_bind_config_errors_name_the_field_and_value(worker: dict[str, str], fra
     with pytest.raises(ConfigError) as exc:
         _cfg(**worker)
     assert fragment in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    ("bind", "relay_to"),
+    [("tcp://127.0.0.1:5556", "tcp://127.0.0.2:5556"),  # bound on one loopback address only
+     ("tcp://*:5556", "tcp://127.0.0.1:5558"),  # past the 2 ranks' ports
+     ("tcp://lo:5556", "tcp://scheduler:5556"),  # a network interface binds
+     ("tcp://10.0.0.9:5556", "tcp://scheduler:5556")],  # an address (this machine's at run time)
+)  # fmt: skip
+def test_binds_and_relays_that_do_not_loop_are_accepted(bind: str, relay_to: str) -> None:
+    w = _cfg(bind=bind, relay_to=relay_to, dp_size="2").workers[0]
+    assert (w.bind, w.relay_to) == (bind, relay_to)
 
 
 # --- the plan ---------------------------------------------------------------------------------
