@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvobserve.config import load_config
+from kvobserve.sources.plan import plan_worker
 from tests.integration.k8s_helpers import (
     configmap_data,
     container_env,
@@ -44,7 +45,13 @@ def test_each_collector_pod_loads_the_shared_config(tmp_path: Path, worker: int)
         "tcp://*:5657",
         "kv-events",
     )
-    assert w.leader is (worker == 0)  # only the leader pod scrapes metrics_url
+    assert w.leader is (worker == 0)
+    plan = plan_worker(0, w, cfg.collector, None)
+    assert list(plan.watched_ranks) == list(range(4 * worker, 4 * worker + 4))
+    # each pod reads its own engine's /metrics (its ranks' scheduler values), the worker too
+    assert [(s.source, s.scope, s.endpoints) for s in plan.scheduler] == [
+        ("metrics", "node", ("http://127.0.0.1:30000/metrics",))
+    ]
     assert cfg.nats is not None
     assert (cfg.nats.url, cfg.nats.jetstream_kv) == ("nats://nats:4222", True)
 
