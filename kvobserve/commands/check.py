@@ -77,7 +77,10 @@ async def _list_pods(i: int, w: WorkerConfig, timeout_s: float) -> PodWatch:
         await watch.list_once(timeout_s)
     except Exception as exc:  # the reason, as the collector would report it
         _, reason = watch.describe(exc)
-        raise ConfigError(f"worker[{i}].kubernetes: cannot list pods: {reason}") from None
+        raise ConfigError(
+            f"worker[{i}].kubernetes: cannot list pods: {reason} (`check --no-discovery` checks "
+            "the file without listing them)"
+        ) from None
     return watch
 
 

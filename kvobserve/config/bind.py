@@ -193,10 +193,10 @@ def check_bind_worker(where: str, w: WorkerConfig) -> None:
                 "subscriber that binds there (llm-d's scheduler: tcp://<scheduler>:5556)"
             )
         if _same_endpoint(w.bind, w.relay_to, ranks := w.dp_size or 1):
+            ports = f" (rank r binds and relays port + r, {ranks} ranks)" if ranks > 1 else ""
             raise ConfigError(
                 f"{where}.relay_to: {w.relay_to!r} reaches {where}.bind {w.bind!r} on this "
-                f"machine (rank r binds port + r and relays to port + r, {ranks} ranks): "
-                "every frame would come back"
+                f"machine{ports}: every frame would come back"
             )
 
 

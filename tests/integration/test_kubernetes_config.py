@@ -13,8 +13,7 @@ from tests.integration.k8s_helpers import (
     configmap_data,
     container_env,
     find,
-    lws_pod,
-    lws_templates,
+    lws_sidecar_env,
 )
 
 pytestmark = pytest.mark.integration
@@ -28,11 +27,7 @@ def _shared_file(tmp_path: Path) -> str:
 
 @pytest.mark.parametrize("worker", [0, 1])
 def test_each_collector_pod_loads_the_shared_config(tmp_path: Path, worker: int) -> None:
-    pod, labels, annotations, injected = lws_pod(0, worker)
-    template = lws_templates()["leader" if worker == 0 else "worker"]
-    (sidecar,) = template["spec"]["initContainers"]
-    labels = {**template["metadata"]["labels"], **labels}
-    env = container_env(sidecar, pod, labels, annotations, injected)
+    pod, env = lws_sidecar_env(0, worker)
     cfg = load_config(_shared_file(tmp_path), {}, env)
     assert cfg.cluster == "prod-a"
     assert cfg.collector.id == pod

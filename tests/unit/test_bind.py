@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +19,7 @@ from kvobserve.sources.stream_events import RecentEvents
 from kvobserve.sources.stream_state import WatchedStream, new_link
 
 LLMD = "kv@{pod}@{model}"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cfg(node_rank: int = 0, nnodes: int = 1, **worker: Any) -> Any:
@@ -111,7 +114,7 @@ def test_the_llm_d_central_config_loads() -> None:
         # any loopback address reaches a wildcard bind; rank 1 relays to 5557, which rank 1 binds
         ({"bind": "tcp://*:5556", "relay_to": "tcp://127.0.0.2:5556"}, "every frame would come back"),
         ({"bind": "tcp://*:5556", "relay_to": "tcp://127.0.0.1:5557", "dp_size": "2"},
-         "(rank r binds port + r and relays to port + r, 2 ranks): every frame would come back"),
+         "(rank r binds and relays port + r, 2 ranks): every frame would come back"),
         # the engines' endpoint names the collector's host; ZMQ binds addresses, not names
         ({"bind": "tcp://collector:5557"},
          "--bind (worker[0].bind): 'collector' in 'tcp://collector:5557' is a host name, which "
@@ -244,3 +247,26 @@ def test_the_relay_is_up_only_while_its_target_is_connected_and_subscribed() -> 
     assert r.reason == "disconnected: tcp://sched:5556 went away (restarted?)"
     r.drop("no_target", 7.0)
     assert (r.dropped, r.last_drop_time) == ({"no_target": 1, "queue_full": 0}, 7.0)
+
+
+# the mistakes docs/configuration.md shows under "Bind mode", each with the file that makes it
+DOC_MISTAKES = [
+    {"bind": "tcp://collector:5557"},
+    {"kv_endpoint": "tcp://*:5556", "topic": LLMD},
+    {"bind": "tcp://*:5556", "relay_to": "tcp://127.0.0.1:5556"},
+    {"kv_endpoint": "tcp://*:5557", "relay_to": "tcp://scheduler:5556"},
+]
+
+
+def test_the_mistakes_configuration_md_shows_are_what_check_prints(tmp_path: Path) -> None:
+    doc = (ROOT / "docs" / "configuration.md").read_text()
+    block = doc.split("- **Mistakes `check` names.**", 1)[1].split("```\n", 2)[1]
+    printed = []
+    for worker in DOC_MISTAKES:
+        path = tmp_path / "k.toml"
+        keys = "".join(f"{k} = {json.dumps(v)}\n" for k, v in worker.items())
+        path.write_text(f'[[worker]]\nengine = "vllm"\n{keys}')
+        with pytest.raises(ConfigError) as exc:
+            load_config(str(path), {}, {})
+        printed.append(f"kvobserve check: error: {exc.value}")
+    assert printed == block.splitlines()
