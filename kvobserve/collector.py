@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from kvobserve import __version__
 from kvobserve.aio import cancel_and_wait
 from kvobserve.config import Config, WorkerConfig
+from kvobserve.engines import profile
 from kvobserve.sources.discovery import (
     DiscoveredEngine,
     DiscoveryError,
@@ -113,7 +114,7 @@ class Collector:
         self.events = RecentEvents(wall=clock)  # every snapshot carries the latest
         self.ingest: IngestLoop | None = None
         self._dynamo_options = dynamo
-        self.dynamo: DynamoIngest | None = None  # engine = "dynamo" workers (docs/dynamo.md)
+        self.dynamo: DynamoIngest | None = None  # event-plane workers (docs/dynamo.md)
         self.drift: list[DriftPoller] = []
         self.plans: list[WorkerPlan] = []
         self.scheduler: dict[str, SchedulerSources] = {}
@@ -484,7 +485,8 @@ class Collector:
 
 
 def _dyn(w: WorkerConfig) -> bool:
-    return w.engine == "dynamo"
+    """Whether the worker's events come from an event plane (Dynamo's), not per-rank PUBs."""
+    return profile(w.engine).event_plane
 
 
 def _families(metrics: list[Any]) -> list[Family]:

@@ -1,27 +1,29 @@
 """DP-rank ownership across collector nodes, and the engines' per-rank port rules.
 
-The engines' rules, as docs/collector.md states them: rank r publishes on port base + r (both
-engines' `offset_endpoint_port`); an SGLang scheduler publishes as its attention-DP rank under DP
-attention, else as its DP rank (from 0.5.16, `select_kv_publisher_dp_rank`); pure-DP SGLang runs
-every rank's scheduler on the leader node. A wildcard host in an endpoint means the node that
-owns the rank (`on_node`).
+The rules, as docs/collector.md states them, with each engine's facts from its profile
+(`kvobserve.engines`, `RankLayout`): rank r publishes on port base + r (the engines'
+`offset_endpoint_port`); an engine with attention DP publishes as its attention-DP rank under
+attention DP, else as its DP rank (SGLang from `dp_rank_selection`, 0.5.16); without attention DP
+such an engine runs every rank's scheduler on the leader node. A wildcard host in an endpoint
+means the node that owns the rank (`on_node`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Final
 
 from kvobserve.config import WILDCARD_HOSTS
-
-ENGINES: Final = ("sglang", "vllm")
-# SGLang 0.5.16 added select_kv_publisher_dp_rank (PR #29211); before, pure DP collided on rank 0
-SGLANG_DP_RANK_SELECTION: Final = (0, 5, 16)
+from kvobserve.engines import PROFILES, profile
+from kvobserve.engines.profile import RankLayout
 
 
-def _check_engine(engine: str) -> None:
-    if engine not in ENGINES:
-        raise ValueError(f"engine={engine!r}: must be one of {', '.join(ENGINES)}")
+def rank_layout(engine: str) -> RankLayout:
+    """The rank layout of `engine`; ValueError for an engine without one (or unknown)."""
+    layout = profile(engine).layout
+    if layout is None:
+        known = ", ".join(n for n, p in PROFILES.items() if p.layout is not None)
+        raise ValueError(f"engine={engine!r}: must be one of {known}")
+    return layout
 
 
 def _check_int(name: str, value: int, minimum: int) -> None:
@@ -49,21 +51,27 @@ def watched_ranks(
     engine: str, dp_attention: bool, node_rank: int, nnodes: int, dp_size: int
 ) -> range:
     """The DP ranks whose KV-event streams this node's collector watches."""
-    # Pure-DP SGLang (no DP attention) runs every rank's scheduler on the leader node: node 0
-    # watches all, the others none. DP-attention SGLang and vLLM split the ranks contiguously
-    # over the nodes.
-    _check_engine(engine)
+    # Pure DP where the engine runs every rank's scheduler on the leader node (SGLang without
+    # attention DP): node 0 watches all, the others none. Otherwise the ranks are split
+    # contiguously over the nodes.
+    split = splits_ranks(engine, dp_attention)
     ranks = owned_ranks(node_rank, nnodes, dp_size)  # validates the numbers
-    if engine == "sglang" and not dp_attention:
+    if not split:
         return range(dp_size) if node_rank == 0 else range(0)
     return ranks
 
 
+def splits_ranks(engine: str, dp_attention: bool) -> bool:
+    """Whether the engine splits its ranks over the nodes (else all run on the leader)."""
+    return not (rank_layout(engine).pure_dp_on_leader and not dp_attention)
+
+
 def offset_endpoint(endpoint: str, rank: int, engine: str) -> str:
     """The endpoint DP rank `rank` publishes on (the engines' `offset_endpoint_port`)."""
-    # rank 0 or empty: unchanged; tcp: port + rank (IPv6 [..] hosts work; vLLM leaves port 0, an
-    # OS-chosen port, alone); inproc: name_dp{rank}; anything else (ipc too) raises, as both do
-    _check_engine(engine)
+    # rank 0 or empty: unchanged; tcp: port + rank (IPv6 [..] hosts work; some engines, vLLM,
+    # leave port 0, an OS-chosen port, alone); inproc: name_dp{rank}; anything else (ipc too)
+    # raises, as the engines do
+    layout = rank_layout(engine)
     _check_int("rank", rank, 0)
     if rank == 0 or not endpoint:
         return endpoint
@@ -77,7 +85,7 @@ def offset_endpoint(endpoint: str, rank: int, engine: str) -> str:
     if not sep or host == "tcp" or not port_text.isdigit():
         raise ValueError(f"endpoint={endpoint!r}: no port after the last ':'")
     port = int(port_text)
-    if port == 0 and engine == "vllm":
+    if port == 0 and layout.keeps_port_zero:
         return endpoint
     if port + rank > 65535:
         raise ValueError(f"endpoint={endpoint!r}: port {port} + dp rank {rank} exceeds 65535")
@@ -92,13 +100,14 @@ def publisher_rank(
     dp_rank: int | None,
 ) -> int:
     """The rank whose port (and batch rank field) a scheduler publishes KV events on."""
-    # vLLM: its DP rank. SGLang >= 0.5.16 (select_kv_publisher_dp_rank): attn_dp_rank under DP
-    # attention, else dp_rank (0 when unset). Older SGLang always used attn_dp_rank, which is 0
-    # on every scheduler under pure DP: all ranks collide on the base port (PR #29211).
-    _check_engine(engine)
-    if engine == "vllm":
+    # An engine without attention DP (vLLM): its DP rank. With it (SGLang): attn_dp_rank under
+    # attention DP, else dp_rank (0 when unset) from `dp_rank_selection` on; before it, always
+    # attn_dp_rank, which is 0 on every scheduler under pure DP: all ranks collide on the base
+    # port (SGLang before 0.5.16).
+    layout = rank_layout(engine)
+    if not layout.dp_attention:
         return dp_rank or 0
-    if dp_attention or tuple(version_tuple) < SGLANG_DP_RANK_SELECTION:
+    if dp_attention or tuple(version_tuple) < layout.dp_rank_selection:
         return attn_dp_rank
     return dp_rank or 0
 

@@ -12,7 +12,7 @@ import json
 import sys
 from typing import Any
 
-from kvobserve.analysis.layout import ranged
+from kvobserve.analysis.layout import ranged, rank_layout
 from kvobserve.commands.check_probe import Found, probe_all
 from kvobserve.commands.common import fail, load
 from kvobserve.config import (
@@ -23,6 +23,7 @@ from kvobserve.config import (
     WorkerConfig,
     add_config_flags,
 )
+from kvobserve.engines import profile
 from kvobserve.sources.discovery import DiscoveredEngine, DiscoveryError, discover_urls
 from kvobserve.sources.dynamo_plan import DynamoPlan, plan_dynamo
 from kvobserve.sources.kubernetes import PodWatch
@@ -52,7 +53,7 @@ async def _discover_all(
     cfg: Config, timeout_s: float
 ) -> tuple[dict[str, DiscoveredEngine], dict[str, DiscoveryError]]:
     """Discovery for every worker with a url, concurrently: (found, failed) by worker id."""
-    todo = [w for w in cfg.workers if w.urls and w.engine != "dynamo"]
+    todo = [w for w in cfg.workers if w.urls and profile(w.engine).discovery]
     got = await asyncio.gather(
         *(discover_urls(w.urls, w.engine, timeout_s=timeout_s) for w in todo),
         return_exceptions=True,
@@ -229,7 +230,7 @@ def dynamo_json(p: DynamoPlan) -> dict[str, Any]:
     w = p.worker
     return {
         "worker_id": w.id,
-        "engine": "dynamo",
+        "engine": w.engine,
         "event_plane": p.event_plane,
         "url": p.shown,
         "namespace": w.namespace,
@@ -245,7 +246,7 @@ def dynamo_json(p: DynamoPlan) -> dict[str, Any]:
 
 
 def _print_dynamo(p: dict[str, Any]) -> None:
-    print(f"\nworker {p['worker_id']} (dynamo, {p['event_plane']} event plane {p['url']})")
+    print(f"\nworker {p['worker_id']} ({p['engine']}, {p['event_plane']} event plane {p['url']})")
     for note in p["notes"]:
         print(f"  note: {note}")
     for what in ("subjects", "endpoints"):
@@ -314,7 +315,7 @@ def _print_text(cfg: Config, plans: list[dict[str, Any]], listens: dict[str, str
     nats = cfg.nats.url if cfg.nats else "embedded"
     print(f"http {listen} ({command}{also})  nats {nats}")
     for p in plans:
-        if p["engine"] == "dynamo":
+        if "event_plane" in p:
             _print_dynamo(p)
             continue
         if "kubernetes" in p:
@@ -322,7 +323,8 @@ def _print_text(cfg: Config, plans: list[dict[str, Any]], listens: dict[str, str
             continue
         src = f"  discovered from {p['discovered_from']}" if p["discovered_from"] else ""
         lead = "leader" if p["leader"] else "not leader"
-        attn = ", DP attention" if p["dp_attention"] and p["engine"] == "sglang" else ""
+        shown = p["dp_attention"] and rank_layout(p["engine"]).dp_attention
+        attn = ", DP attention" if shown else ""
         print(
             f"\nworker {p['worker_id']} ({p['engine']}, dp_size {p['dp_size'] or '?'}{attn},"
             f" {lead}){src}"
@@ -372,7 +374,7 @@ def run(args: argparse.Namespace) -> int:
         plans: list[dict[str, Any]] = []
         sglang_vllm: list[tuple[dict[str, Any], WorkerPlan]] = []
         for i, w in enumerate(cfg.workers):
-            if w.engine == "dynamo":
+            if profile(w.engine).event_plane:
                 plans.append(dynamo_json(plan_dynamo(i, w, node)))
                 continue
             if w.kubernetes is not None:  # the selector, then a plan per streaming pod

@@ -1,4 +1,5 @@
-"""Checks of a `[[worker]]` with `engine = "dynamo"`: Dynamo's KV event plane as the source."""
+"""Checks of a `[[worker]]` whose engine's events come from an event plane (its profile's
+`event_plane`: `engine = "dynamo"`, Dynamo's KV event plane as the source)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from kvobserve.config.values import (
     check_url,
     check_zmq_endpoint,
 )
+from kvobserve.engines import PROFILES, profile
 
 EVENT_PLANES = ("nats", "zmq")
 KEEP_RANKS = ("all", "node")
@@ -41,22 +43,27 @@ ENGINE_STREAM_KEYS = (
 
 def reject_dynamo_keys(where: str, w: dict[str, Any], engine: str) -> None:
     """An SGLang/vLLM worker naming a Dynamo-only key is an error that says so."""
+    planes = " or ".join(repr(n) for n, p in PROFILES.items() if p.event_plane)
     for key in sorted(DYNAMO_KEYS & w.keys()):
-        raise ConfigError(f"{where}.{key}: only for engine = 'dynamo' (this worker is {engine!r})")
+        raise ConfigError(f"{where}.{key}: only for engine = {planes} (this worker is {engine!r})")
 
 
-def default_id(namespace: str | None) -> str:
-    """The config id of a Dynamo plane when none is given; its streams are `{id}/{worker_id}`."""
-    return f"dynamo-{namespace}" if namespace and namespace != "dynamo" else "dynamo"
+def default_id(engine: str, namespace: str | None) -> str:
+    """The config id of an event plane when none is given (`dynamo`, or `dynamo-<namespace>`
+    for another than Dynamo's default namespace); its streams are `{id}/{worker_id}`."""
+    if not namespace or namespace == profile(engine).default_namespace:
+        return engine
+    return f"{engine}-{namespace}"
 
 
 def build_dynamo_worker(where: str, w: dict[str, Any], node_rank: int) -> WorkerConfig:
     """Validate one Dynamo `[[worker]]` table; every error names the field and the value."""
+    p = profile(w["engine"])
     for key in ENGINE_STREAM_KEYS:
         if key in w:
             raise ConfigError(
-                f"{where}.{key}: does not apply to engine = 'dynamo' (got {w[key]!r}); "
-                "Dynamo workers are found on the event plane"
+                f"{where}.{key}: does not apply to engine = {p.name!r} (got {w[key]!r}); "
+                f"{p.title} workers are found on the event plane"
             )
     plane = check_choice(w.get("event_plane", "nats"), EVENT_PLANES, f"{where}.event_plane")
     if plane == "nats":
@@ -97,7 +104,7 @@ def build_dynamo_worker(where: str, w: dict[str, Any], node_rank: int) -> Worker
         check_url(w["indexer_url"], f"{where}.indexer_url")
     if "zmq_endpoints" in w:
         w["zmq_endpoints"] = tuple(w["zmq_endpoints"])
-    w.setdefault("id", default_id(ns))
+    w.setdefault("id", default_id(p.name, ns))
     w.setdefault("dp_size", None)  # learnt from the events unless given
     cfg = WorkerConfig(**{"leader": node_rank == 0, **w})
     if cfg.dp_size is not None:

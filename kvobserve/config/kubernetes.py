@@ -14,6 +14,7 @@ from typing import Any
 from kvobserve.config.dynamo import ENGINE_STREAM_KEYS, reject_dynamo_keys
 from kvobserve.config.model import ConfigError, KubernetesConfig, WorkerConfig
 from kvobserve.config.values import at_least
+from kvobserve.engines import PROFILES
 
 EXTRA = "pip install 'kvobserve[kubernetes]'"
 # Engine keys a pod worker does not take: the pods' addresses and the table's ports replace them
@@ -128,9 +129,11 @@ def build_kubernetes(where: str, k: dict[str, Any], dp_size: int) -> KubernetesC
 def build_kubernetes_worker(where: str, w: dict[str, Any], node_rank: int) -> WorkerConfig:
     """Validate one `[[worker]]` with a `[worker.kubernetes]` table; errors name the field."""
     engine = w.get("engine")
-    if engine not in ("sglang", "vllm"):
+    pods = [n for n, p in PROFILES.items() if p.pods]
+    if engine not in pods:
         raise ConfigError(
-            f"{where}.engine: must be 'sglang' or 'vllm' with [worker.kubernetes], got {engine!r}"
+            f"{where}.engine: must be {' or '.join(map(repr, pods))} with [worker.kubernetes], "
+            f"got {engine!r}"
         )
     reject_dynamo_keys(where, w, engine)
     for key in POD_REPLACED_KEYS:

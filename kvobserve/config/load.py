@@ -42,8 +42,7 @@ from kvobserve.config.values import (
     did_you_mean,
     split_host_port,
 )
-
-ENGINES = ("sglang", "vllm", "dynamo")  # [[worker]] engine
+from kvobserve.engines import NAMES, PROFILES, profile, titles
 
 # Settings whose flag is not --<key-with-dashes> (--nats-<key> in [nats]); None: file/env only.
 # Several spellings: the first is shown in --help, the others are accepted too.
@@ -243,17 +242,18 @@ def _build_worker(i: int, w: dict[str, Any], node_rank: int) -> WorkerConfig:
     where = f"worker[{i}]"
     if "kubernetes" in w:  # pods found by a label selector (its own engine check)
         return build_kubernetes_worker(where, w, node_rank)
-    engine = check_choice(w.get("engine"), ENGINES, f"{where}.engine")
-    if engine == "dynamo":
+    engine = check_choice(w.get("engine"), NAMES, f"{where}.engine")
+    if profile(engine).event_plane:  # its workers are found on the event plane
         return build_dynamo_worker(where, w, node_rank)
     reject_dynamo_keys(where, w, engine)
     urls = [u.strip() for u in str(w.get("url", "")).split(",")]
     if "url" in w:
         for u in urls:
             check_url(u, f"{where}.url")
-        if len(urls) > 1 and engine != "vllm":
+        if len(urls) > 1 and not profile(engine).several_urls:
+            several = titles([n for n, p in PROFILES.items() if p.several_urls])
             raise ConfigError(
-                f"{where}.url: {len(urls)} URLs for {engine}; several URLs are for vLLM API "
+                f"{where}.url: {len(urls)} URLs for {engine}; several URLs are for {several} API "
                 "servers that each list their own ranks"
             )
         w["url"] = ",".join(urls)

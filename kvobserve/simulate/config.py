@@ -6,8 +6,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvobserve.simulate.encoders import FORMATS, WireFormat, get_format
+from kvobserve.simulate import engines
+from kvobserve.simulate.encoders import FORMATS, get_format
+from kvobserve.simulate.engines.base import SimEngine
 from kvobserve.simulate.faults import FaultConfig, faults_from_dict
+from kvobserve.simulate.wire_format import WireFormat
 
 INDEXER_MODES = ("faithful", "lag", "lose_removals", "miss_worker")
 DP_LB_MODES = ("internal", "hybrid")
@@ -78,6 +81,11 @@ class SimConfig:
         """The wire format object."""
         return get_format(self.format)
 
+    @property
+    def engine(self) -> SimEngine:
+        """The engine the format belongs to (its simulator profile)."""
+        return engines.engine(self.wire.engine)
+
     def validate(self) -> SimConfig:
         """Self, or ValueError naming the field and the bad value."""
         if self.format not in FORMATS:
@@ -116,15 +124,17 @@ class SimConfig:
                 f"cpu_tier_tokens: format {self.format} has no medium field to name a CPU tier"
             )
         if self.load_port is not None and not self.has_load_pub:
+            first = next((f for f in FORMATS.values() if f.load_pub), None)
+            since = f"{engines.titles([first.engine])} >= {first.release}" if first else "none"
+            raise ValueError(f"load_port: format {self.format} has no load publisher ({since})")
+        if self.kv_metrics_endpoint is not None and not self.engine.kv_metrics:
+            only = engines.titles([n for n, e in engines.ENGINES.items() if e.kv_metrics])
             raise ValueError(
-                f"load_port: format {self.format} has no load publisher (SGLang >= 0.5.19)"
+                f"kv_metrics_endpoint: format {self.format} has no KvMetrics ({only} only)"
             )
-        if self.kv_metrics_endpoint is not None and self.wire.engine != "sglang":
-            raise ValueError(
-                f"kv_metrics_endpoint: format {self.format} has no KvMetrics (SGLang only)"
-            )
-        if self.grpc_port is not None and self.wire.engine != "sglang":
-            raise ValueError(f"grpc_port: format {self.format} has no gRPC mode (SGLang only)")
+        if self.grpc_port is not None and not self.engine.grpc:
+            only = engines.titles([n for n, e in engines.ENGINES.items() if e.grpc])
+            raise ValueError(f"grpc_port: format {self.format} has no gRPC mode ({only} only)")
         if self.dp_lb not in DP_LB_MODES:
             raise ValueError(f"dp_lb: {self.dp_lb!r} is not internal or hybrid")
         if self.node_hosts and len(self.node_hosts) != self.nnodes:
@@ -156,14 +166,12 @@ class SimConfig:
 
     @property
     def has_load_pub(self) -> bool:
-        """SGLang >= 0.5.19 has the opt-in `load` PUB."""
-        w = self.wire
-        return w.engine == "sglang" and w.version >= (5, 19)
+        """The format has the opt-in `load` PUB (SGLang >= 0.5.19)."""
+        return self.wire.load_pub
 
     def hosted_ranks(self) -> list[int]:
         """The DP ranks whose publishers run on this node."""
-        w = self.wire
-        if w.engine == "sglang" and not self.dp_attention:
+        if self.engine.pure_dp_on_leader and not self.dp_attention:
             # pure DP: the DP controller and every rank's publisher live on the leader node
             return list(range(self.dp_size)) if self.node_rank == 0 else []
         per, extra = divmod(self.dp_size, self.nnodes)
@@ -175,7 +183,7 @@ class SimConfig:
         """This node's HTTP server: "api", "stub" (SGLang's dummy server) or None (no HTTP)."""
         if self.http_port is None:
             return None
-        if self.wire.engine == "sglang":
+        if self.engine.followers == "stub":  # SGLang: nodes >= 1 serve the dummy server
             return "api" if self.node_rank == 0 else "stub"
         # vLLM with internal LB: nodes >= 1 run --headless, without an API server
         return "api" if self.node_rank == 0 or self.dp_lb == "hybrid" else None
@@ -186,8 +194,7 @@ class SimConfig:
 
     def port_offset(self, rank: int) -> int:
         """The engine's port offset for a rank (SGLang < 0.5.16 pure DP offsets every rank by 0)."""
-        w = self.wire
-        if w.engine == "sglang" and not self.dp_attention and w.version < (5, 16):
+        if self.wire.pure_dp_one_port and not self.dp_attention:
             return 0  # attn_dp_rank is 0 on every scheduler: ranks >= 1 fail to bind
         return rank
 

@@ -1,33 +1,26 @@
 """What a simulated engine's HTTP discovery endpoints return, exactly as each version serves them.
 
 Pure functions of a worker's configuration and bound ports (facts from the engines' code: SGLang
-`entrypoints/http_server.py` and `utils/common.py`, vLLM's API server; see docs/simulator.md):
+`entrypoints/http_server.py` and `utils/common.py`, vLLM's API server; see docs/simulator.md),
+one per discovery route (`ANSWERS`; the routes a version serves are its format's `api_routes`):
 SGLang `GET /server_info` (flat server args, the `kv_events` block from 0.5.13, the 0.5.22
-attention-DP `dp_size` rewrite, `kv_event_sources` only in gRPC mode) and vLLM
-`GET /kv_event_sources` (from 0.31; configured endpoints per managed rank, wildcards kept).
+attention-DP `dp_size` rewrite, `kv_event_sources` only in gRPC mode: the parts a version has are
+its format's `server_info`) and vLLM `GET /kv_event_sources` (from 0.31; configured endpoints per
+managed rank, wildcards kept).
 """
 
 from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvobserve.simulate.worker import SimulatedWorker
 
-SGLANG_VERSIONS = {
-    (0, 4): "0.4.7", (5, 12): "0.5.12", (5, 19): "0.5.19", (5, 22): "0.5.22", (5, 23): "0.5.23",
-}  # fmt: skip
-VLLM_VERSIONS = {(10, 0): "0.10.0", (23, 0): "0.23.0", (33, 0): "0.33.0"}
 WILDCARD = "*"  # every simulated engine is launched with the engines' default `tcp://*:port`
 _WILDCARD_BINDS = {"*": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}
-
-
-def engine_version(w: SimulatedWorker) -> str:
-    """The engine version string the format stands for."""
-    table = SGLANG_VERSIONS if w.fmt.engine == "sglang" else VLLM_VERSIONS
-    return table[w.fmt.version]
 
 
 def kv_events_config(w: SimulatedWorker) -> dict[str, Any]:
@@ -60,9 +53,9 @@ def _launch_command(w: SimulatedWorker, raw_config: str) -> str:
 
 def server_info(w: SimulatedWorker) -> dict[str, Any]:
     """SGLang `GET /server_info` (`/get_server_info`) of node 0, as this version builds it."""
-    c, v = w.cfg, w.fmt.version
+    c, parts = w.cfg, w.fmt.server_info
     raw = json.dumps(kv_events_config(w))
-    if v >= (5, 22):
+    if "attn_dp_size" in parts:
         # --dp-size N --enable-dp-attention resolves to attn_dp_size=N, dp_size=1 (sglang #41818)
         attn_dp = c.dp_size if c.dp_attention else 1
         dp = 1 if c.dp_attention else c.dp_size
@@ -88,22 +81,22 @@ def server_info(w: SimulatedWorker) -> dict[str, Any]:
         "enable_metrics": True,
         "max_total_num_tokens": c.capacity_tokens,
         "max_running_requests": c.max_running_requests,
-        "version": engine_version(w),
+        "version": w.fmt.release,
     }
-    if v >= (5, 21):  # resolved_dict() replaced asdict()
+    if "launch_command" in parts:  # resolved_dict() replaced asdict()
         info["launch_command"] = _launch_command(w, raw)
         info["frontend"] = "python"
-    if v >= (5, 22):
+    if "grpc" in parts:
         info["grpc_port"] = c.grpc_port
         if c.grpc_port is not None:
             info["kv_event_sources"] = _sglang_sources(w)
-    if v >= (5, 13):
+    if "kv_events" in parts:
         info["kv_events"] = _kv_events_block(w)
     return info
 
 
 def _kv_events_block(w: SimulatedWorker) -> dict[str, Any]:
-    c, v = w.cfg, w.fmt.version
+    c, parts = w.cfg, w.fmt.server_info
     block: dict[str, Any] = {
         "publisher": "zmq",
         "endpoint_host": WILDCARD,  # as launched; a subscriber substitutes the worker's host
@@ -112,10 +105,10 @@ def _kv_events_block(w: SimulatedWorker) -> dict[str, Any]:
         "block_size": c.page_size,
         "dp_size": c.dp_size,  # 0.5.22+: num_dp_ranks = dp_size * attn_dp_size; before: dp_size
     }
-    if w.load_base is not None and v >= (5, 19):
+    if w.load_base is not None and "load_endpoint" in parts:
         block["load_endpoint_port_base"] = w.load_base
         block["load_topic"] = "load"
-    if v >= (5, 22) and w.replay_base is not None:
+    if "replay_base" in parts and w.replay_base is not None:
         block["replay_endpoint_port_base"] = w.replay_base
     return block
 
@@ -163,3 +156,11 @@ def kv_event_sources(w: SimulatedWorker) -> dict[str, Any]:
             "topic": c.topic,
         }
     return out
+
+
+# The answer of each discovery route a simulated engine serves.
+ANSWERS: dict[str, Callable[[SimulatedWorker], dict[str, Any]]] = {
+    "/server_info": server_info,
+    "/get_server_info": server_info,  # the name before SGLang 0.5 deprecated it
+    "/kv_event_sources": kv_event_sources,
+}

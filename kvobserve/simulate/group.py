@@ -70,7 +70,8 @@ def nodes_of(cfg: SimConfig, hosts: Sequence[str] | None = None) -> list[SimConf
 
     kv = resolve(cfg.kv_port) if cfg.kv_connect is None else 0  # connecting PUBs: no port
     replay, load = resolve(cfg.replay_port), resolve(cfg.load_port)
-    follower_http = cfg.follower_http if cfg.wire.engine == "sglang" else cfg.dp_lb == "hybrid"
+    stub = cfg.engine.followers == "stub"  # else an API server per node with hybrid LB
+    follower_http = cfg.follower_http if stub else cfg.dp_lb == "hybrid"
     return [
         dataclasses.replace(
             cfg,

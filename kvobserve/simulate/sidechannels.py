@@ -8,6 +8,7 @@ import msgspec
 import zmq
 from msgspec import Struct
 
+from kvobserve.simulate.engines.sglang import LOAD_STAT_FULL
 from kvobserve.simulate.stream import PREFILL_US_PER_TOKEN
 
 if TYPE_CHECKING:
@@ -81,7 +82,7 @@ def load_stat_for(
     prefill_busy_us_total: int,
 ) -> LoadStat | LoadStat19:
     """The LoadStat of this SGLang version for one rank's current state."""
-    if version < (5, 20):
+    if version < LOAD_STAT_FULL:
         return LoadStat19(running, waiting, used_tokens, capacity_tokens, rank)
     return LoadStat(
         running,

@@ -13,9 +13,10 @@ from collections import deque
 from typing import Any
 
 from kvobserve.simulate.cache import Hash, Page, PrefixCache, PromptLibrary, paginate
-from kvobserve.simulate.encoders import WireFormat, encode_batch
+from kvobserve.simulate.encoders import encode_batch
 from kvobserve.simulate.faults import MALFORMED_PAYLOADS, Action, FaultConfig, FaultPlan
 from kvobserve.simulate.ledger import CpuTier, Ledger
+from kvobserve.simulate.wire_format import WireFormat
 
 _POOL_SIZE = 1 << 16
 PREFILL_US_PER_TOKEN = 5  # made-up prefill cost for LoadStat's busy counter
@@ -72,7 +73,7 @@ class SimStream:
         self.gpu = self._medium or "GPU"  # the medium's name in the truth (None on the wire: GPU)
         # the host tier (off by default, so existing formats keep their bytes)
         self.cpu = CpuTier(cpu_tier_tokens) if cpu_tier_tokens else None
-        self.cpu_medium = "CPU_PINNED" if fmt.engine == "sglang" else "CPU"
+        self.cpu_medium = fmt.cpu_medium
         self._page_tokens: dict[Hash, int] = {}  # GPU pages' token counts (CPU tier only)
         self.ledger = Ledger()
         self.peers: list[SimStream] = []  # the node's other ranks (recompute-elsewhere truth)

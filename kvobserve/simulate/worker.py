@@ -384,6 +384,12 @@ class SimulatedWorker:
         with self._lock:
             return build_truth(self)
 
+    def resume(self) -> None:
+        """End every rank's stall now (a test holds a long stall until its observer joined)."""
+        with self._lock:
+            for st in self.ranks:
+                st.paused_until = 0.0
+
     def stop(self, timeout: float = 2.0) -> None:
         """Stop publishing, write the truth file, close every socket with linger 0; idempotent."""
         if self._ctx is None:

@@ -15,6 +15,7 @@ from kvobserve.analysis.analytics import TOP_MEDIA, AnalyticsOptions, CacheAnaly
 from kvobserve.analysis.blocks import BlockIndex, LifetimeHistogram
 from kvobserve.analysis.placement import local_placement
 from kvobserve.analysis.sequence import StreamSequencer
+from kvobserve.engines import profile
 from kvobserve.wire.kv_events import BlockHash
 from kvobserve.wire.snapshot import Histogram, HotBlock, StreamStats, WorkerPlacement
 
@@ -117,7 +118,7 @@ class Placements:
                 worker_id,
                 {r: top_tier(s.index) for r, _, s in ranks},
                 k=self.options.sketch_k,
-                signed=ranks[0][1] == "sglang",
+                signed=profile(ranks[0][1]).signed_hashes,
                 sketch=worker_id not in whole,
                 now=now,
                 recomputed_elsewhere=recomputed,

@@ -1,9 +1,10 @@
-"""Find an engine's KV-event streams over HTTP: SGLang `GET /server_info`, vLLM `GET /kv_event_sources`.
+"""Find an engine's KV-event streams over HTTP: the routes of its profile's `Discovery` (SGLang
+`GET /server_info`, vLLM `GET /kv_event_sources`).
 
 Every node asks node 0's URL (vLLM: every API server given). Advertised hosts are kept as the
 engine's own: a wildcard or loopback host is `*`, "the node that owns the rank", which each
-collector reaches at its own `[collector] host` (sources/plan.py). Parsing per engine version is in
-discovery_parse.py.
+collector reaches at its own `[collector] host` (sources/plan.py). Parsing per route and engine
+version is in discovery_parse.py.
 """
 
 from __future__ import annotations
@@ -17,14 +18,17 @@ from typing import Any
 
 import aiohttp
 
+from kvobserve.engines import profile
+from kvobserve.engines.profile import Discovery
 from kvobserve.sources.discovery_parse import (
+    PARSERS,
     DiscoveredEngine,
     DiscoveredSource,
     DiscoveryError,
+    block_sizes,
     merge,
     parse_sglang_server_info,
     parse_vllm_kv_event_sources,
-    vllm_block_sizes,
     with_block_sizes,
 )
 from kvobserve.sources.periodic import PeriodicPoll, connect_reason, http_failure_reason
@@ -39,11 +43,6 @@ __all__ = [
     "parse_sglang_server_info",
     "parse_vllm_kv_event_sources",
 ]
-NO_ROUTE_VLLM = (
-    "vLLM before 0.31 has no /kv_event_sources; give kv_endpoint, replay_endpoint and dp_size "
-    "in the [[worker]] table by hand"
-)
-
 log = logging.getLogger(__name__)
 
 
@@ -73,15 +72,26 @@ async def _get_json(session: aiohttp.ClientSession, url: str, timeout_s: float) 
         raise DiscoveryError(url, "body", f"not JSON ({exc})") from None
 
 
-async def _vllm_block_sizes(
-    s: aiohttp.ClientSession, base: str, timeout_s: float
+async def _block_sizes(
+    s: aiohttp.ClientSession, base: str, engine: str, timeout_s: float
 ) -> dict[int, int]:
-    """Block size per engine from the API server's /metrics; {} when it does not answer."""
+    """Block size per rank from the server's /metrics; {} when it does not answer."""
+    p = profile(engine)
     try:
-        _, text = await _get_text(s, base + "/metrics", timeout_s)
+        _, text = await _get_text(s, base + p.metrics_path, timeout_s)
     except DiscoveryError:
         return {}
-    return vllm_block_sizes(text) if text is not None else {}
+    m = p.metrics
+    if text is None or m is None or not m.cache_info:
+        return {}
+    return block_sizes(text, m.cache_info, m.rank_label)
+
+
+def _discovery(engine: str) -> Discovery:
+    d = profile(engine).discovery
+    if d is None:
+        raise ValueError(f"engine={engine!r}: has no HTTP discovery")
+    return d
 
 
 async def discover(
@@ -89,23 +99,23 @@ async def discover(
 ) -> DiscoveredEngine:
     """Ask the engine at `url` (its HTTP server) where its KV-event publishers are."""
     base = url.rstrip("/")
-    paths = ["/server_info", "/get_server_info"] if engine == "sglang" else ["/kv_event_sources"]
+    d = _discovery(engine)
     own = session is None
     s = session or aiohttp.ClientSession()
     try:
-        for path in paths:  # /get_server_info: the name before SGLang deprecated it
+        for path in d.routes:  # the next route only when this one is not there (404)
             status, body = await _get_json(s, base + path, timeout_s)
             if status == 200:
-                if engine == "sglang":
-                    return parse_sglang_server_info(base + path, body)
-                found = parse_vllm_kv_event_sources(base + path, body)
-                return with_block_sizes(found, await _vllm_block_sizes(s, base, timeout_s))
+                found = PARSERS[path](base + path, body)
+                if not d.block_sizes:
+                    return found
+                return with_block_sizes(found, await _block_sizes(s, base, engine, timeout_s))
             if status != 404:
                 break
-        tried = " and ".join(paths[: paths.index(path) + 1])
+        tried = " and ".join(d.routes[: d.routes.index(path) + 1])
         detail = f"HTTP {status} on {tried}"
-        if engine == "vllm" and status == 404:
-            detail += f": {NO_ROUTE_VLLM}"
+        if d.missing and status == 404:
+            detail += f": {d.missing}"
         raise DiscoveryError(base, "status", detail)
     finally:
         if own:

@@ -1,5 +1,6 @@
-"""What engines advertise about their KV-event publishers, parsed per version (no I/O).
+"""What engines advertise about their KV-event publishers, parsed per route and version (no I/O).
 
+`PARSERS` holds the parser of each discovery route an engine profile names (kvobserve/engines/).
 SGLang `GET /server_info`: per-rank `kv_event_sources` (gRPC mode, 0.5.22+), else the `kv_events`
 port bases (0.5.13+), else the raw `--kv-events-config` JSON string with the port rule of its
 era. vLLM `GET /kv_event_sources` (0.31+): `{dp_rank: KVEventsConfig}` for the ranks one API
@@ -10,19 +11,21 @@ or loopback host becomes `*`, "the node that owns the rank" (analysis/layout.py 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvobserve.analysis.layout import (
-    SGLANG_DP_RANK_SELECTION,
     endpoint_host,
     offset_endpoint,
     parse_version,
     publisher_rank,
+    rank_layout,
 )
 from kvobserve.config import WILDCARD_HOSTS
+from kvobserve.engines import profile
 
 
 class DiscoveryError(Exception):
@@ -147,7 +150,8 @@ def parse_sglang_server_info(url: str, body: Any) -> DiscoveredEngine:
         ehost = "*" if ehost.strip("[]") in WILDCARD_HOSTS or _is_loopback(ehost) else ehost
         topic = _get(kv, "topic", str, url, w, required=False) or ""
         block_size = _get(kv, "block_size", int, url, w, required=False)
-        ranks = _publishers(n, dp_attention, vt, notes, assume=(0, 5, 16))
+        # no version: one that publishes as its DP rank (the kv_events block is 0.5.13+)
+        ranks = _publishers(n, dp_attention, vt, notes, assume=_SELECTION)
         dp_size = max(dp_size, ranks)
         for r in range(ranks):
             if r not in by_rank:
@@ -167,9 +171,15 @@ def parse_sglang_server_info(url: str, body: Any) -> DiscoveredEngine:
         raise DiscoveryError(url, "kv_events.dp_size", f"must be >= 1, got {dp_size}")
     sources = tuple(by_rank[r] for r in sorted(by_rank))
     return DiscoveredEngine(
-        "sglang", url, dp_size, sources, block_size, load_base, load_topic, version,
+        _SGLANG, url, dp_size, sources, block_size, load_base, load_topic, version,
         dp_attention, nnodes, tuple(notes), _get(body, "node_rank", int, url, "", required=False),
     )  # fmt: skip
+
+
+_SGLANG = "sglang"
+_SELECTION = rank_layout(_SGLANG).dp_rank_selection
+_RAW_CONFIG_ERA = (0, 5, 12)  # the last SGLang whose /server_info has only the raw config string
+_DEFAULT_ENDPOINT = profile(_SGLANG).default_endpoint
 
 
 def _publishers(
@@ -181,11 +191,11 @@ def _publishers(
 ) -> int:
     """Publishers of `n` DP ranks: one under pure DP before SGLang 0.5.16 (all on rank 0's port)."""
     dpa = bool(dp_attention)  # rank 1's scheduler: attn_dp_rank 1 under attention DP, else 0
-    if n < 2 or publisher_rank("sglang", vt or assume, dpa, int(dpa), 1) != 0:
+    if n < 2 or publisher_rank(_SGLANG, vt or assume, dpa, int(dpa), 1) != 0:
         return n
     notes.append(
         f"SGLang {'.'.join(map(str, vt or assume))} pure DP: all {n} schedulers publish on rank "
-        f"0's port (before {'.'.join(map(str, SGLANG_DP_RANK_SELECTION))}); only one binds it"
+        f"0's port (before {'.'.join(map(str, _SELECTION))}); only one binds it"
     )
     return 1
 
@@ -217,20 +227,23 @@ def _from_raw_config(
     publisher = _get(cfg, "publisher", str, url, w, required=False) or "null"
     if publisher != "zmq":
         raise DiscoveryError(url, f"{w}publisher", f"{publisher!r}: no ZMQ publisher")
-    endpoint = _get(cfg, "endpoint", str, url, w, required=False) or "tcp://*:5557"
+    endpoint = _get(cfg, "endpoint", str, url, w, required=False) or _DEFAULT_ENDPOINT
     replay = _get(cfg, "replay_endpoint", str, url, w, required=False)
     topic = _get(cfg, "topic", str, url, w, required=False) or ""
     dp = _get(body, "dp_size", int, url, "", required=False) or 1
-    ranks = _publishers(dp * (attn or 1), dp_attention, vt, notes, assume=(0, 5, 12))
+    ranks = _publishers(dp * (attn or 1), dp_attention, vt, notes, assume=_RAW_CONFIG_ERA)
     out: dict[int, DiscoveredSource] = {}
     for r in range(ranks):
         try:
-            ep = advertised(offset_endpoint(endpoint, r, "sglang"))
-            rp = advertised(offset_endpoint(replay, r, "sglang")) if replay else None
+            ep = advertised(offset_endpoint(endpoint, r, _SGLANG))
+            rp = advertised(offset_endpoint(replay, r, _SGLANG)) if replay else None
         except ValueError as exc:
             raise DiscoveryError(url, f"{w}endpoint", str(exc)) from None
         out[r] = DiscoveredSource(r, ep, rp, topic, block_size)
     return out
+
+
+_VLLM = "vllm"
 
 
 def parse_vllm_kv_event_sources(url: str, body: Any) -> DiscoveredEngine:
@@ -261,18 +274,19 @@ def parse_vllm_kv_event_sources(url: str, body: Any) -> DiscoveredEngine:
     if not sources:
         raise DiscoveryError(url, "enable_kv_cache_events", "no DP rank publishes KV events")
     sources.sort(key=lambda s: s.dp_rank)
-    return DiscoveredEngine("vllm", url, sources[-1].dp_rank + 1, tuple(sources))
+    return DiscoveredEngine(_VLLM, url, sources[-1].dp_rank + 1, tuple(sources))
 
 
-def vllm_block_sizes(text: str) -> dict[int, int]:
-    """`vllm:cache_config_info{block_size, engine}` of an API server's /metrics: rank -> size."""
+def block_sizes(text: str, info: str, rank_label: str) -> dict[int, int]:
+    """The `block_size` label of family `info` per rank in a server's /metrics: rank -> size
+    (vLLM: `vllm:cache_config_info{block_size, engine}`)."""
     out: dict[int, int] = {}
     try:
         for fam in text_string_to_metric_families(text):
             for s in fam.samples:
-                if s.name != "vllm:cache_config_info":
+                if s.name != info:
                     continue
-                size, rank = s.labels.get("block_size", ""), s.labels.get("engine", "0")
+                size, rank = s.labels.get("block_size", ""), s.labels.get(rank_label, "0")
                 if size.isdigit() and rank.isdigit():
                     out[int(rank)] = int(size)
     except Exception:  # the parser raises several types; the block size is optional
@@ -281,7 +295,7 @@ def vllm_block_sizes(text: str) -> dict[int, int]:
 
 
 def with_block_sizes(found: DiscoveredEngine, sizes: dict[int, int]) -> DiscoveredEngine:
-    """vLLM sources with the block size each engine reports (none reported: unchanged)."""
+    """The sources with the block size each rank reports (none reported: unchanged)."""
     if not sizes:
         return found
     sources = tuple(
@@ -313,3 +327,11 @@ def merge(found: list[DiscoveredEngine]) -> DiscoveredEngine:
     block = sizes.pop() if len(sizes) == 1 else None
     sources = tuple(by_rank[r] for r in range(dp_size))
     return DiscoveredEngine(first.engine, urls, dp_size, sources, block)
+
+
+# The parser of each discovery route an engine profile names (`Discovery.routes`).
+PARSERS: dict[str, Callable[[str, Any], DiscoveredEngine]] = {
+    "/server_info": parse_sglang_server_info,
+    "/get_server_info": parse_sglang_server_info,  # the name before SGLang 0.5 deprecated it
+    "/kv_event_sources": parse_vllm_kv_event_sources,
+}

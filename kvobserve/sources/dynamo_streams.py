@@ -215,7 +215,7 @@ class DynamoTable:
         if len(self.streams) >= self.options.max_streams:
             self._refuse(key)
             return None
-        spec = StreamSpec(key[0], key[1], "dynamo", where, KV_EVENTS_TOPIC)
+        spec = StreamSpec(key[0], key[1], ps.plan.worker.engine, where, KV_EVENTS_TOPIC)
         st = self.streams[key] = DynamoStream(ps.plan, spec, dynamo_worker_id)
         if ps.plan.index in self.touching:
             st.touched = set()
@@ -307,11 +307,12 @@ class DynamoTable:
             )  # fmt: skip
         for label, seen in sorted(ranks.items()):
             plan = plan_of[label]
+            cfg = plan.worker
             owned = seen | set(plan.owned or ())
-            size = max(plan.worker.dp_size or 0, max(owned) + 1)
+            size = max(cfg.dp_size or 0, max(owned) + 1)
             out.workers.append(
-                WorkerInfo(label, "dynamo", size, sorted(owned), 0 in owned, plan.worker.capacity_tokens)
-            )  # fmt: skip
+                WorkerInfo(label, cfg.engine, size, sorted(owned), 0 in owned, cfg.capacity_tokens)
+            )
         for ps in self.planes:
             out.planes.append(
                 DynamoPlaneStats(

@@ -1,5 +1,6 @@
-"""The engine's Prometheus /metrics text: pick the scheduler values per DP rank, and pass the
-families through with `worker_id` and `node_rank` added (`--passthrough-engine-metrics`)."""
+"""The engine's Prometheus /metrics text: pick the scheduler values per DP rank by the names its
+profile declares (`SchedulerMetrics`), and pass the families through with `worker_id` and
+`node_rank` added (`--passthrough-engine-metrics`)."""
 
 from __future__ import annotations
 
@@ -9,22 +10,7 @@ from dataclasses import dataclass, field
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-# sample name -> SchedulerValues field
-SGLANG_NAMES = {
-    "sglang:num_running_reqs": "running_requests",
-    "sglang:num_queue_reqs": "queued_requests",
-    "sglang:token_usage": "token_usage_ratio",
-    "sglang:cache_hit_rate": "cache_hit_ratio",
-    "sglang:max_total_num_tokens": "max_total_tokens",
-}
-VLLM_NAMES = {
-    "vllm:num_requests_running": "running_requests",
-    "vllm:num_requests_waiting": "queued_requests",
-    "vllm:kv_cache_usage_perc": "token_usage_ratio",
-    "vllm:gpu_cache_usage_perc": "token_usage_ratio",  # the name before vLLM renamed it
-}
-RANK_LABEL = {"sglang": "dp_rank", "vllm": "engine"}  # vLLM labels its DP engines `engine`
-_PREFIX = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
+from kvobserve.engines import profile
 
 
 @dataclass(slots=True)
@@ -33,18 +19,21 @@ class EngineScrape:
 
     families: list[Metric]
     values: dict[int, dict[str, float]] = field(default_factory=dict)  # rank -> field -> value
-    prefix: dict[int, tuple[float, float]] = field(default_factory=dict)  # vLLM (hits, queries)
+    prefix: dict[int, tuple[float, float]] = field(default_factory=dict)  # (hits, queries)
     bad_rank_labels: int = 0
 
 
 def parse_engine_metrics(text: str, engine: str) -> EngineScrape:
     """Parse exposition text and map known names per DP rank; ValueError on malformed text."""
+    m = profile(engine).metrics
+    if m is None:
+        raise ValueError(f"engine={engine!r}: serves no scheduler metrics")
     try:
         families = list(text_string_to_metric_families(text))
     except Exception as exc:  # the parser raises ValueError, TypeError, IndexError ...
         raise ValueError(f"malformed /metrics text: {exc!r}") from None
     out = EngineScrape(families)
-    names, label = (SGLANG_NAMES if engine == "sglang" else VLLM_NAMES), RANK_LABEL[engine]
+    names, label, prefix_names = m.names, m.rank_label, m.prefix_counters
     prefix: dict[int, list[float]] = {}
     for fam in families:
         for s in fam.samples:
@@ -56,13 +45,13 @@ def parse_engine_metrics(text: str, engine: str) -> EngineScrape:
             key = names.get(s.name)
             if key is not None:
                 out.values.setdefault(rank, {}).setdefault(key, s.value)  # first sample wins
-            elif s.name == "vllm:cache_config_info":
+            elif s.name == m.cache_info:
                 blocks, size = s.labels.get("num_gpu_blocks", ""), s.labels.get("block_size", "")
                 if blocks.isdigit() and size.isdigit():
                     out.values.setdefault(rank, {})["max_total_tokens"] = int(blocks) * int(size)
-            elif s.name in _PREFIX:
+            elif s.name in prefix_names:
                 pair = prefix.setdefault(rank, [0.0, 0.0])
-                pair[_PREFIX.index(s.name)] += s.value
+                pair[prefix_names.index(s.name)] += s.value
     out.prefix = {r: (h, q) for r, (h, q) in prefix.items()}
     return out
 

@@ -23,11 +23,14 @@ from kvobserve.analysis.layout import (
     offset_endpoint,
     on_node,
     owned_ranks,
+    rank_layout,
+    splits_ranks,
     watched_ranks,
 )
 from kvobserve.config import WILDCARD_HOSTS, CollectorConfig, ConfigError, WorkerConfig
 from kvobserve.config.bind import TopicTemplate
 from kvobserve.config.kubernetes import pod_topic
+from kvobserve.engines import profile
 from kvobserve.sources.discovery_parse import DiscoveredEngine
 from kvobserve.wire.snapshot import WorkerInfo
 
@@ -180,11 +183,12 @@ def scheduler_specs(
     Per-rank channels (load, fpm) of this node's own `ranks` on every node, wildcard hosts at
     `host`; a `metrics_url` with a wildcard host is this node's own engine (every node); an
     explicit `metrics_url` and the KvMetrics PULL belong to the leader. Without `metrics_url`,
-    the engine's (first) `url` + /metrics is scraped by the leader: SGLang and vLLM serve their
-    Prometheus metrics on the same HTTP port as /server_info and /kv_event_sources.
+    the engine's (first) `url` + its profile's `metrics_path` is scraped by the leader: SGLang
+    and vLLM serve their Prometheus metrics on the same HTTP port as their discovery routes.
     """
     out: list[SchedulerSpec] = []
-    metrics_url = w.metrics_url or (f"{w.urls[0].rstrip('/')}/metrics" if w.urls else None)
+    path = profile(w.engine).metrics_path
+    metrics_url = w.metrics_url or (f"{w.urls[0].rstrip('/')}{path}" if w.urls else None)
     local = node_url(metrics_url, host) if metrics_url else None
     if metrics_url and local is None and leader:
         out.append(SchedulerSpec("metrics", (metrics_url,)))
@@ -206,7 +210,7 @@ def scheduler_specs(
 def _owners(engine: str, dp_attention: bool, nnodes: int, dp_size: int) -> tuple[int, ...]:
     """The node_rank that owns each rank (the layout rule); () while dp_size is unknown."""
     out = [0] * dp_size
-    if dp_size and (engine == "vllm" or dp_attention):
+    if dp_size and splits_ranks(engine, dp_attention):
         for k in range(nnodes):
             for r in owned_ranks(k, nnodes, dp_size):
                 out[r] = k
@@ -259,7 +263,7 @@ def layout_mismatches(
     attn, said = found.dp_attention, w.dp_attention
     # on one node every rank is there either way: only several nodes make it matter
     if (
-        w.engine == "sglang"
+        rank_layout(w.engine).dp_attention
         and None not in (attn, said)
         and attn != said
         and (n or node.nnodes) > 1
@@ -363,7 +367,7 @@ def plan_worker(
     dp_attention = w.dp_attention
     if dp_attention is None:
         dp_attention = bool(found and found.dp_attention)
-    split = w.engine == "vllm" or dp_attention
+    split = splits_ranks(w.engine, dp_attention)
     mismatches = layout_mismatches(w, node, found)
     notes += [*(found.notes if found else ()), *_layout_notes(w, node, mismatches, split)]
     by_rank = {s.dp_rank: s for s in found.sources} if found else {}

@@ -13,6 +13,8 @@ from typing import Any
 
 import msgspec
 
+from kvobserve.engines import PROFILES
+from kvobserve.engines.profile import opened
 from kvobserve.wire.errors import WireError
 from kvobserve.wire.kv_events import (
     MAIN_KV_CACHE_SPEC_KINDS,
@@ -23,36 +25,39 @@ from kvobserve.wire.kv_events import (
     hash_json,
 )
 
-# array form: field names by position after the tag (vLLM <= 0.23 is the longest layout; SGLang
-# 0.5.18/19 puts a {"cache_salt": ...} map where vLLM has lora_name)
+# Every field name of every version, from the engine profiles (kvobserve/engines/): per event,
+# the positions of the longest array layout, the maps that sit at an array position
+# (`{cache_salt}`: SGLang 0.5.18/19 puts one where vLLM has lora_name), and all names.
+_VERSIONS = [v for p in PROFILES.values() if not p.event_plane for v in p.versions]
 _ARRAY_FIELDS: dict[str, tuple[str, ...]] = {
-    "BlockStored": (
-        "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-        "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
-        "kv_cache_spec_sliding_window",
-    ),
-    "BlockRemoved": ("block_hashes", "medium", "group_idx"),
+    "BlockStored": max((v.stored for v in _VERSIONS if v.form == "array"), key=len),
+    "BlockRemoved": max((v.removed for v in _VERSIONS if v.form == "array"), key=len),
     "AllBlocksCleared": (),
-}  # fmt: skip
-_SGLANG_META_AT = 6  # index of that map in the BlockStored names above
+}
+_ARRAY_MAPS: dict[str, dict[int, tuple[str, ...]]] = {
+    tag: {
+        i: opened(name)
+        for v in _VERSIONS
+        if v.form == "array"
+        for i, name in enumerate(v.stored if tag == "BlockStored" else v.removed)
+        if name.startswith("{")
+    }
+    for tag in ("BlockStored", "BlockRemoved")
+}
 # printed always (null when absent), in this order: the fields `tap` printed before the view
 _CORE: dict[str, tuple[str, ...]] = {
     "BlockStored": ("block_hashes", "parent_block_hash", "block_size", "num_tokens", "medium"),
     "BlockRemoved": ("block_hashes", "medium"),
     "AllBlocksCleared": (),
 }
-# printed when set, in this order
-_OPTIONAL: dict[str, tuple[str, ...]] = {
-    "BlockStored": (
-        "lora_id", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
-        "kv_cache_spec_sliding_window", "cache_salt", "locality", "ownership", "session_id",
-        "lookahead_token_ids",
-    ),
-    "BlockRemoved": ("group_idx", "locality", "ownership"),
-    "AllBlocksCleared": (),
-}  # fmt: skip
 _KNOWN: dict[str, frozenset[str]] = {
-    tag: frozenset(_ARRAY_FIELDS[tag] + _OPTIONAL[tag]) for tag in _ARRAY_FIELDS
+    "BlockStored": frozenset(n for v in _VERSIONS for f in v.stored for n in opened(f)),
+    "BlockRemoved": frozenset(n for v in _VERSIONS for f in v.removed for n in opened(f)),
+    "AllBlocksCleared": frozenset(),
+}
+# printed when set, in wire order: every known field but the core ones and the token ids
+_OPTIONAL: dict[str, frozenset[str]] = {
+    tag: _KNOWN[tag] - {*_CORE[tag], "token_ids"} for tag in _KNOWN
 }
 
 
@@ -111,17 +116,19 @@ def to_json(v: Any) -> Any:
 def _named_fields(tag: str, values: list[Any]) -> tuple[dict[Any, Any], list[Any]]:
     """(fields by name, elements past the known positions) of an array-form event."""
     names = _ARRAY_FIELDS[tag]
-    fields: dict[Any, Any] = dict(zip(names, values, strict=False))
-    meta = fields.get("lora_name")
-    if tag != "BlockStored" or not isinstance(meta, dict):
-        return fields, values[len(names) :]
-    # SGLang 0.5.18/19: the positions end with the metadata map; no vLLM name applies after it
-    fields = dict(zip(names[:_SGLANG_META_AT], values, strict=False))
-    fields["cache_salt"] = meta.get("cache_salt")
-    other = {k: v for k, v in meta.items() if k != "cache_salt"}
-    if other:
-        fields["metadata"] = other  # not a known name: shown under unknown_fields
-    return fields, values[_SGLANG_META_AT + 1 :]
+    for at, inner in _ARRAY_MAPS.get(tag, {}).items():
+        meta = values[at] if at < len(values) else None
+        if not isinstance(meta, dict):
+            continue
+        # a version whose positions end with a map there (SGLang 0.5.18/19's metadata): no
+        # name of the longer layouts applies at or after it
+        fields: dict[Any, Any] = dict(zip(names[:at], values, strict=False))
+        fields.update((k, meta.get(k)) for k in inner)
+        other = {k: v for k, v in meta.items() if k not in inner}
+        if other:
+            fields["metadata"] = other  # not a known name: shown under unknown_fields
+        return fields, values[at + 1 :]
+    return dict(zip(names, values, strict=False)), values[len(names) :]
 
 
 def _in_main_group(tag: str, fields: dict[Any, Any]) -> bool:
@@ -164,9 +171,9 @@ def event_view(ev: list[Any] | dict[Any, Any], token_ids: bool = False) -> dict[
             out[name] = len(tokens) if isinstance(tokens, list) else 0
         else:
             out[name] = to_json(fields.get(name))
-    for name in _OPTIONAL[tag]:
-        if fields.get(name) is not None:
-            out[name] = to_json(fields[name])
+    for name, value in fields.items():
+        if name in _OPTIONAL[tag] and value is not None:
+            out[name] = to_json(value)
     if not _in_main_group(tag, fields):
         out["other_group"] = True
     if token_ids and tag == "BlockStored":

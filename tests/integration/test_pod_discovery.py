@@ -47,8 +47,8 @@ RS = "qwen-decode-7d4b9c6f5"
 IPS = {"2xkqp": "127.0.0.2", "8mz4t": "127.0.0.3", "q7w2n": "127.0.0.4", "zk9fd": "127.0.0.5"}
 SELECTOR = "llm-d.ai/inference-serving=true"
 MAX_BATCHES = 60
-BEFORE = 20  # batches per rank published before the pod shows, then a pause of PAUSE_S
-PAUSE_S = 2.0
+BEFORE = 20  # batches per rank published before the pod shows, then a pause ...
+PAUSE_S = 60.0  # ... that ends when the test has seen kvobserve join (SimulatedWorker.resume)
 FAST = {"backoff_s": (0.05, 0.5)}  # PodWatch options: retry quickly on loopback
 
 
@@ -99,9 +99,11 @@ def published(sim: SimulatedWorker) -> int:
 
 
 async def joined(col: Collector, sim: SimulatedWorker, want: Callable[[Snapshot], bool]) -> None:
-    """`want` holds while the engine still pauses: its streams joined it mid-stream."""
+    """`want` holds while the engine still pauses: its streams joined it mid-stream; then the
+    engine goes on."""
     await wait_snapshot(col, want, what=f"the streams of {sim.cfg.worker_id}")
     assert published(sim) == BEFORE, f"slow joiner: {sim.cfg.worker_id} went on before we joined"
+    sim.resume()
 
 
 def pods_streaming(snap: Snapshot) -> dict[str, list[tuple[int, str]]]:
