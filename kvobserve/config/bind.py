@@ -105,19 +105,38 @@ def fill_replay(template: str, pod: str) -> str:
 
 
 def bind_host_problem(endpoint: str) -> str | None:
-    """Why ZMQ cannot bind `endpoint` on any machine (a host name), or None. libzmq binds a
-    wildcard, an IP address or a network interface's name; a DNS name is taken for an interface
-    and fails with "No such device". Whether an address is this machine's shows when it binds."""
+    """Why this machine cannot bind `endpoint`, or None. libzmq binds a wildcard, a network
+    interface's name, or an address of this machine (a name is resolved); the engines' endpoint
+    names this machine from outside (`tcp://collector:5557`, a Service), which is often not
+    something it can bind. Whether an address is this machine's is asked by binding a throwaway
+    socket to it."""
     if not endpoint.startswith("tcp://"):
         return None
     host, port = split_host_port(endpoint[6:])
-    if is_wildcard(host) or _is_ip(host) or host in _interfaces():
+    if is_wildcard(host) or host in _interfaces():
         return None
+    fix = f"bind tcp://*:{port} (every address of this machine; the engines connect to its name)"
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
+        return f"{host!r} in {endpoint!r} does not resolve here, so it cannot be bound: {fix}"
+    if any(_local(info[0], str(info[4][0])) for info in infos):
+        return None
+    what = "is" if _is_ip(host) else f"is {', '.join(sorted({str(i[4][0]) for i in infos}))},"
     return (
-        f"{host!r} in {endpoint!r} is a host name, which cannot be bound: bind every address of "
-        f"this machine, tcp://*:{port} (the engines' endpoint names this host, "
-        f"tcp://{host}:{port}), or one of its IP addresses"
+        f"{host!r} in {endpoint!r} {what} not an address of this machine, so it cannot be "
+        f"bound: {fix}"
     )
+
+
+def _local(family: int, addr: str) -> bool:
+    """Whether this machine has the address `addr` (a socket can bind it)."""
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.bind((addr, 0))
+    except OSError:
+        return False
+    return True
 
 
 def _is_ip(host: str) -> bool:
@@ -162,7 +181,7 @@ def check_bind_worker(where: str, w: WorkerConfig) -> None:
         raise ConfigError(
             f"{where}.bind: port 0 in {w.bind!r}: the engines connect to a port they are given"
         )
-    problem = bind_host_problem(w.bind)
+    problem = bind_host_problem(w.bind) if w.leader else None  # only the leader binds
     if problem is not None:
         raise ConfigError(f"{where}.bind: {problem}")
     if w.kv_endpoint is not None:

@@ -318,12 +318,11 @@ def test_bound_tap_names_what_holds_the_port_or_the_host_it_cannot_bind() -> Non
         )
     finally:
         ctx.destroy(linger=0)
-    proc = run_tap("--bind", "tcp://collector:5557")
+    proc = run_tap("--bind", "tcp://192.0.2.7:5557")  # TEST-NET-1: nobody's address
     assert proc.returncode == 2 and proc.stderr == (
-        "kvobserve tap: bad --bind 'tcp://collector:5557': 'collector' in "
-        "'tcp://collector:5557' is a host name, which cannot be bound: bind every address of "
-        "this machine, tcp://*:5557 (the engines' endpoint names this host, "
-        "tcp://collector:5557), or one of its IP addresses\n"
+        "kvobserve tap: bad --bind 'tcp://192.0.2.7:5557': '192.0.2.7' in "
+        "'tcp://192.0.2.7:5557' is not an address of this machine, so it cannot be bound: bind "
+        "tcp://*:5557 (every address of this machine; the engines connect to its name)\n"
     )
     proc = run_tap("--bind", "tcp://*:5557", "--replay-endpoint", "tcp://127.0.0.1:5558")
     assert proc.returncode == 2 and "--replay-endpoint asks one publisher" in proc.stderr

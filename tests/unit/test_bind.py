@@ -115,10 +115,13 @@ def test_the_llm_d_central_config_loads() -> None:
         ({"bind": "tcp://*:5556", "relay_to": "tcp://127.0.0.2:5556"}, "every frame would come back"),
         ({"bind": "tcp://*:5556", "relay_to": "tcp://127.0.0.1:5557", "dp_size": "2"},
          "(rank r binds and relays port + r, 2 ranks): every frame would come back"),
-        # the engines' endpoint names the collector's host; ZMQ binds addresses, not names
-        ({"bind": "tcp://collector:5557"},
-         "--bind (worker[0].bind): 'collector' in 'tcp://collector:5557' is a host name, which "
-         "cannot be bound: bind every address of this machine, tcp://*:5557"),
+        # the engines' endpoint names the collector's node from outside: not bindable here
+        ({"bind": "tcp://collector.invalid:5557"},
+         "--bind (worker[0].bind): 'collector.invalid' in 'tcp://collector.invalid:5557' does "
+         "not resolve here, so it cannot be bound: bind tcp://*:5557 (every address of this "
+         "machine; the engines connect to its name)"),
+        ({"bind": "tcp://192.0.2.7:5557"},  # TEST-NET-1: nobody's address
+         "'192.0.2.7' in 'tcp://192.0.2.7:5557' is not an address of this machine"),
         ({"bind": "tcp://*:5556", "replay_endpoint": "tcp://{pod_ip}:5559"},
          "names {pod_ip}, which a topic template with {pod} gives"),
         ({"bind": "tcp://*:5556", "topic": LLMD, "replay_endpoint": "tcp://{pod}:5559"},
@@ -140,11 +143,16 @@ def test_bind_config_errors_name_the_field_and_value(worker: dict[str, str], fra
     [("tcp://127.0.0.1:5556", "tcp://127.0.0.2:5556"),  # bound on one loopback address only
      ("tcp://*:5556", "tcp://127.0.0.1:5558"),  # past the 2 ranks' ports
      ("tcp://lo:5556", "tcp://scheduler:5556"),  # a network interface binds
-     ("tcp://10.0.0.9:5556", "tcp://scheduler:5556")],  # an address (this machine's at run time)
+     ("tcp://localhost:5556", "tcp://scheduler:5556")],  # a name of this machine's address
 )  # fmt: skip
 def test_binds_and_relays_that_do_not_loop_are_accepted(bind: str, relay_to: str) -> None:
     w = _cfg(bind=bind, relay_to=relay_to, dp_size="2").workers[0]
     assert (w.bind, w.relay_to) == (bind, relay_to)
+
+
+def test_a_node_that_is_not_the_leader_binds_nothing_so_any_address_is_its_leaders() -> None:
+    w = _cfg(node_rank=1, nnodes=2, bind="tcp://192.0.2.7:5557").workers[0]
+    assert (w.leader, w.bind) == (False, "tcp://192.0.2.7:5557")
 
 
 # --- the plan ---------------------------------------------------------------------------------
@@ -251,7 +259,7 @@ def test_the_relay_is_up_only_while_its_target_is_connected_and_subscribed() -> 
 
 # the mistakes docs/configuration.md shows under "Bind mode", each with the file that makes it
 DOC_MISTAKES = [
-    {"bind": "tcp://collector:5557"},
+    {"bind": "tcp://collector.invalid:5557"},
     {"kv_endpoint": "tcp://*:5556", "topic": LLMD},
     {"bind": "tcp://*:5556", "relay_to": "tcp://127.0.0.1:5556"},
     {"kv_endpoint": "tcp://*:5557", "relay_to": "tcp://scheduler:5556"},
