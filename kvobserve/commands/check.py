@@ -24,7 +24,8 @@ from kvobserve.config import (
     add_config_flags,
 )
 from kvobserve.engines import profile
-from kvobserve.sources.discovery import DiscoveredEngine, DiscoveryError, discover_urls
+from kvobserve.sources.discovery import discover_urls
+from kvobserve.sources.discovery_parse import DiscoveredEngine, DiscoveryError
 from kvobserve.sources.dynamo_plan import DynamoPlan, plan_dynamo
 from kvobserve.sources.kubernetes import PodWatch
 from kvobserve.sources.plan import WorkerPlan, plan_pods, plan_worker

@@ -14,7 +14,7 @@ from kvobserve.export.exposition import Sink
 from kvobserve.wire.snapshot import RELAY_DROP_REASONS
 
 if TYPE_CHECKING:
-    from kvobserve.analysis.fleet import CollectorView
+    from kvobserve.analysis.views import CollectorView
 
 
 def collector_samples(f: Sink, c: CollectorView) -> None:

@@ -14,7 +14,7 @@ from kvobserve.export.exposition import Sink
 from kvobserve.wire.snapshot import Histogram
 
 if TYPE_CHECKING:
-    from kvobserve.analysis.fleet import CollectorView, FleetView, StreamView
+    from kvobserve.analysis.views import CollectorView, FleetView, StreamView
     from kvobserve.export.rollup import WorkerSums
 
 FOLD = "#cache"  # key of a stream folded into the per-worker sums, in a sink's seen-set

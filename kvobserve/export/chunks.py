@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from prometheus_client.utils import floatToGoString
 
 from kvobserve import __version__
-from kvobserve.analysis.fleet import CollectorView, FleetView, StreamView
+from kvobserve.analysis.views import CollectorView, FleetView, StreamView
 from kvobserve.export import binds, cache
 from kvobserve.export import templates as templates_mod
 from kvobserve.export.exposition import TextFamilies, _escape, format_value

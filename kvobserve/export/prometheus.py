@@ -11,7 +11,8 @@ from typing import Any
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from kvobserve.analysis.fleet import FleetState, FleetView
+from kvobserve.analysis.fleet import FleetState
+from kvobserve.analysis.views import FleetView
 from kvobserve.export.catalog import BY_NAME, render_docs
 from kvobserve.export.exposition import Listed, MetricFamilies, TextFamilies
 from kvobserve.export.passthrough import passthrough

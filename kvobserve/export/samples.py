@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from kvobserve import __version__
 from kvobserve.analysis.conditions import SOURCE_DOWN, WORKER_TROUBLE
-from kvobserve.analysis.fleet import CollectorView, FleetView, StreamView
+from kvobserve.analysis.views import CollectorView, FleetView, StreamView
 from kvobserve.export import binds, cache
 from kvobserve.export.exposition import Sink
 from kvobserve.export.rollup import COUNTER_LABEL, LIFETIME, WorkerSums

@@ -28,7 +28,7 @@ from typing import Any
 
 from prometheus_client.metrics_core import Metric
 
-from kvobserve.analysis.fleet import CollectorView, FleetView
+from kvobserve.analysis.views import CollectorView, FleetView
 from kvobserve.export import chunks
 from kvobserve.export.catalog import CATALOG
 from kvobserve.export.chunks import Chunk

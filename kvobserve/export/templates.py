@@ -15,7 +15,7 @@ from collections.abc import Callable
 from operator import attrgetter, itemgetter, methodcaller
 from typing import Any
 
-from kvobserve.analysis.fleet import StreamView
+from kvobserve.analysis.views import StreamView
 from kvobserve.export.exposition import _escape, format_value
 from kvobserve.export.rollup import WorkerSums
 from kvobserve.export.samples import EVENT_TYPES, SCHEDULER_FIELDS
