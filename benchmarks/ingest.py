@@ -35,7 +35,8 @@ from benchmarks._common import (
 from kvobserve.analysis.analytics import AnalyticsOptions, CacheAnalytics
 from kvobserve.analysis.sequence import StreamSequencer
 from kvobserve.sources.ingest_options import IngestOptions
-from kvobserve.sources.kv_stream import IngestLoop, StreamSpec
+from kvobserve.sources.kv_stream import IngestLoop
+from kvobserve.sources.plan import StreamSpec
 from kvobserve.wire.kv_events import decode_payload
 
 RECV_TIMEOUT_MS = 5_000  # no batch for this long: the rest were dropped

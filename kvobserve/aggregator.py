@@ -20,8 +20,9 @@ from collections.abc import Callable
 from typing import Any
 
 from kvobserve.aio import cancel_and_wait
-from kvobserve.analysis.conditions import Key, began
-from kvobserve.analysis.fleet import Condition, FleetState, FleetView
+from kvobserve.analysis.conditions import Condition, active, began
+from kvobserve.analysis.fleet import FleetState
+from kvobserve.analysis.views import FleetView, Key
 from kvobserve.transport import Transport
 from kvobserve.wire.errors import WireError
 from kvobserve.wire.snapshot import Snapshot, decode_snapshot
@@ -146,11 +147,11 @@ class Aggregator:
         no evidence of its start.
         """
         now = self.clock()
-        conditions = view.conditions if isinstance(view, FleetView) else view
-        active = self._active
+        conditions = active(view) if isinstance(view, FleetView) else view
+        held = self._active
         current: dict[Key, Condition] = {}
         for c in conditions:
-            before = active.get(c.key)
+            before = held.get(c.key)
             current[c.key] = began(c, before.since if before is not None else None, now)
         out: list[dict[str, Any]] = []
         for key, c in current.items():

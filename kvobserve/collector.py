@@ -21,16 +21,12 @@ from kvobserve import __version__
 from kvobserve.aio import cancel_and_wait
 from kvobserve.config import Config, WorkerConfig
 from kvobserve.engines import profile
-from kvobserve.sources.discovery import (
-    DiscoveredEngine,
-    DiscoveryError,
-    Rediscovery,
-    discover_urls,
-)
+from kvobserve.sources.discovery import Rediscovery, discover_urls
+from kvobserve.sources.discovery_parse import DiscoveredEngine, DiscoveryError
 from kvobserve.sources.dynamo_drift import DriftPoller
 from kvobserve.sources.dynamo_ingest import DynamoIngest
 from kvobserve.sources.dynamo_plan import plan_dynamo
-from kvobserve.sources.dynamo_streams import DynamoOptions
+from kvobserve.sources.dynamo_state import DynamoOptions
 from kvobserve.sources.health import OK_STATES, Health
 from kvobserve.sources.ingest_options import IngestOptions
 from kvobserve.sources.kubernetes import PodWatch

@@ -22,13 +22,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import repeat
-from typing import Any
 
-from kvobserve.analysis.blocks import TOP_MEDIA
 from kvobserve.analysis.hot import DEFAULT_CAPACITY, DEFAULT_TOP, HotBlocks
 from kvobserve.analysis.thrash import DEFAULT_CAP, DEFAULT_WINDOW_S, RecentRemovals
+from kvobserve.analysis.tiers import TOP_MEDIA, Tier
 from kvobserve.analysis.trust import Trust
-from kvobserve.wire.kv_events import BlockHash
+from kvobserve.wire.kv_events import BlockHash, BlockStored
 
 # parents that name the radix root, not a block: SGLang 0.4 sends hash(()) of the root's empty key
 ROOT_PARENTS = frozenset({5740354900026072187})
@@ -78,7 +77,7 @@ class CacheAnalytics:
         self._lora_names: dict[str, str] = {}  # one str object per name, however many blocks
         self.lora_refused = 0  # stores whose adapter name was past the cap
         self.hot = HotBlocks(o.hot_capacity)
-        self.peers: list[dict[str, Any]] = []  # other ranks' tiers (same worker and collector)
+        self.peers: list[dict[str, Tier]] = []  # other ranks' tiers (same worker and collector)
         self.recomputed_elsewhere = 0
 
     def _recent(self, medium: str) -> RecentRemovals:
@@ -92,9 +91,9 @@ class CacheAnalytics:
         """The recent removals of `medium` (BlockIndex keeps them on the tier: one slot read)."""
         return self._recent(medium)
 
-    # --- hooks (BlockIndex calls these; `tier` is blocks._Tier) -------------------------------
+    # --- hooks (BlockIndex calls these) ---------------------------------------------------------
 
-    def on_store(self, tiers: dict[str, Any], tier: Any, ev: Any, ts: float) -> None:
+    def on_store(self, tiers: dict[str, Tier], tier: Tier, ev: BlockStored, ts: float) -> None:
         """Before `ev` (a BlockStored) is applied to `tier`."""
         hashes = ev.block_hashes
         if not hashes:
@@ -126,7 +125,7 @@ class CacheAnalytics:
 
     def on_remove(
         self,
-        tier: Any,
+        tier: Tier,
         hashes: list[BlockHash],
         stored: list[float | None],
         unknown: int,
@@ -186,7 +185,9 @@ class CacheAnalytics:
             return  # evicted (vLLM may evict a parent whose duplicate copy the request holds)
         self.silent_loss[PARENT_UNKNOWN] += 1
 
-    def _elsewhere(self, medium: str, resident: dict[BlockHash, float], hashes: list[Any]) -> None:
+    def _elsewhere(
+        self, medium: str, resident: dict[BlockHash, float], hashes: list[BlockHash]
+    ) -> None:
         others = [t.resident for p in self.peers if (t := p.get(medium)) is not None and t.resident]
         if others and not all(o.keys().isdisjoint(hashes) for o in others):
             again = [h for h in hashes if h not in resident and any(h in o for o in others)]
@@ -194,7 +195,9 @@ class CacheAnalytics:
                 self.recomputed_elsewhere += len(again)
                 self.hot.add(again[0])
 
-    def _moves(self, tiers: dict[str, Any], tier: Any, hashes: list[BlockHash], ts: float) -> None:
+    def _moves(
+        self, tiers: dict[str, Tier], tier: Tier, hashes: list[BlockHash], ts: float
+    ) -> None:
         name = tier.name
         window = self.options.move_window_s
         for src in tiers.values():

@@ -19,94 +19,22 @@ Counting rules (docs/stream-semantics.md):
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections import Counter
 from collections.abc import Sequence
 from itertools import compress, repeat
 from operator import is_not
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
+from kvobserve.analysis.analytics import CacheAnalytics
+from kvobserve.analysis.histogram import LifetimeHistogram
+from kvobserve.analysis.tiers import DEFAULT_MEDIUM, Tier
 from kvobserve.wire.kv_events import BlockHash, BlockStored, KvBatch
 
-if TYPE_CHECKING:
-    from kvobserve.analysis.analytics import CacheAnalytics
-    from kvobserve.analysis.thrash import RecentRemovals
-
-DEFAULT_MEDIUM = "GPU"
-TOP_MEDIA = frozenset({"GPU", "DEVICE"})  # the compute tier; the others are offload tiers
 DEFAULT_MAX_MEDIA = 8  # storage tiers per stream; engines have 1-4 (GPU, CPU_PINNED, DISK, ...)
 # seconds: prefix-cache blocks live from sub-second (evicted under pressure) to hours (system prompts)
 DEFAULT_LIFETIME_BUCKETS: tuple[float, ...] = (
     0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0, 21600.0, 86400.0,
 )  # fmt: skip
-
-
-class LifetimeHistogram:
-    """A Prometheus-style histogram: per-bucket counts, sum and count."""
-
-    __slots__ = ("_counts", "buckets", "count", "sum")
-
-    def __init__(self, buckets: Sequence[float]) -> None:
-        self.buckets: tuple[float, ...] = tuple(buckets)
-        self._counts = [0] * (len(self.buckets) + 1)  # last slot is +Inf
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float, n: int = 1) -> None:
-        """Add `n` observations of `value` (negative values count as 0)."""
-        if value < 0.0:
-            value = 0.0
-        self._counts[bisect_left(self.buckets, value)] += n
-        self.sum += value * n
-        self.count += n
-
-    def cumulative(self) -> list[tuple[float, int]]:
-        """(upper bound, cumulative count) pairs, ending with (+Inf, count)."""
-        out: list[tuple[float, int]] = []
-        acc = 0
-        for bound, n in zip((*self.buckets, float("inf")), self._counts, strict=True):
-            acc += n
-            out.append((bound, acc))
-        return out
-
-
-class _Tier:
-    """State of one medium (storage tier)."""
-
-    __slots__ = (
-        "lifetime",
-        "name",
-        "odd",
-        "recent",
-        "removed",
-        "resident",
-        "stored",
-        "thrash",
-        "tokens",
-        "top",
-    )
-
-    def __init__(self, buckets: Sequence[float], name: str = DEFAULT_MEDIUM) -> None:
-        self.name = name
-        self.top = name in TOP_MEDIA
-        self.thrash: RecentRemovals | None = None  # the analytics' recent removals ...
-        self.recent: dict[BlockHash, float] | None = None  # ... and their dict (one slot read)
-        self.resident: dict[BlockHash, float] = {}
-        self.odd: dict[BlockHash, int] = {}  # token counts that differ from the usual block size
-        self.tokens = 0
-        self.stored = 0
-        self.removed = 0
-        self.lifetime = LifetimeHistogram(buckets)
-
-    def clear(self, ts: float) -> None:
-        """Every resident block leaves at `ts` (lifetimes observed, counted as removed)."""
-        observe = self.lifetime.observe
-        for stored_at, n in Counter(self.resident.values()).items():
-            observe(ts - stored_at, n)
-        self.removed += len(self.resident)
-        self.resident.clear()
-        self.odd.clear()
-        self.tokens = 0
 
 
 class BlockIndex:
@@ -119,7 +47,7 @@ class BlockIndex:
     ) -> None:
         self._buckets = tuple(sorted(lifetime_buckets))
         self.max_media = max_media
-        self._tiers: dict[str, _Tier] = {}
+        self._tiers: dict[str, Tier] = {}
         self.media_refused_events = 0  # events of a medium past max_media: label cardinality cap
         self._usual_size: int | None = None
         self.store_of_resident_total = 0
@@ -133,14 +61,14 @@ class BlockIndex:
         self._analytics: CacheAnalytics | None = None
         self._wide = False  # several tiers (with analytics: every store may be a move)
 
-    def _tier(self, medium: str | None) -> _Tier | None:
+    def _tier(self, medium: str | None) -> Tier | None:
         name = medium or DEFAULT_MEDIUM
         tier = self._tiers.get(name)
         if tier is None:
             if len(self._tiers) >= self.max_media:  # `medium` comes off the wire: bound it
                 self.media_refused_events += 1
                 return None
-            tier = self._tiers[name] = _Tier(self._buckets, name)
+            tier = self._tiers[name] = Tier(self._buckets, name)
             if self._analytics is not None:
                 tier.thrash = self._analytics.recent_for(name)
                 tier.recent = tier.thrash.removed
@@ -179,7 +107,7 @@ class BlockIndex:
                         or analytics.peers  # sibling ranks to check
                         or ev.lora_name  # type: ignore[attr-defined]
                     ):
-                        analytics.on_store(tiers, tier, ev, ts)
+                        analytics.on_store(tiers, tier, ev, ts)  # type: ignore[arg-type]
                 before = len(resident)
                 # a resident hash keeps its first store time (3.11's specialised dict opcodes
                 # make this loop faster than map(resident.setdefault, ...))
@@ -258,19 +186,7 @@ class BlockIndex:
             tier.lifetime.observe(ts - first, n)
             tier.removed += n
             if self._analytics is not None:
-                rec = tier.thrash
-                recent = tier.recent
-                if (  # the usual removal inlined: top tier, room in the window, no adapters
-                    rec is not None
-                    and recent is not None
-                    and tier.top
-                    and len(recent) + n <= rec.cap
-                    and not self._analytics.lora_of
-                ):
-                    for h in hashes:  # a plain loop beats update(zip(...)) on 3.11
-                        recent[h] = ts
-                else:
-                    self._removed(tier, hashes, stored, 0, ts)
+                self._removed(tier, hashes, stored, 0, ts)
             return
         unknown = stored.count(None)
         self.remove_of_unknown_total += unknown
@@ -292,22 +208,16 @@ class BlockIndex:
         tier.removed += removed
 
     def _removed(
-        self, tier: _Tier, hashes: list[BlockHash], stored: list[float | None], unknown: int,
+        self, tier: Tier, hashes: list[BlockHash], stored: list[float | None], unknown: int,
         ts: float,
     ) -> None:  # fmt: skip
-        """Tell the analytics; the usual removal (all resident, room in the window) inlined."""
+        """Tell the analytics; the usual removal (all resident, top tier, no adapters) goes
+        straight to the tier's recent removals."""
         a = self._analytics
         assert a is not None
         rec = tier.thrash
         if unknown or rec is None or not tier.top or a.lora_of:
             a.on_remove(tier, hashes, stored, unknown, ts)
-            return
-        recent = rec.removed
-        if len(recent) + len(hashes) <= rec.cap:
-            for h in hashes:  # a plain loop beats update(zip(...)) on 3.11's specialised opcodes
-                recent[h] = ts
-        elif ts < rec.next_expiry:  # full, and nothing can expire yet
-            rec.refused += len(hashes)
         else:
             rec.add(hashes, ts)
 
@@ -336,6 +246,11 @@ class BlockIndex:
             tier.odd.clear()
             tier.tokens = 0
         self._usual_size = None
+
+    @property
+    def tiers(self) -> dict[str, Tier]:
+        """Medium -> tier state, as kept (for reading: the analytics' peers, cache_stats)."""
+        return self._tiers
 
     @property
     def analytics(self) -> CacheAnalytics | None:

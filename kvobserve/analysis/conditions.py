@@ -1,8 +1,25 @@
-"""The conditions of a fleet view: what is wrong now, each with its cause and since when.
+"""The conditions of a fleet view: what is wrong now, each kind declared once with its alert.
 
-One condition per row kind of analysis/alerting.py that the aggregator can see. Event kinds (gap,
-loss, restart, decode errors, rank mismatch) hold for RECENT_S after their last occurrence, as the
-alert rules' `increase(...[15m]) > 0` do. Pure: `now` is the view's.
+`KINDS` is the one table. A row names the condition (as on the page and in the API), its
+Prometheus alert (the rule of the same name in alerts/kvobserve-rules.yml, which fires after its
+`for:` and is routed by Alertmanager), the severity both carry, the runbook section
+(docs/alerts.md) and the status page's cell it tints. A test holds the rule file's `severity`
+labels and the runbook's sections to this table.
+
+A stream's condition is found one stream at a time (`Kind.find`), with a pre-check (`Kind.may`):
+a cheap test of the stream's stats alone that holds whenever `find` may find it. An event kind
+(gap, loss, restart, decode errors, rank mismatch, silent loss) holds for RECENT_S after the
+event's last occurrence, as the alert rules' `increase(...[15m]) > 0` do: its row names that
+time field of StreamStats (`event_time`) and what to say (`describe`), and the pre-check is that
+the time is recent. Any other stream condition (stream_down, duplicate_stream, ...) has its own
+`check` and `precheck` beside each other below. The per-second check (`FleetState.conditions`,
+analysis/fleet.py) builds views only of the streams some row's pre-check lets through
+(`may_have_condition`): a pre-check that missed a case would leave a condition on the page that
+never fires. A property test over generated fleets holds every row's pre-check to its check and
+the per-second check to the whole view (tests/unit/test_condition_prechecks.py). The other
+conditions are found over the fleet's membership (collectors, workers, owners, leaders, scheduler
+values, what collectors report of relays and drift, unexpected streams), which both paths build
+whole: they need no pre-check. Pure: `now` is the view's.
 
 `since` is when the condition began. Each condition takes it from its evidence (a collector's
 last snapshot, a stream's state change, the first sign of a second publisher, ...); what
@@ -14,19 +31,20 @@ aggregator, which remembers when each condition was first active (`began`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from operator import attrgetter
+from typing import Final
 
-from kvobserve.analysis.alerting import KINDS, RECENT_S
 from kvobserve.analysis.layout import ranged
+from kvobserve.analysis.tiers import TOP_MEDIA
+from kvobserve.analysis.views import FleetView, Key, Labels, StreamView
+from kvobserve.config.model import HttpConfig
 from kvobserve.wire.snapshot import BindStats, DriftStats, StreamStats
 
-if TYPE_CHECKING:
-    from kvobserve.analysis.fleet import FleetView, StreamView
-
-Labels = tuple[tuple[str, str], ...]
-Key = tuple[str, Labels]  # a condition's identity across views: (kind, labels)
+SEVERITIES: Final = ("critical", "warning", "info")  # most severe first
+RECENT_S: Final = 900.0  # event conditions hold this long after the event, like increase([15m])
+DEFAULT_RUNBOOK_URL: Final = HttpConfig().runbook_url  # [http] runbook_url
 NEAR_FULL = 0.95  # scheduler token usage above this: cache_near_full (the rule's threshold)
 # A stream counts as down after this long: a publisher restart's second of silence is no outage
 # (the alert waits 5 minutes; the page shows the stream's state at once either way).
@@ -35,13 +53,141 @@ DOWN_AFTER_S = 5.0
 # stores (the rule, alerts/kvobserve-rules.yml, uses 15-minute rates per worker)
 THRASH_RATIO = 0.3
 THRASH_MIN_STORES = 1000
-TOP_MEDIA = frozenset({"GPU", "DEVICE"})
 # router_index_drift: phantom + missing above this share of the engine's blocks, and this many
 DRIFT_SHARE = 0.05
 DRIFT_MIN_BLOCKS = 10
 MISMATCH = "layout_mismatch"  # the worker state (WorkerInfo.state) of the condition
 WORKER_TROUBLE = frozenset({"undiscovered", MISMATCH})  # worker states with a condition
 SOURCE_DOWN = frozenset({"down", "undecodable"})  # scheduler-source states that deliver nothing
+QUIET_STATES = ("waiting", "idle")  # connected, nothing arriving: stream_stalled may hold
+
+
+def severity_rank(severity: str) -> int:
+    """0 for critical, 1 warning, 2 info (sort key; unknown last)."""
+    return SEVERITIES.index(severity) if severity in SEVERITIES else len(SEVERITIES)
+
+
+@dataclass(frozen=True)
+class Condition:
+    """An active problem, as shown on the status page and in /api/v1/alerts.
+
+    `kind` is a row of `KINDS`, which gives the severity, the alert and the runbook.
+    """
+
+    kind: str  # duplicate_stream, unexpected_stream, dp_rank_uncovered, ...
+    severity: str  # critical, warning, info
+    labels: Labels
+    description: str
+    since: float = field(default=0.0, compare=False)  # when its cause began (0: unknown)
+
+    @classmethod
+    def of(cls, kind: str, labels: Labels, description: str, since: float = 0.0) -> Condition:
+        """A condition of `kind` with the table's severity (KeyError for a kind not in it)."""
+        return cls(kind, KINDS[kind].severity, labels, description, since)
+
+    @property
+    def key(self) -> Key:
+        """Identity of the condition across views (for transitions)."""
+        return (self.kind, self.labels)
+
+
+class Around:
+    """What a stream's check reads beside the stream: the view's time, when each condition
+    began (FleetView.began), and the running requests the scheduler reports per rank."""
+
+    __slots__ = ("_running", "began", "now", "scheduler")
+
+    def __init__(self, v: FleetView) -> None:
+        self.now = v.now
+        self.began = v.began
+        self.scheduler = v.scheduler
+        self._running: dict[tuple[str, int], float | None] | None = None
+
+    def recent(self, t: float) -> bool:
+        """Whether an event at `t` (0: never) is within RECENT_S of the view's time."""
+        return t > 0 and self.now - t <= RECENT_S
+
+    def running(self, worker_id: str, dp_rank: int) -> float | None:
+        """The rank's running requests (None: unknown); the table is built on first use."""
+        if self._running is None:
+            self._running = {
+                (s.worker_id, s.dp_rank): s.running_requests for s, _ in self.scheduler
+            }
+        return self._running.get((worker_id, dp_rank))
+
+
+# A stream's pre-check: (its stats, whether its collector is up, now) -> whether its check may
+# find the condition. Its check: (the stream's view, the rest) -> (description, since) of the
+# condition it found (since 0: unknown), or None.
+Found = tuple[str, float] | None
+PreCheck = Callable[[StreamStats, bool, float], bool]
+StreamCheck = Callable[[StreamView, Around], Found]
+
+
+@dataclass(frozen=True, slots=True)
+class Kind:
+    """One condition kind and the alert it shares its name, severity and runbook with."""
+
+    kind: str  # the condition, as on the page and in the API (snake_case)
+    alert: str  # the Prometheus alert name (CamelCase)
+    severity: str  # critical pages, warning goes to chat, info is for dashboards
+    title: str  # a few words for the page
+    # what the status page tints with the severity: a column of the stream's row (state, gaps,
+    # restarts, dup, index, errors, sched), the worker's or the scheduler source's row; None:
+    # only the conditions table shows it
+    cell: str | None = None
+    # A stream's condition: an event kind holds for RECENT_S after the event's last occurrence,
+    # the StreamStats time field `event_time`, as `describe` tells it (None: no condition after
+    # all); any other has its own `check` and a cheap `precheck` (the module's docstring).
+    event_time: str = ""
+    describe: Callable[[StreamStats], str | None] | None = None
+    precheck: PreCheck | None = None
+    check: StreamCheck | None = None
+
+    @property
+    def per_stream(self) -> bool:
+        """Whether it is a stream's condition: found stream by stream, with a pre-check."""
+        return bool(self.event_time) or self.check is not None
+
+    def may(self, st: StreamStats, live: bool, now: float) -> bool:
+        """The pre-check: False only for a stream where `find` finds nothing."""
+        if self.event_time:
+            t: float = getattr(st, self.event_time)
+            return t > 0 and now - t <= RECENT_S
+        return self.precheck is not None and self.precheck(st, live, now)
+
+    def find(self, s: StreamView, at: Around) -> Found:
+        """The condition of this kind on the stream, (description, since), or None."""
+        if not self.event_time:
+            return None if self.check is None else self.check(s, at)
+        st = s.stats
+        t: float = getattr(st, self.event_time)
+        if not (s.live and at.recent(t)) or self.describe is None:
+            return None
+        what = self.describe(st)
+        return None if what is None else (f"{_name(st)}: {what}", t)
+
+    @property
+    def anchor(self) -> str:
+        """The runbook section's anchor in docs/alerts.md (GitHub lowercases the heading)."""
+        return self.alert.lower()
+
+    def runbook(self, base: str = DEFAULT_RUNBOOK_URL) -> str:
+        """The runbook link of this kind under `base` (the alerts.md URL)."""
+        return f"{base}#{self.anchor}"
+
+
+def labels(**kw: object) -> Labels:
+    """Label pairs in the given order, values as strings."""
+    return tuple((k, str(val)) for k, val in kw.items())
+
+
+def began(c: Condition, active_since: float | None, first_seen: float = 0.0) -> Condition:
+    """`c` with `since` = when it began: the earlier of when it was first active (None: new)
+    and its own evidence; `first_seen` when neither is known (0 leaves it unknown)."""
+    known = [t for t in (active_since, c.since) if t]
+    since = min(known) if known else first_seen
+    return c if since == c.since else replace(c, since=since)
 
 
 def thrashing(st: StreamStats) -> tuple[int, int] | None:
@@ -62,45 +208,28 @@ def drifted(d: DriftStats) -> bool:
     return d.phantom + d.missing > max(DRIFT_SHARE * d.engine_blocks, DRIFT_MIN_BLOCKS)
 
 
-@dataclass(frozen=True)
-class Condition:
-    """An active problem, as shown on the status page and in /api/v1/alerts.
-
-    `kind` is a row of analysis/alerting.py, which gives the severity, the alert and the runbook.
-    """
-
-    kind: str  # duplicate_stream, unexpected_stream, dp_rank_uncovered, ...
-    severity: str  # critical, warning, info
-    labels: Labels
-    description: str
-    since: float = field(default=0.0, compare=False)  # when its cause began (0: unknown)
-
-    @classmethod
-    def of(cls, kind: str, labels: Labels, description: str, since: float = 0.0) -> Condition:
-        """A condition of `kind` with the table's severity (KeyError for a kind not in it)."""
-        return cls(kind, KINDS[kind].severity, labels, description, since)
-
-    @property
-    def key(self) -> Key:
-        """Identity of the condition across views (for transitions)."""
-        return (self.kind, self.labels)
+def active(v: FleetView) -> list[Condition]:
+    """Every active condition of the view, fleet-wide ones first, each with `since` = when it
+    began (`v.began`: what the aggregator remembers)."""
+    got = v.began.get
+    return [began(c, got(c.key)) for c in _found(v)]
 
 
-def labels(**kw: object) -> Labels:
-    """Label pairs in the given order, values as strings."""
-    return tuple((k, str(val)) for k, val in kw.items())
+def may_have_condition(st: StreamStats, live: bool, now: float) -> bool:
+    """Whether some row's pre-check holds for the stream (the per-second check's filter): the
+    event kinds' in one read of their time fields (the latest is recent when any is), the
+    others' one by one."""
+    last = max(_EVENT_TIMES(st))
+    if last > 0 and now - last <= RECENT_S:
+        return True
+    for pre in _PRECHECKS:  # noqa: SIM110 - any() over a generator costs ~1.5x per stream
+        if pre(st, live, now):
+            return True
+    return False
 
 
-def began(c: Condition, active_since: float | None, first_seen: float = 0.0) -> Condition:
-    """`c` with `since` = when it began: the earlier of when it was first active (None: new)
-    and its own evidence; `first_seen` when neither is known (0 leaves it unknown)."""
-    known = [t for t in (active_since, c.since) if t]
-    since = min(known) if known else first_seen
-    return c if since == c.since else replace(c, since=since)
-
-
-def conditions(v: FleetView) -> Iterable[Condition]:
-    """Every active condition of the view, fleet-wide ones first."""
+def _found(v: FleetView) -> Iterable[Condition]:
+    """The view's conditions in the order the API lists them within a severity."""
     for c in v.collectors:
         if not c.up:
             yield Condition.of(
@@ -111,20 +240,7 @@ def conditions(v: FleetView) -> Iterable[Condition]:
                 c.snapshot.time,
             )
     yield from configured(v)
-    # A worker that a live collector cannot watch as configured has one condition, not one per
-    # rank left uncovered (the shipped Alertmanager config inhibits DPRankUncovered the same way)
-    explained = {w.worker_id for w, _ in v.workers if w.state in WORKER_TROUBLE}
-    for (w, r), ids in sorted(v.owners.items()):
-        if not ids:
-            if w in explained:
-                continue
-            yield _uncovered(v, w, r)
-        elif len(ids) > 1:
-            yield Condition.of(
-                "dp_rank_multiple_owners",
-                labels(worker_id=w, dp_rank=r),
-                f"{w} rank {r} is owned by {len(ids)} collectors: {', '.join(ids)}",
-            )
+    yield from _owners(v)
     for w, ids in sorted(v.leaders.items()):
         if len(ids) > 1:
             yield Condition.of(
@@ -132,24 +248,15 @@ def conditions(v: FleetView) -> Iterable[Condition]:
                 labels(worker_id=w),
                 f"{w} has {len(ids)} scheduler-metrics leaders: {', '.join(ids)}",
             )
-    down = {(s.stats.worker_id, s.stats.dp_rank) for s in v.streams if not s.up}
-    for c in v.collectors:
-        if not c.up:
-            continue
-        yield from _relays(c.snapshot.binds, c.info.collector_id, v.now)
-        for d in c.snapshot.drift:
-            if drifted(d) and (d.worker_id, d.dp_rank) not in down:  # a down stream: unknown
-                yield Condition.of(
-                    "router_index_drift",
-                    labels(worker_id=d.worker_id, dp_rank=d.dp_rank, medium=d.medium),
-                    f"{d.worker_id} rank {d.dp_rank} {d.medium}: the router's index holds "
-                    f"{d.phantom} evicted blocks and lacks {d.missing} resident ones of "
-                    f"{d.engine_blocks} ({d.method})",
-                    d.at,
-                )
-    running = {(s.worker_id, s.dp_rank): s.running_requests for s, _ in v.scheduler}
+    yield from _reported(v)
+    at = Around(v)
     for s in v.streams:
-        yield from _stream(s, v, running.get((s.stats.worker_id, s.stats.dp_rank)))
+        where: Labels | None = None
+        for k in _PER_STREAM:
+            found = k.find(s, at)
+            if found is not None:
+                where = where or _where(s)
+                yield Condition(k.kind, k.severity, where, *found)
     for u, info in v.unexpected:
         if u.active:
             yield Condition.of(
@@ -166,6 +273,9 @@ def conditions(v: FleetView) -> Iterable[Condition]:
                 f"{100 * sch.token_usage_ratio:.0f}% of the KV cache",
                 sch.updated,
             )
+
+
+# --- found over the fleet's membership -------------------------------------------------------
 
 
 def configured(v: FleetView) -> Iterable[Condition]:
@@ -205,20 +315,22 @@ def configured(v: FleetView) -> Iterable[Condition]:
             )
 
 
-def _relays(binds: list[BindStats], collector: str, now: float) -> Iterable[Condition]:
-    """relay_dropping: a relay that did not forward frames within RECENT_S, and why."""
-    for b in binds:
-        r = b.relay
-        if r is None or not r.last_drop_time or now - r.last_drop_time > RECENT_S:
-            continue
-        drops = ", ".join(f"{k} {n}" for k, n in sorted(r.dropped.items()))
-        yield Condition.of(
-            "relay_dropping",
-            labels(collector=collector, worker_id=b.worker_id, dp_rank=b.dp_rank),
-            f"{b.worker_id} rank {b.dp_rank}: frames not forwarded to {r.target} ({drops}); "
-            f"relay {r.state}: {r.reason}",
-            r.last_drop_time,
-        )
+def _owners(v: FleetView) -> Iterable[Condition]:
+    """dp_rank_uncovered and dp_rank_multiple_owners, rank by rank."""
+    # A worker that a live collector cannot watch as configured has one condition, not one per
+    # rank left uncovered (the shipped Alertmanager config inhibits DPRankUncovered the same way)
+    explained = {w.worker_id for w, _ in v.workers if w.state in WORKER_TROUBLE}
+    for (w, r), ids in sorted(v.owners.items()):
+        if not ids:
+            if w in explained:
+                continue
+            yield _uncovered(v, w, r)
+        elif len(ids) > 1:
+            yield Condition.of(
+                "dp_rank_multiple_owners",
+                labels(worker_id=w, dp_rank=r),
+                f"{w} rank {r} is owned by {len(ids)} collectors: {', '.join(ids)}",
+            )
 
 
 def _uncovered(v: FleetView, w: str, r: int) -> Condition:
@@ -242,6 +354,63 @@ def _uncovered(v: FleetView, w: str, r: int) -> Condition:
     )
 
 
+def _reported(v: FleetView) -> Iterable[Condition]:
+    """What each live collector reports: its relays dropping frames, and router-index drift of
+    its comparisons (except of ranks that are down)."""
+    down = {(s.stats.worker_id, s.stats.dp_rank) for s in v.streams if not s.up}
+    for c in v.collectors:
+        if not c.up:
+            continue
+        yield from _relays(c.snapshot.binds, c.info.collector_id, v.now)
+        for d in c.snapshot.drift:
+            if drifted(d) and (d.worker_id, d.dp_rank) not in down:  # a down stream: unknown
+                yield Condition.of(
+                    "router_index_drift",
+                    labels(worker_id=d.worker_id, dp_rank=d.dp_rank, medium=d.medium),
+                    f"{d.worker_id} rank {d.dp_rank} {d.medium}: the router's index holds "
+                    f"{d.phantom} evicted blocks and lacks {d.missing} resident ones of "
+                    f"{d.engine_blocks} ({d.method})",
+                    d.at,
+                )
+
+
+def _relays(binds: list[BindStats], collector: str, now: float) -> Iterable[Condition]:
+    """relay_dropping: a relay that did not forward frames within RECENT_S, and why."""
+    for b in binds:
+        r = b.relay
+        if r is None or not r.last_drop_time or now - r.last_drop_time > RECENT_S:
+            continue
+        drops = ", ".join(f"{k} {n}" for k, n in sorted(r.dropped.items()))
+        yield Condition.of(
+            "relay_dropping",
+            labels(collector=collector, worker_id=b.worker_id, dp_rank=b.dp_rank),
+            f"{b.worker_id} rank {b.dp_rank}: frames not forwarded to {r.target} ({drops}); "
+            f"relay {r.state}: {r.reason}",
+            r.last_drop_time,
+        )
+
+
+# --- a stream's conditions: each a pre-check and a check -------------------------------------
+# A check (or an event kind's `describe`) returns what it found, a description and since when;
+# the table's loop makes it a condition of its row's kind, labelled with the stream. A pre-check
+# reads only the stream's stats and is looser than its check: cheap, and plainly true wherever
+# the check finds its condition. A stream of a silent collector has stream_down and nothing
+# else: nothing newer is known.
+
+
+def _where(s: StreamView) -> Labels:
+    st = s.stats
+    return labels(worker_id=st.worker_id, node_rank=s.collector.node_rank, dp_rank=st.dp_rank)
+
+
+def _name(st: StreamStats) -> str:
+    return f"{st.worker_id} rank {st.dp_rank}"
+
+
+def _maybe_down(st: StreamStats, live: bool, now: float) -> bool:
+    return not (live and st.up)
+
+
 def _down_since(s: StreamView) -> float:
     """When a stream of a silent collector went down: with its collector (the collector's last
     snapshot, as collector_down says), unless it was down already then (a settled outage)."""
@@ -251,100 +420,170 @@ def _down_since(s: StreamView) -> float:
     return lost
 
 
-def _stream(s: StreamView, v: FleetView, running: float | None) -> Iterable[Condition]:
+def _down(s: StreamView, at: Around) -> Found:
     st = s.stats
-    where = labels(worker_id=st.worker_id, node_rank=s.collector.node_rank, dp_rank=st.dp_rank)
-    name = f"{st.worker_id} rank {st.dp_rank}"
     if not s.live:
         why = f"its collector {s.collector.collector_id} is silent"
-        yield Condition.of("stream_down", where, f"{name} is down: {why}", _down_since(s))
-        return  # nothing newer is known
+        return f"{_name(st)} is down: {why}", _down_since(s)
+    if st.up:
+        return None
     # its first connect under way, or it just went (a restart): not down yet; a stream that
     # is down already stays down while its state changes (one outage, one start)
-    now = v.now
-    settling = st.state == "starting" or now - st.state_since < DOWN_AFTER_S
-    if not s.up and (not settling or ("stream_down", where) in v.began):
-        why = f"{st.state or 'down'}: {st.reason}" if st.reason else st.state or "not connected"
-        yield Condition.of("stream_down", where, f"{name} is down: {why}", st.state_since)
-    if st.duplicate_stream and s.up:  # a down stream's flag is its last value
-        yield Condition.of(
-            "duplicate_stream",
-            where,
-            f"{name}: two publishers (interleaved or mirrored)",
-            st.duplicate_since or st.last_duplicate_time,  # the latter from older collectors
-        )
+    settling = st.state == "starting" or at.now - st.state_since < DOWN_AFTER_S
+    if settling and ("stream_down", _where(s)) not in at.began:
+        return None
+    why = f"{st.state or 'down'}: {st.reason}" if st.reason else st.state or "not connected"
+    return f"{_name(st)} is down: {why}", st.state_since
+
+
+def _maybe_duplicate(st: StreamStats, live: bool, now: float) -> bool:
+    return st.duplicate_stream
+
+
+def _duplicate(s: StreamView, at: Around) -> Found:
+    st = s.stats
+    if not (s.up and st.duplicate_stream):  # a down stream's flag is its last value
+        return None
+    # `last_duplicate_time` from older collectors
+    since = st.duplicate_since or st.last_duplicate_time
+    return f"{_name(st)}: two publishers (interleaved or mirrored)", since
+
+
+def _maybe_incomplete(st: StreamStats, live: bool, now: float) -> bool:
+    return not st.state_complete
+
+
+def _incomplete(s: StreamView, at: Around) -> Found:
+    st = s.stats
     # before any batch the index is simply empty; during a replay its outcome is not known yet
-    if s.up and not st.state_complete and st.batches_total and not st.replaying:
-        why = st.incomplete_reason or "joined mid-stream or lost batches"
-        yield Condition.of("index_incomplete", where, f"{name}: block index incomplete: {why}")
+    if not (s.up and not st.state_complete and st.batches_total and not st.replaying):
+        return None
+    why = st.incomplete_reason or "joined mid-stream or lost batches"
+    return f"{_name(st)}: block index incomplete: {why}", 0.0
 
-    def recent(t: float) -> bool:
-        return t > 0 and now - t <= RECENT_S
 
-    if recent(st.last_loss_time):
-        yield Condition.of(
-            "events_lost",
-            where,
-            f"{name}: batches lost for good ({st.lost} in total, not recovered by replay)",
-            st.last_loss_time,
-        )
-    if recent(st.last_gap_time):
-        yield Condition.of(
-            "sequence_gap",
-            where,
-            f"{name}: sequence gap ({st.gaps} in total: {st.missed} batches missed, "
-            f"{st.recovered} recovered, {st.lost} lost)",
-            st.last_gap_time,
-        )
-    if recent(st.last_restart_time):
-        yield Condition.of(
-            "publisher_restarted",
-            where,
-            f"{name}: publisher restarted ({st.restarts} in total); block index reset",
-            st.last_restart_time,
-        )
-    if recent(st.last_decode_error_time):
-        reasons = ", ".join(f"{k} {n}" for k, n in sorted(st.decode_errors.items()))
-        yield Condition.of(
-            "decode_errors",
-            where,
-            f"{name}: messages that do not decode, skipped ({reasons or 'see counters'})",
-            st.last_decode_error_time,
-        )
-    if recent(st.last_rank_mismatch_time):
-        yield Condition.of(
-            "rank_mismatch",
-            where,
-            f"{name}: {st.rank_mismatch_batches} batches name another DP rank (port rule?)",
-            st.last_rank_mismatch_time,
-        )
-    if recent(st.last_silent_loss_time) and st.silent_loss:
-        reasons = ", ".join(f"{k} {n}" for k, n in sorted(st.silent_loss.items()))
-        yield Condition.of(
-            "silent_loss",
-            where,
-            f"{name}: evidence of events lost without a sequence gap ({reasons})",
-            st.last_silent_loss_time,
-        )
-    thrash = thrashing(st)
-    if thrash is not None:
-        yield Condition.of(
-            "cache_thrash",
-            where,
-            f"{name}: {thrash[0]} of {thrash[1]} top-tier block stores restored a block "
-            "evicted minutes before",
-        )
+def _counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{k} {n}" for k, n in sorted(counts.items()))
+
+
+# What each event kind says (the row's `describe`); its time field is in the table.
+
+
+def _lost(st: StreamStats) -> str:
+    return f"batches lost for good ({st.lost} in total, not recovered by replay)"
+
+
+def _gap(st: StreamStats) -> str:
+    return (
+        f"sequence gap ({st.gaps} in total: {st.missed} batches missed, "
+        f"{st.recovered} recovered, {st.lost} lost)"
+    )
+
+
+def _restarted(st: StreamStats) -> str:
+    return f"publisher restarted ({st.restarts} in total); block index reset"
+
+
+def _undecodable(st: StreamStats) -> str:
+    return f"messages that do not decode, skipped ({_counts(st.decode_errors) or 'see counters'})"
+
+
+def _mislabelled(st: StreamStats) -> str:
+    return f"{st.rank_mismatch_batches} batches name another DP rank (port rule?)"
+
+
+def _silent_loss(st: StreamStats) -> str | None:
+    if not st.silent_loss:
+        return None  # the time is set, the evidence is not (an older collector)
+    return f"evidence of events lost without a sequence gap ({_counts(st.silent_loss)})"
+
+
+def _maybe_thrash(st: StreamStats, live: bool, now: float) -> bool:
+    return thrashing(st) is not None
+
+
+def _thrash(s: StreamView, at: Around) -> Found:
+    thrash = thrashing(s.stats) if s.live else None
+    if thrash is None:
+        return None
+    restored, stored = thrash
+    return (
+        f"{_name(s.stats)}: {restored} of {stored} top-tier block stores restored a block "
+        "evicted minutes before",
+        0.0,
+    )
+
+
+def _maybe_stalled(st: StreamStats, live: bool, now: float) -> bool:
+    return st.state in QUIET_STATES
+
+
+def _stalled(s: StreamView, at: Around) -> Found:
+    st = s.stats
     quiet_since = st.last_message_time or st.state_since
-    if (
-        st.state in ("waiting", "idle")
+    if not (
+        s.live
+        and st.state in QUIET_STATES
         and quiet_since
-        and now - quiet_since >= RECENT_S
-        and running != 0
+        and at.now - quiet_since >= RECENT_S
+        and at.running(st.worker_id, st.dp_rank) != 0  # not known to be idle
     ):
-        yield Condition.of(
-            "stream_stalled",
-            where,
-            f"{name}: connected, no batch for {(now - quiet_since) / 60:.0f} min "
-            "and the rank is not known to be idle",
-            quiet_since,
-        )
+        return None
+    return (
+        f"{_name(st)}: connected, no batch for {(at.now - quiet_since) / 60:.0f} min "
+        "and the rank is not known to be idle",
+        quiet_since,
+    )
+
+
+# --- the table ----------------------------------------------------------------------------------
+# In the order the API lists a severity's conditions: fleet-wide ones, then each stream's (its
+# rows in this order), then unexpected streams and full caches.
+
+_ROWS: Final = (
+    Kind("collector_down", "KVObserveCollectorDown", "critical", "collector down"),
+    # configured parts that cannot be watched (docs/collector.md "Worker states")
+    Kind("worker_undiscovered", "KVWorkerUndiscovered", "critical", "worker not discovered",
+         cell="worker"),
+    Kind("layout_mismatch", "KVWorkerLayoutMismatch", "critical", "engine layout differs",
+         cell="worker"),
+    Kind("scheduler_source_down", "KVSchedulerSourceDown", "warning", "scheduler source down",
+         cell="source"),
+    Kind("dp_rank_uncovered", "DPRankUncovered", "critical", "rank not watched"),
+    Kind("dp_rank_multiple_owners", "DPRankMultipleOwners", "warning", "rank watched twice"),
+    Kind("multiple_scheduler_leaders", "MultipleSchedulerLeaders", "warning", "several leaders"),
+    Kind("relay_dropping", "KVRelayDropping", "warning", "relay dropping frames"),
+    Kind("router_index_drift", "KVRouterIndexDrift", "warning", "router index drifted"),
+    # a stream's conditions
+    Kind("stream_down", "KVEventStreamDown", "critical", "stream down",
+         cell="state", precheck=_maybe_down, check=_down),
+    Kind("duplicate_stream", "KVEventDuplicateStream", "warning", "two publishers",
+         cell="dup", precheck=_maybe_duplicate, check=_duplicate),
+    Kind("index_incomplete", "KVIndexIncomplete", "info", "block index incomplete",
+         cell="index", precheck=_maybe_incomplete, check=_incomplete),
+    Kind("events_lost", "KVEventsLost", "critical", "batches lost",
+         cell="gaps", event_time="last_loss_time", describe=_lost),
+    Kind("sequence_gap", "KVEventSequenceGap", "warning", "sequence gap",
+         cell="gaps", event_time="last_gap_time", describe=_gap),
+    Kind("publisher_restarted", "KVEventPublisherRestarted", "info", "publisher restarted",
+         cell="restarts", event_time="last_restart_time", describe=_restarted),
+    Kind("decode_errors", "KVEventDecodeErrors", "warning", "undecodable messages",
+         cell="errors", event_time="last_decode_error_time", describe=_undecodable),
+    Kind("rank_mismatch", "KVEventRankMismatch", "warning", "wrong rank in batches",
+         cell="errors", event_time="last_rank_mismatch_time", describe=_mislabelled),
+    Kind("silent_loss", "KVEventSilentLoss", "warning", "events lost without a gap",
+         event_time="last_silent_loss_time", describe=_silent_loss),
+    Kind("cache_thrash", "KVCacheThrash", "warning", "evicted blocks stored again",
+         precheck=_maybe_thrash, check=_thrash),
+    Kind("stream_stalled", "KVEventStreamStalled", "warning", "stream stalled",
+         cell="state", precheck=_maybe_stalled, check=_stalled),
+    # the rest of the fleet
+    Kind("unexpected_stream", "KVEventUnexpectedStream", "warning", "events past the last rank"),
+    Kind("cache_near_full", "KVCacheNearFull", "warning", "running requests fill the cache",
+         cell="sched"),
+)  # fmt: skip
+KINDS: Final[dict[str, Kind]] = {k.kind: k for k in _ROWS}
+BY_ALERT: Final[dict[str, Kind]] = {k.alert: k for k in _ROWS}
+_PER_STREAM: Final = tuple(k for k in _ROWS if k.per_stream)
+_EVENT_TIMES: Final = attrgetter(*(k.event_time for k in _PER_STREAM if k.event_time))
+_PRECHECKS: Final = tuple(k.precheck for k in _PER_STREAM if k.precheck is not None)

@@ -15,23 +15,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvobserve.analysis.alerting import RECENT_S
-from kvobserve.analysis.conditions import Condition, Key, began, conditions, thrashing
-from kvobserve.analysis.placement import PlacementEstimate, merge_placement
+from kvobserve.analysis.conditions import Condition, active, may_have_condition
+from kvobserve.analysis.placement import merge_placement
+from kvobserve.analysis.tiers import TOP_MEDIA
+from kvobserve.analysis.views import CollectorView, FleetView, Key, StreamView
 from kvobserve.wire.parts import merge_parts
 from kvobserve.wire.snapshot import (
     CollectorInfo,
     SchedulerStats,
     Snapshot,
-    SourceState,
-    StreamStats,
-    UnexpectedStream,
-    WorkerInfo,
     WorkerPlacement,
 )
 
-GPU_MEDIA = frozenset({"GPU", "DEVICE"})
-_QUIET_STATES = frozenset({"starting", "waiting", "idle"})
 # The longest a healthy scheduler source of each kind stays silent (seconds): SGLang's load PUB
 # and FPM PUB send a heartbeat every 1 s, the /metrics scrape runs every interval and may take
 # its 2 s timeout, Dynamo's kv_metrics (ActiveLoad) repeats every 10 s. A rank's values are
@@ -50,79 +45,6 @@ def _period(source: str) -> float:
             (SOURCE_PERIOD_S.get(n, 0.0) for n in source.split("+")), default=0.0
         )
     return got
-
-
-@dataclass(frozen=True, slots=True)
-class CollectorView:
-    """One collector as the fleet sees it."""
-
-    info: CollectorInfo
-    up: bool
-    age_s: float  # seconds since its last snapshot arrived
-    snapshot: Snapshot
-
-
-@dataclass(frozen=True, slots=True)
-class StreamView:
-    """One stream with its collector, liveness and derived usage."""
-
-    stats: StreamStats
-    collector: CollectorInfo
-    live: bool  # collector up; a stale stream is served as down
-    capacity_tokens: float | None
-    gpu_tokens: int
-    scheduler_source: str | None = None  # the scheduler sources of this rank; None: none has it
-    collector_last_seen: float = 0.0  # the time of its collector's last snapshot
-
-    @property
-    def up(self) -> bool:
-        """Connected, healthy and not stale."""
-        return self.live and self.stats.up
-
-    @property
-    def usage_ratio(self) -> float | None:
-        """GPU-tier resident tokens / capacity, when the capacity is known."""
-        if not self.capacity_tokens:
-            return None
-        return self.gpu_tokens / self.capacity_tokens
-
-    @property
-    def over_capacity(self) -> bool:
-        """More GPU tokens resident than the rank can hold: evidence of lost removals (the
-        check lives here, where the scheduler's capacity is known; docs/cache-analytics.md)."""
-        return bool(self.capacity_tokens) and self.gpu_tokens > (self.capacity_tokens or 0)
-
-
-@dataclass
-class FleetView:
-    """Everything the exporters render, computed once per scrape."""
-
-    collectors: list[CollectorView] = field(default_factory=list)
-    streams: list[StreamView] = field(default_factory=list)
-    unexpected: list[tuple[UnexpectedStream, CollectorInfo]] = field(default_factory=list)
-    scheduler: list[tuple[SchedulerStats, CollectorInfo]] = field(default_factory=list)
-    dp_size: dict[str, int] = field(default_factory=dict)
-    owners: dict[tuple[str, int], list[str]] = field(default_factory=dict)  # -> collector ids
-    leaders: dict[str, list[str]] = field(default_factory=dict)
-    now: float = 0.0  # the time the view is as of
-    placement: dict[str, PlacementEstimate] = field(default_factory=dict)  # per worker
-    # an uncovered rank -> the down collector that owned it at its last snapshot (the latest)
-    last_owner: dict[tuple[str, int], CollectorView] = field(default_factory=dict)
-    # when each condition was first active, as the aggregator remembers it (analysis/conditions)
-    began: dict[Key, float] = field(default_factory=dict)
-    # what live collectors say about each worker they are configured with, and their scheduler
-    # sources (states and reasons; docs/collector.md)
-    workers: list[tuple[WorkerInfo, CollectorInfo]] = field(default_factory=list)
-    sources: list[tuple[SourceState, CollectorInfo]] = field(default_factory=list)
-    _conditions: list[Condition] | None = field(default=None, repr=False, compare=False)
-
-    @property
-    def conditions(self) -> list[Condition]:
-        """The active conditions, worked out on first use (/metrics never needs them)."""
-        if self._conditions is None:
-            got = self.began.get
-            self._conditions = [began(c, got(c.key)) for c in conditions(self)]
-        return self._conditions
 
 
 @dataclass(slots=True)
@@ -166,24 +88,6 @@ class _Collector:
 
     parts: dict[int, _Entry] = field(default_factory=dict)
     merged: _Entry | None = None  # the parts as one snapshot; None: to be merged again
-
-
-def _maybe_problem(live: bool, st: StreamStats, now: float) -> bool:
-    """Whether a stream may have a condition: a superset of what analysis/conditions.py finds
-    per stream, cheap enough to skip the rest in the per-second check."""
-    if not (live and st.up) or st.duplicate_stream or not st.state_complete:
-        return True
-    if st.state in _QUIET_STATES:
-        return True
-    last = max(
-        st.last_loss_time,
-        st.last_gap_time,
-        st.last_restart_time,
-        st.last_decode_error_time,
-        st.last_rank_mismatch_time,
-        st.last_silent_loss_time,
-    )
-    return (last > 0 and now - last <= RECENT_S) or thrashing(st) is not None
 
 
 class FleetState:
@@ -314,7 +218,7 @@ class FleetState:
         return ups, sources, capacity
 
     def view(self, now: float) -> FleetView:
-        """The fleet as of `now` (its conditions are worked out when first asked for)."""
+        """The fleet as of `now` (its conditions: analysis/conditions.py `active`)."""
         v = FleetView(now=now)
         entries = self._entries(now)
         ups, sources, capacity = self._membership(v, entries, now)
@@ -334,7 +238,7 @@ class FleetState:
                     cap = capacity.get(key)
                 gpu = 0
                 for m in st.media:
-                    if m.medium in GPU_MEDIA:
+                    if m.medium in TOP_MEDIA:
                         gpu += m.tokens
                 streams.append(StreamView(st, info, up, cap, gpu, sources.get(key), snap.time))
             if up:
@@ -346,8 +250,9 @@ class FleetState:
         return v
 
     def conditions(self, now: float, began: dict[Key, float] | None = None) -> list[Condition]:
-        """view(now).conditions, building views only of streams that may have one (the
-        per-second check); `began` as FleetView.began."""
+        """The conditions of view(now) (analysis/conditions.py `active`), building views only
+        of the streams some condition's pre-check lets through (the per-second check); `began`
+        as FleetView.began."""
         v = FleetView(now=now, began=began or {})
         entries = self._entries(now)
         ups, _, _ = self._membership(v, entries, now)
@@ -355,13 +260,13 @@ class FleetState:
         for e, up in zip(entries, ups, strict=True):
             snap = e.snapshot
             for st in snap.streams:
-                if _maybe_problem(up, st, now):
+                if not (up and st.up):
+                    down.add((st.worker_id, st.dp_rank))
+                if may_have_condition(st, up, now):
                     v.streams.append(StreamView(st, snap.collector, up, None, 0, None, snap.time))
-                    if not (up and st.up):
-                        down.add((st.worker_id, st.dp_rank))
         v.streams.sort(key=lambda s: (s.stats.worker_id, s.stats.dp_rank, s.collector.collector_id))
         _drop_dead_ranks(v, entries, ups, down)
-        return v.conditions
+        return active(v)
 
     @staticmethod
     def _join_scheduler(

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from itertools import islice
 
-from kvobserve.analysis.blocks import LifetimeHistogram
+from kvobserve.analysis.histogram import LifetimeHistogram
 from kvobserve.wire.kv_events import BlockHash
 
 DEFAULT_WINDOW_S = 300.0
@@ -40,7 +40,11 @@ class RecentRemovals:
         self.next_expiry = 0.0
 
     def add(self, hashes: Sequence[BlockHash], ts: float) -> None:
-        """Remember that `hashes` left at `ts` (the batch's ts object, shared by all)."""
+        """Remember that `hashes` left at `ts` (the batch's ts object, shared by all).
+
+        The usual case, room for all of them, is one loop: `BlockIndex` calls this for every
+        removal from a top tier. A full window is expired (when anything can expire) before
+        what still does not fit is refused."""
         removed = self.removed
         n = len(hashes)
         room = self.cap - len(removed)

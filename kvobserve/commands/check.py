@@ -24,7 +24,8 @@ from kvobserve.config import (
     add_config_flags,
 )
 from kvobserve.engines import profile
-from kvobserve.sources.discovery import DiscoveredEngine, DiscoveryError, discover_urls
+from kvobserve.sources.discovery import discover_urls
+from kvobserve.sources.discovery_parse import DiscoveredEngine, DiscoveryError
 from kvobserve.sources.dynamo_plan import DynamoPlan, plan_dynamo
 from kvobserve.sources.kubernetes import PodWatch
 from kvobserve.sources.plan import WorkerPlan, plan_pods, plan_worker
@@ -78,7 +79,10 @@ async def _list_pods(i: int, w: WorkerConfig, timeout_s: float) -> PodWatch:
         await watch.list_once(timeout_s)
     except Exception as exc:  # the reason, as the collector would report it
         _, reason = watch.describe(exc)
-        raise ConfigError(f"worker[{i}].kubernetes: cannot list pods: {reason}") from None
+        raise ConfigError(
+            f"worker[{i}].kubernetes: cannot list pods: {reason} (`check --no-discovery` checks "
+            "the file without listing them)"
+        ) from None
     return watch
 
 
@@ -191,9 +195,11 @@ def probe_targets(p: WorkerPlan) -> list[Found]:
     Only the ranks this node owns: other nodes' ranks are reached by their own collectors.
     """
     wid = p.worker.id
-    if p.worker.bind is not None:  # publishers connect to us: only what we connect to is probed
+    if p.worker.bind is not None:  # publishers connect to us: bound here, as the collector would
+        out = [Found("bound", wid, x.dp_rank, x.endpoint, x.template.prefix) for x in p.listens]
+        out += [Found("relay", wid, x.dp_rank, x.relay_to) for x in p.listens if x.relay_to]
         replays = [x for x in p.listens if x.replay_endpoint and "{" not in x.replay_endpoint]
-        out = [Found("replay", wid, x.dp_rank, x.replay_endpoint or "") for x in replays]
+        out += [Found("replay", wid, x.dp_rank, x.replay_endpoint or "") for x in replays]
         return out + [
             Found("metrics", wid, None, e)
             for sp in p.scheduler

@@ -4,6 +4,10 @@ Each KV-event endpoint (every rank, the probe ports past the last rank, the repl
 a SUB with an empty prefix (a DEALER for replay) and a socket monitor feeding the collector's Link
 (sources/link.py), so the verdicts and reasons are the collector's; each scheduler metrics URL is
 fetched once. What was seen is reported per rank: batches, topics, event shape, rank labels.
+
+In bind mode the probe binds each bound endpoint as the collector would (so it fails while the
+collector, or anything else, holds it) and counts the publishers that connect; a `relay_to`
+target gets an XPUB that connects and sees whether the target subscribes, as the relay needs.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from zmq.utils.monitor import parse_monitor_message
 from kvobserve.sources.health import UP_STATES, Health
 from kvobserve.sources.link import MONITOR_EVENTS, Link, LinkTimes
 from kvobserve.sources.periodic import http_failure_reason, http_status_reason
+from kvobserve.sources.relay import bind_endpoint, count_peers, nobody_connected
 from kvobserve.wire.errors import WireError
 from kvobserve.wire.kv_events import decode_message
 
@@ -30,7 +35,7 @@ from kvobserve.wire.kv_events import decode_message
 class Found:
     """What one endpoint showed during the probe."""
 
-    role: str  # stream, probe (a port past the last rank), replay, metrics
+    role: str  # stream, probe (a port past the last rank), replay, metrics, bound, relay
     worker_id: str
     dp_rank: int | None
     endpoint: str
@@ -42,12 +47,16 @@ class Found:
     shapes: set[str] = field(default_factory=set)
     rank_labels: set[int] = field(default_factory=set)
     errors: Counter[str] = field(default_factory=Counter)
+    publishers: int = 0  # bound: connected at the end of the probe
 
     @property
     def ok(self) -> bool:
-        """Fine for its role: a stream or replay connected, a probe port silent, a URL answering."""
+        """Fine for its role: a stream or replay connected, a probe port silent, a URL answering,
+        publishers connected to a bound endpoint, a relay target subscribed."""
         if self.role == "probe":
             return self.batches == 0
+        if self.role in ("bound", "relay"):
+            return self.state in ("connected", "up")
         return self.state in UP_STATES
 
     def summary(self) -> str:
@@ -58,13 +67,15 @@ class Found:
             return "nothing publishes here (as expected)"
         if self.role == "replay":
             return "reachable" if self.ok else f"{self.state}: {self.reason}"
-        if self.role == "metrics":
+        if self.role in ("metrics", "relay"):
             return f"{self.state}: {self.reason}"
         parts = [f"{self.state}: {self.reason}"]
         if self.batches:
             parts.append(f"{self.batches} batches")
         if self.topics:
-            parts.append("topic " + ", ".join(repr(t) for t in sorted(self.topics)))
+            shown = sorted(self.topics)
+            more = f" and {len(shown) - 3} more" if len(shown) > 3 else ""
+            parts.append("topic " + ", ".join(repr(t) for t in shown[:3]) + more)
         if self.shapes:
             parts.append("events as tagged " + "/".join(sorted(self.shapes)))
         if self.rank_labels:
@@ -87,6 +98,7 @@ class Found:
             "event_shapes": sorted(self.shapes),
             "rank_labels": sorted(self.rank_labels),
             "decode_errors": dict(self.errors),
+            **({"publishers": self.publishers} if self.role == "bound" else {}),
         }
 
 
@@ -102,7 +114,7 @@ def _shape(payload: bytes) -> str | None:
 
 def _note(f: Found, frames: list[bytes]) -> str:
     """Count one message: "good" (a batch under the topic), "bad" (undecodable) or "other"."""
-    if f.role == "replay":
+    if f.role in ("replay", "relay"):
         return "other"
     try:
         batch = decode_message(frames)
@@ -120,17 +132,33 @@ def _note(f: Found, frames: list[bytes]) -> str:
     return "good"
 
 
+_SOCKET = {"replay": zmq.DEALER, "relay": zmq.XPUB}  # the rest: SUB
+
+
 def probe_zmq(found: list[Found], seconds: float) -> None:
-    """Connect to every ZMQ endpoint of `found` at once and watch for `seconds`."""
+    """Connect to (or bind) every ZMQ endpoint of `found` at once and watch for `seconds`."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
         poller = zmq.Poller()
         socks: dict[zmq.Socket[bytes], tuple[Found, Link]] = {}
         mons: dict[zmq.Socket[bytes], Link] = {}
+        peers: dict[zmq.Socket[bytes], tuple[Found, set[int]]] = {}  # bound: monitor -> fds
         for f in found:
-            sock = ctx.socket(zmq.DEALER if f.role == "replay" else zmq.SUB)
+            if f.role == "bound":
+                bound = bind_endpoint(ctx, f.endpoint, 100_000, None)
+                if isinstance(bound, str):
+                    f.state, f.reason = "bind_failed", bound
+                    continue
+                sock, mon = bound
+                peers[mon] = (f, set())
+                health = Health("", "listening", "", 0.0)  # the word is _bound_verdict's
+                socks[sock] = (f, Link(f.endpoint, "", health, LinkTimes(), bound=True))
+                poller.register(sock, zmq.POLLIN)
+                poller.register(mon, zmq.POLLIN)
+                continue
+            sock = ctx.socket(_SOCKET.get(f.role, zmq.SUB))
             sock.setsockopt(zmq.LINGER, 0)
-            if f.role != "replay":
+            if f.role not in _SOCKET:
                 sock.setsockopt(zmq.SUBSCRIBE, b"")
             mon = sock.get_monitor_socket(MONITOR_EVENTS)
             link = Link(f.endpoint, "", Health("", "starting", "connecting", time.time()),
@@ -152,11 +180,19 @@ def probe_zmq(found: list[Found], seconds: float) -> None:
                         frames = sock.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    if sock in mons:
+                    if sock in mons or sock in peers:
                         msg = parse_monitor_message(frames)
-                        mons[sock].on_monitor(int(msg["event"]), int(msg["value"]), now, 0.0)
+                        event, value = int(msg["event"]), int(msg["value"])
+                        if sock in peers:
+                            count_peers(peers[sock][1], event, value)
+                        else:
+                            mons[sock].on_monitor(event, value, now, 0.0)
                         continue
                     f, link = socks[sock]
+                    if f.role == "relay":  # the target's subscriptions: what the relay waits for
+                        if frames[0][:1] == b"\x01":
+                            f.topics[frames[0][1:].decode(errors="replace")] += 1
+                        continue
                     kind = _note(f, frames)
                     if kind != "other":
                         good = kind == "good"
@@ -165,22 +201,51 @@ def probe_zmq(found: list[Found], seconds: float) -> None:
                         )
             for _, link in socks.values():
                 link.tick(time.monotonic(), 0.0)
+        for f, fds in peers.values():
+            f.publishers = len(fds)
         for f, link in socks.values():
             f.state, f.reason = link.health.state, link.health.reason
-            _verdict(f)
+            _verdict(f, seconds)
     finally:
         ctx.destroy(linger=0)
 
 
-def _verdict(f: Found) -> None:
+def _verdict(f: Found, seconds: float) -> None:
     """Refine the Link's word with what the probe counted."""
-    if f.role == "stream" and not f.batches and f.topics:
+    if f.role == "bound":
+        _bound_verdict(f, seconds)
+    elif f.role == "relay" and f.state in UP_STATES:
+        if f.topics:
+            subs = ", ".join("every topic" if not t else repr(t) for t in sorted(f.topics))
+            f.state, f.reason = "up", f"reachable, subscribed to {subs}"
+        else:  # the relay holds frames back until the target subscribes
+            f.state, f.reason = "unsubscribed", "connected, but the target subscribed to nothing"
+    elif f.role == "relay" and f.state == "connecting" and f.reason == "connecting":
+        f.reason = f"no answer in {seconds:g} s (the host is down or the port filtered?)"
+    elif f.role == "stream" and not f.batches and f.topics:
         seen = ", ".join(repr(t) for t in sorted(f.topics)[:3])
         f.state, f.reason = "wrong_topic", f"topic mismatch: configured {f.topic!r}, saw {seen}"
     elif f.role == "stream" and f.state == "waiting":
         f.reason = "connected; nothing published during the probe (engine idle?)"
     elif f.role == "stream" and f.errors and not f.batches and f.state in UP_STATES:
         f.state, f.reason = "undecodable", "messages do not decode: not KV events?"
+
+
+def _bound_verdict(f: Found, seconds: float) -> None:
+    """A bound endpoint: who connected and what they sent during the probe."""
+    n = f.publishers
+    if f.batches:
+        f.state, f.reason = "up", f"receiving from {n} publisher(s)"
+    elif f.topics:
+        seen = ", ".join(repr(t) for t in sorted(f.topics)[:3])
+        f.state, f.reason = "wrong_topic", f"topic mismatch: configured {f.topic!r}, saw {seen}"
+    elif f.errors:
+        f.state, f.reason = "undecodable", "messages do not decode: not KV events?"
+    elif n:
+        f.state = "connected"
+        f.reason = f"{n} publisher(s) connected; nothing published during the probe (engine idle?)"
+    else:
+        f.state, f.reason = "listening", nobody_connected(f.endpoint, f" in {seconds:g} s")
 
 
 async def probe_url(f: Found, timeout_s: float) -> None:

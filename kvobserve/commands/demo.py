@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import TextIO
 
+from kvobserve.analysis.conditions import active
 from kvobserve.commands.common import fail, load, stop_event
 from kvobserve.commands.embedded import Embedded, start_embedded
 from kvobserve.config import (
@@ -205,7 +206,7 @@ def summary_line(demo: Demo, last: tuple[float, int] | None) -> tuple[str, tuple
     lost = sum(s.stats.lost for s in view.streams)
     restarts = sum(s.stats.restarts for s in view.streams)
     kinds: dict[str, int] = {}
-    for c in view.conditions:
+    for c in active(view):
         kinds[c.kind] = kinds.get(c.kind, 0) + 1
     conds = ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())) or "none"
     line = (

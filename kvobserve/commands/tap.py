@@ -1,5 +1,9 @@
 """`kvobserve tap`: decode a live KV-event stream (or a recorded frames.jsonl), one JSON line per batch.
 
+A live stream is a publisher tap connects to (ENDPOINT), or with --bind an endpoint tap binds for
+publishers that connect (vLLM given a concrete host, llm-d's central mode); their batches are
+told apart by the topic each line carries.
+
 Exit 0 when batches were printed (and --count reached), 1 with one line on stderr when nothing
 usable came (and why: commands/tap_live.py), 2 on a bad endpoint, file or flag.
 """
@@ -22,7 +26,9 @@ import zmq
 
 from kvobserve.commands import tap_dynamo
 from kvobserve.commands.tap_live import POLL_MS, watch_live
+from kvobserve.config.bind import bind_host_problem
 from kvobserve.sources.link import MONITOR_EVENTS
+from kvobserve.sources.relay import bind_endpoint
 from kvobserve.wire.errors import WireError
 from kvobserve.wire.kv_events import DEFAULT_MAX_PAYLOAD, KvBatch, decode_message
 from kvobserve.wire.kv_view import batch_view
@@ -50,6 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `kvobserve tap`."""
     parser.add_argument("endpoint", nargs="?", help="publisher to SUB to, e.g. tcp://10.0.0.5:5557")
     parser.add_argument("--file", help="decode a recorded frames.jsonl instead of a live stream")
+    parser.add_argument(
+        "--bind",
+        metavar="ENDPOINT",
+        help="bind ENDPOINT (e.g. tcp://*:5557) and receive from the publishers that connect "
+        "to it, instead of connecting to one",
+    )
     parser.add_argument("--topic", help="subscription topic prefix (default: all topics)")
     parser.add_argument("--replay-endpoint", help="replay ROUTER to ask first (DEALER request)")
     parser.add_argument(
@@ -70,8 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tap_dynamo.add_arguments(parser)  # Dynamo's event plane: a separate input mode
 
 
-def endpoint_problem(endpoint: str) -> str | None:
-    """Why `endpoint` cannot be connected to, or None when it looks valid."""
+def endpoint_problem(endpoint: str, bind: bool = False) -> str | None:
+    """Why `endpoint` cannot be connected to (`bind`: bound), or None when it looks valid."""
     scheme, sep, rest = endpoint.partition("://")
     if not sep:
         return "expected tcp://HOST:PORT, ipc://PATH or inproc://NAME"
@@ -79,11 +91,14 @@ def endpoint_problem(endpoint: str) -> str | None:
         host, colon, port = rest.rpartition(":")
         if not colon or not host:
             return "expected tcp://HOST:PORT"
-        if host == "*":
-            return "a wildcard host only binds; tap connects: give the engine's address"
+        if host == "*" and not bind:
+            return (
+                "a wildcard host only binds; tap connects: give the engine's address "
+                "(or --bind, for publishers that connect)"
+            )
         if not port.isdigit() or not 0 < int(port) < 65536:
             return f"port {port!r} is not a number in 1..65535"
-        return None
+        return bind_host_problem(endpoint) if bind else None
     if scheme in ("ipc", "inproc"):
         return None if rest else f"empty {scheme} address"
     return f"unknown transport {scheme!r} (expected tcp, ipc or inproc)"
@@ -207,6 +222,39 @@ def _recv(sock: zmq.Socket[bytes], tap: _Tap, wait_s: float | None) -> list[byte
     return None
 
 
+def _run_bound(args: argparse.Namespace, tap: _Tap) -> int:
+    """--bind: one SUB bound at the endpoint, every publisher that connects."""
+    topic: str = args.topic or ""
+    ctx = zmq.Context()
+    try:
+        bound = bind_endpoint(ctx, args.bind, 100_000, None)
+        if isinstance(bound, str):
+            sys.stderr.write(f"kvobserve tap: {bound}\n")
+            return 1
+        sub, mon = bound
+        where = sub.getsockopt_string(zmq.LAST_ENDPOINT)
+        sys.stderr.write(f"kvobserve tap: listening on {where}; publishers connect here\n")
+        outcome = watch_live(sub, mon, tap, args.bind, topic, args.timeout, bound=True)
+        sub.disable_monitor()
+    finally:
+        ctx.destroy(linger=0)
+    return _ended(args, tap, outcome.ok, outcome.message, f"on {args.bind}")
+
+
+def _ended(args: argparse.Namespace, tap: _Tap, ok: bool, message: str, where: str) -> int:
+    """The exit status of a live tap, with its one line on stderr when it failed."""
+    if not ok:
+        sys.stderr.write(f"kvobserve tap: {message}\n")
+        return 1
+    if args.count is not None and tap.printed < args.count and not tap.stop:
+        sys.stderr.write(
+            f"kvobserve tap: {tap.printed} of {args.count} batches {where}, then nothing for "
+            f"{args.timeout:g} s\n"
+        )
+        return 1
+    return 0
+
+
 def _run_live(args: argparse.Namespace, tap: _Tap) -> int:
     topic: str = args.topic or ""
     ctx = zmq.Context()
@@ -243,26 +291,19 @@ def _run_live(args: argparse.Namespace, tap: _Tap) -> int:
         outcome = watch_live(sub, mon, tap, args.endpoint, topic, args.timeout)
     finally:
         ctx.destroy(linger=0)
-    if not outcome.ok:
-        sys.stderr.write(f"kvobserve tap: {outcome.message}\n")
-        return 1
-    if args.count is not None and tap.printed < args.count and not tap.stop:
-        sys.stderr.write(
-            f"kvobserve tap: {tap.printed} of {args.count} batches from {args.endpoint}, then "
-            f"nothing for {args.timeout:g} s\n"
-        )
-        return 1
-    return 0
+    return _ended(args, tap, outcome.ok, outcome.message, f"from {args.endpoint}")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run `kvobserve tap`; 0 on success, 2 on a bad endpoint, file or flag."""
     if args.dynamo is not None:
         return tap_dynamo.run_dynamo(args)
-    if (args.file is None) == (args.endpoint is None):
-        return _fail("give exactly one of ENDPOINT or --file")
-    if args.file is not None and args.replay_endpoint:
-        return _fail("--replay-endpoint needs a live ENDPOINT, not --file")
+    if [args.file, args.endpoint, args.bind].count(None) != 2:
+        return _fail("give exactly one of ENDPOINT, --bind ENDPOINT or --file")
+    if args.replay_endpoint and args.endpoint is None:
+        return _fail(
+            "--replay-endpoint asks one publisher: give it with ENDPOINT, not --file or --bind"
+        )
     if args.from_seq is not None and not args.replay_endpoint:
         return _fail("--from-seq needs --replay-endpoint")
     if args.from_seq is not None and not 0 <= args.from_seq < 2**64 - 1:
@@ -271,6 +312,8 @@ def run(args: argparse.Namespace) -> int:
         problem = endpoint_problem(ep) if ep else None
         if problem:
             return _fail(f"bad {flag} {ep!r}: {problem}")
+    if args.bind is not None and (problem := endpoint_problem(args.bind, bind=True)):
+        return _fail(f"bad --bind {args.bind!r}: {problem}")
     record: IO[str] | None = None
     if args.record:
         try:
@@ -289,7 +332,9 @@ def run(args: argparse.Namespace) -> int:
                 previous[sig] = signal.signal(sig, on_signal)
             except ValueError:  # not the main thread: leave signals alone
                 break
-        return _run_file(args, tap) if args.file is not None else _run_live(args, tap)
+        if args.file is not None:
+            return _run_file(args, tap)
+        return _run_bound(args, tap) if args.bind is not None else _run_live(args, tap)
     except BrokenPipeError:
         # `kvobserve tap … | head` closed our stdout: point it at devnull so exit is quiet
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -5,6 +5,9 @@ the collector's reasons: connection refused, not a ZMQ publisher (an HTTP port),
 fails. With --topic, a silent stream is subscribed to every topic after a moment, and what comes
 under other topics is counted (not printed): a topic mismatch is then named. A run of undecodable
 messages ends tap with a summary instead of a screenful of errors.
+
+With --bind the SUB binds and the publishers connect (bind mode); its monitor then counts the
+connections (sources/relay.py), and a silent endpoint says whether anyone connected.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvobserve.sources.health import Health
 from kvobserve.sources.link import Link, LinkTimes, looks_like_http
+from kvobserve.sources.relay import count_peers, nobody_connected
 from kvobserve.wire.kv_events import KvBatch
 
 POLL_MS = 100  # how often the loop checks for Ctrl-C / SIGTERM and the clock
@@ -66,6 +70,7 @@ class _Watch:
     other_topics: Counter[bytes] = field(default_factory=Counter)
     widened: bool = False  # subscribed to every topic to look for a mismatch
     hinted: str = ""
+    peers: set[int] | None = None  # bound: the connections open now (their fds)
 
 
 def _say(message: str) -> None:
@@ -75,14 +80,21 @@ def _say(message: str) -> None:
 
 def _why_silent(link: Link, w: _Watch, endpoint: str, topic: str, waited: float) -> str:
     """One line: why no batch came from `endpoint` in `waited` seconds."""
+    where = "from" if w.peers is None else "on"
     if w.other_topics:
         seen = ", ".join(repr(t.decode(errors="replace")) for t, _ in w.other_topics.most_common(3))
         first = w.other_topics.most_common(1)[0][0].decode(errors="replace")
         n = sum(w.other_topics.values())
         return (
-            f"nothing under topic {topic!r} in {waited:.0f} s from {endpoint}, but {n} messages "
-            f"under {seen}: use --topic {first!r}, or leave --topic out"
+            f"nothing under topic {topic!r} in {waited:.0f} s {where} {endpoint}, but {n} "
+            f"messages under {seen}: use --topic {first!r}, or leave --topic out"
         )
+    if w.peers is not None:
+        if w.peers:
+            state = f"{len(w.peers)} publisher(s) connected, but sent nothing"
+        else:
+            state = nobody_connected(endpoint)
+        return f"nothing received in {waited:.0f} s on {endpoint}: {state}"
     h = link.health
     if h.state in ("waiting", "idle"):
         state = "connected, but the publisher sent nothing"
@@ -112,11 +124,15 @@ def watch_live(
     topic: str,
     timeout_s: float | None,
     clock: Callable[[], float] = time.monotonic,
+    *,
+    bound: bool = False,
 ) -> Outcome:
-    """Read `sub` until --count, a stop signal, `timeout_s` without a batch, or a bad run."""
+    """Read `sub` until --count, a stop signal, `timeout_s` without a batch, or a bad run.
+    `bound`: `sub` is bound at `endpoint`, subscribed to every topic, and `mon` reports the
+    publishers that connect."""
     health = Health("", "starting", "connecting", time.time())
     link = Link(endpoint, topic, health, LinkTimes())
-    w = _Watch(start=clock())
+    w = _Watch(start=clock(), widened=bound, peers=set() if bound else None)
     prefix = topic.encode()
     poller = zmq.Poller()
     poller.register(sub, zmq.POLLIN)
@@ -125,7 +141,7 @@ def watch_live(
         ready = dict(poller.poll(POLL_MS))
         now = clock()
         if mon in ready:
-            _drain_monitor(mon, link, now)
+            _drain_monitor(mon, link, w.peers, now)
         if sub in ready:
             end = _drain_sub(sub, tap, w, link, endpoint, topic, prefix, now)
             if end is not None:
@@ -143,18 +159,24 @@ def watch_live(
         if timeout_s is None and w.last_batch is None and quiet >= HINT_S:
             why = _why_silent(link, w, endpoint, topic, quiet).split(": ", 1)[-1]
             if why != w.hinted:  # once per reason, not every poll
-                _say(f"nothing received yet from {endpoint}: {why}; still waiting (Ctrl-C stops)")
+                where = "from" if w.peers is None else "on"
+                _say(
+                    f"nothing received yet {where} {endpoint}: {why}; still waiting (Ctrl-C stops)"
+                )
                 w.hinted = why
     return Outcome(True)
 
 
-def _drain_monitor(mon: zmq.Socket[bytes], link: Link, now: float) -> None:
+def _drain_monitor(mon: zmq.Socket[bytes], link: Link, peers: set[int] | None, now: float) -> None:
     while True:
         try:
             msg = parse_monitor_message(mon.recv_multipart(zmq.NOBLOCK))
         except zmq.Again:
             return
-        link.on_monitor(int(msg["event"]), int(msg["value"]), now, time.time())
+        if peers is not None:
+            count_peers(peers, int(msg["event"]), int(msg["value"]))
+        else:
+            link.on_monitor(int(msg["event"]), int(msg["value"]), now, time.time())
 
 
 def _drain_sub(

@@ -9,7 +9,9 @@ connect mode. A replay endpoint may name the pod's address as `{pod_ip}` (`tcp:/
 
 from __future__ import annotations
 
+import ipaddress
 import re
+import socket
 from dataclasses import dataclass, field
 
 from kvobserve.config.model import ConfigError, WorkerConfig
@@ -102,7 +104,54 @@ def fill_replay(template: str, pod: str) -> str:
     return template.replace("{pod_ip}", f"[{ip}]" if ":" in ip else ip)
 
 
-_LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+def bind_host_problem(endpoint: str) -> str | None:
+    """Why this machine cannot bind `endpoint`, or None. libzmq binds a wildcard, a network
+    interface's name, or an address of this machine (a name is resolved); the engines' endpoint
+    names this machine from outside (`tcp://collector:5557`, a Service), which is often not
+    something it can bind. Whether an address is this machine's is asked by binding a throwaway
+    socket to it."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    host, port = split_host_port(endpoint[6:])
+    if is_wildcard(host) or host in _interfaces():
+        return None
+    fix = f"bind tcp://*:{port} (every address of this machine; the engines connect to its name)"
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
+        return f"{host!r} in {endpoint!r} does not resolve here, so it cannot be bound: {fix}"
+    if any(_local(info[0], str(info[4][0])) for info in infos):
+        return None
+    what = "is" if _is_ip(host) else f"is {', '.join(sorted({str(i[4][0]) for i in infos}))},"
+    return (
+        f"{host!r} in {endpoint!r} {what} not an address of this machine, so it cannot be "
+        f"bound: {fix}"
+    )
+
+
+def _local(family: int, addr: str) -> bool:
+    """Whether this machine has the address `addr` (a socket can bind it)."""
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.bind((addr, 0))
+    except OSError:
+        return False
+    return True
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
+
+
+def _interfaces() -> set[str]:
+    try:
+        return {name for _, name in socket.if_nameindex()}
+    except OSError:
+        return set()
 
 
 def check_bind_worker(where: str, w: WorkerConfig) -> None:
@@ -132,6 +181,9 @@ def check_bind_worker(where: str, w: WorkerConfig) -> None:
         raise ConfigError(
             f"{where}.bind: port 0 in {w.bind!r}: the engines connect to a port they are given"
         )
+    problem = bind_host_problem(w.bind) if w.leader else None  # only the leader binds
+    if problem is not None:
+        raise ConfigError(f"{where}.bind: {problem}")
     if w.kv_endpoint is not None:
         raise ConfigError(
             f"{where}.kv_endpoint: {w.kv_endpoint!r} with {where}.bind {w.bind!r}: the "
@@ -159,10 +211,11 @@ def check_bind_worker(where: str, w: WorkerConfig) -> None:
                 f"{where}.relay_to: wildcard host in {w.relay_to!r}; give the address of the "
                 "subscriber that binds there (llm-d's scheduler: tcp://<scheduler>:5556)"
             )
-        if _same_endpoint(w.bind, w.relay_to):
+        if _same_endpoint(w.bind, w.relay_to, ranks := w.dp_size or 1):
+            ports = f" (rank r binds and relays port + r, {ranks} ranks)" if ranks > 1 else ""
             raise ConfigError(
-                f"{where}.relay_to: {w.relay_to!r} is {where}.bind {w.bind!r} itself: every "
-                "frame would come back"
+                f"{where}.relay_to: {w.relay_to!r} reaches {where}.bind {w.bind!r} on this "
+                f"machine{ports}: every frame would come back"
             )
 
 
@@ -170,10 +223,17 @@ def _wildcard(endpoint: str) -> bool:
     return is_wildcard(split_host_port(endpoint.partition("://")[2])[0])
 
 
-def _same_endpoint(bound: str, target: str) -> bool:
-    """Whether connecting to `target` reaches the endpoint bound as `bound` on this host."""
+def _same_endpoint(bound: str, target: str, ranks: int) -> bool:
+    """Whether relaying to `target` (rank r: port + r) reaches one of the `ranks` endpoints bound
+    from `bound` on this host (the bound address itself, or loopback when every address is)."""
     if bound.startswith("ipc://") or target.startswith("ipc://"):
         return bound == target
     b_host, b_port = split_host_port(bound.partition("://")[2])
     t_host, t_port = split_host_port(target.partition("://")[2])
-    return b_port == t_port and (t_host in _LOOPBACK or t_host == b_host)
+    local = t_host == "localhost" or (_is_ip(t_host) and _loopback(t_host))
+    here = t_host == b_host or (is_wildcard(b_host) and local)
+    return here and abs(b_port - t_port) < ranks
+
+
+def _loopback(ip: str) -> bool:
+    return ipaddress.ip_address(ip.strip("[]")).is_loopback

@@ -5,10 +5,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from kvobserve.analysis.alerting import DEFAULT_RUNBOOK_URL, KINDS, severity_rank
-from kvobserve.analysis.fleet import Condition, FleetView, StreamView
+from kvobserve.analysis.conditions import (
+    DEFAULT_RUNBOOK_URL,
+    KINDS,
+    Condition,
+    active,
+    severity_rank,
+)
 from kvobserve.analysis.hot import merge_top
 from kvobserve.analysis.placement import PlacementEstimate
+from kvobserve.analysis.views import FleetView, StreamView
 from kvobserve.wire.snapshot import RelayStats
 
 Json = dict[str, Any]
@@ -96,7 +102,7 @@ def streams_json(v: FleetView) -> list[Json]:
 
 
 def condition_json(c: Condition, runbook_url: str = DEFAULT_RUNBOOK_URL) -> Json:
-    """One active condition, with its alert and runbook link (analysis/alerting.py)."""
+    """One active condition, with its alert and runbook link (analysis/conditions.py KINDS)."""
     k = KINDS.get(c.kind)
     return {
         "kind": c.kind,
@@ -112,7 +118,7 @@ def condition_json(c: Condition, runbook_url: str = DEFAULT_RUNBOOK_URL) -> Json
 
 def alerts_json(v: FleetView, runbook_url: str = DEFAULT_RUNBOOK_URL) -> list[Json]:
     """GET /api/v1/alerts: most severe first, in the view's order otherwise."""
-    ordered = sorted(v.conditions, key=lambda c: severity_rank(c.severity))
+    ordered = sorted(active(v), key=lambda c: severity_rank(c.severity))
     return [condition_json(c, runbook_url) for c in ordered]
 
 

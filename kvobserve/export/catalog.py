@@ -13,7 +13,7 @@ from typing import Any
 
 from kvobserve import __version__
 from kvobserve.analysis.conditions import SOURCE_DOWN, WORKER_TROUBLE
-from kvobserve.analysis.fleet import CollectorView, FleetView
+from kvobserve.analysis.views import CollectorView, FleetView
 from kvobserve.wire.snapshot import RELAY_DROP_REASONS
 
 STREAM = ("worker_id", "node_rank", "dp_rank")

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 from prometheus_client.metrics_core import Metric
 
-from kvobserve.analysis.fleet import FleetView
+from kvobserve.analysis.views import FleetView
 from kvobserve.wire.snapshot import Family
 
 _NAME_RE = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")

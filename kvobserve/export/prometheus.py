@@ -14,7 +14,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from kvobserve.analysis.fleet import FleetState, FleetView
+from kvobserve.analysis.fleet import FleetState
+from kvobserve.analysis.views import FleetView
 from kvobserve.export.catalog import BY_NAME, CATALOG
 from kvobserve.export.exposition import cumulative
 from kvobserve.export.metrics_docs import render_docs

@@ -32,7 +32,7 @@ from typing import Any
 
 from prometheus_client.metrics_core import Metric
 
-from kvobserve.analysis.fleet import CollectorView, FleetView
+from kvobserve.analysis.views import CollectorView, FleetView
 from kvobserve.export.catalog import BY_NAME, CATALOG
 from kvobserve.export.exposition import Listed, header
 from kvobserve.export.prometheus import rest_families

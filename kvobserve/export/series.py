@@ -18,7 +18,7 @@ from itertools import chain, compress, groupby, repeat
 from operator import attrgetter, is_not, methodcaller, not_, truth
 from typing import Any
 
-from kvobserve.analysis.fleet import CollectorView, FleetView, StreamView
+from kvobserve.analysis.views import CollectorView, FleetView, StreamView
 from kvobserve.export.catalog import (
     CATALOG,
     SHARD_LABELLED,

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encoder
 from prometheus_client.metrics_core import Metric
 
-from kvobserve.analysis.alerting import DEFAULT_RUNBOOK_URL
+from kvobserve.analysis.conditions import DEFAULT_RUNBOOK_URL
 from kvobserve.config import split_host_port
 from kvobserve.export import api, status_page
 from kvobserve.export.ahead import Format, RenderAhead

@@ -2,8 +2,9 @@
 
 Built from the /api/v1 documents. Colour follows the active conditions only: a cell is tinted
 with the severity of the condition it belongs to (a stream's state with stream_down, its gaps with
-sequence_gap or events_lost, ...), never because a number is large: a warm prefix cache is full
-by design. Every condition links to its runbook section.
+sequence_gap or events_lost, ...: each kind's `cell` in analysis/conditions.py), never because a
+number is large: a warm prefix cache is full by design. Every condition links to its runbook
+section.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Iterable
 from html import escape
 from typing import Any
 
-from kvobserve.analysis.alerting import severity_rank
+from kvobserve.analysis.conditions import KINDS, severity_rank
 
 Json = dict[str, Any]
 
@@ -33,26 +34,17 @@ td.n{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
 .own0{background:#f4b4b4}.own1{background:#bfe8c4}.ownN{background:#ffd98a}
 """
 
-# Which stream cell a condition kind tints.
-_CELL = {
-    "stream_down": "state",
-    "duplicate_stream": "dup",
-    "stream_stalled": "state",
-    "sequence_gap": "gaps",
-    "events_lost": "gaps",
-    "publisher_restarted": "restarts",
-    "index_incomplete": "index",
-    "decode_errors": "errors",
-    "rank_mismatch": "errors",
-    "cache_near_full": "sched",
+# The rows a kind's `cell` names besides a stream's cells, and the labels that pick the row.
+_ROW_KEYS = {
+    "worker": ("worker_id", "collector"),
+    "source": ("worker_id", "collector", "source"),
 }
-_UP_STATES = {"up", "waiting", "idle", "duplicate"}
-# Which worker or scheduler-source row a condition kind tints: keyed by its labels.
-_ROW = {
-    "worker_undiscovered": ("worker_id", "collector"),
-    "layout_mismatch": ("worker_id", "collector"),
-    "scheduler_source_down": ("worker_id", "collector", "source"),
-}
+
+
+def _cell(kind: str) -> str | None:
+    """What a condition of `kind` tints (analysis/conditions.py `Kind.cell`)."""
+    k = KINDS.get(kind)
+    return k.cell if k is not None else None
 
 
 def _e(value: object) -> str:
@@ -129,8 +121,8 @@ def _stream_conditions(alerts: list[Json]) -> dict[tuple[str, str, str], dict[st
     """(worker, node, rank) -> cell -> the most severe condition severity tinting it."""
     out: dict[tuple[str, str, str], dict[str, str]] = {}
     for a in alerts:
-        lb, cell = a["labels"], _CELL.get(a["kind"])
-        if cell is None or "dp_rank" not in lb:
+        lb, cell = a["labels"], _cell(a["kind"])
+        if cell is None or cell in _ROW_KEYS or "dp_rank" not in lb:
             continue
         key = (str(lb.get("worker_id")), str(lb.get("node_rank")), str(lb.get("dp_rank")))
         cells = out.setdefault(key, {})
@@ -272,7 +264,7 @@ def _row_conditions(alerts: list[Json]) -> dict[tuple[str, ...], str]:
     """(kind's row keys: worker, collector[, source]) -> the severity tinting that row."""
     out: dict[tuple[str, ...], str] = {}
     for a in alerts:
-        keys = _ROW.get(a["kind"])
+        keys = _ROW_KEYS.get(_cell(a["kind"]) or "")
         if keys is not None:
             out[tuple(str(a["labels"].get(k)) for k in keys)] = a["severity"]
     return out

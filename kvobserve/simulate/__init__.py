@@ -3,7 +3,8 @@
 from kvobserve.simulate.config import SimConfig
 from kvobserve.simulate.faults import FaultConfig
 from kvobserve.simulate.group import SimulatorGroup, nodes_of
-from kvobserve.simulate.worker import Endpoint, SimulatedWorker
+from kvobserve.simulate.ranks import Endpoint
+from kvobserve.simulate.worker import SimulatedWorker
 
 __all__ = [
     "Endpoint",

@@ -17,13 +17,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvobserve.simulate.worker import SimulatedWorker
+    from kvobserve.simulate.ranks import Node
 
 WILDCARD = "*"  # every simulated engine is launched with the engines' default `tcp://*:port`
 _WILDCARD_BINDS = {"*": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}
 
 
-def kv_events_config(w: SimulatedWorker) -> dict[str, Any]:
+def kv_events_config(w: Node) -> dict[str, Any]:
     """The `--kv-events-config` the engine was launched with: wildcard endpoints, rank 0's ports."""
     c = w.cfg
     cfg: dict[str, Any] = {
@@ -38,7 +38,7 @@ def kv_events_config(w: SimulatedWorker) -> dict[str, Any]:
     return cfg
 
 
-def _launch_command(w: SimulatedWorker, raw_config: str) -> str:
+def _launch_command(w: Node, raw_config: str) -> str:
     c = w.cfg
     args = ["python", "-m", "sglang.launch_server", "--model-path", c.model_name]
     args += ["--dp-size", str(c.dp_size), "--nnodes", str(c.nnodes), "--node-rank", "0"]
@@ -51,7 +51,7 @@ def _launch_command(w: SimulatedWorker, raw_config: str) -> str:
     return shlex.join(args)
 
 
-def server_info(w: SimulatedWorker) -> dict[str, Any]:
+def server_info(w: Node) -> dict[str, Any]:
     """SGLang `GET /server_info` (`/get_server_info`) of node 0, as this version builds it."""
     c, parts = w.cfg, w.fmt.server_info
     raw = json.dumps(kv_events_config(w))
@@ -95,7 +95,7 @@ def server_info(w: SimulatedWorker) -> dict[str, Any]:
     return info
 
 
-def _kv_events_block(w: SimulatedWorker) -> dict[str, Any]:
+def _kv_events_block(w: Node) -> dict[str, Any]:
     c, parts = w.cfg, w.fmt.server_info
     block: dict[str, Any] = {
         "publisher": "zmq",
@@ -119,7 +119,7 @@ def _bound(host: str, port: int) -> str:
     return f"tcp://[{h}]:{port}" if ":" in h else f"tcp://{h}:{port}"
 
 
-def _sglang_sources(w: SimulatedWorker) -> list[dict[str, Any]]:
+def _sglang_sources(w: Node) -> list[dict[str, Any]]:
     """gRPC mode: this node's local schedulers' sources, sorted by rank."""
     c = w.cfg
     out = []
@@ -136,7 +136,7 @@ def _sglang_sources(w: SimulatedWorker) -> list[dict[str, Any]]:
     return out
 
 
-def kv_event_sources(w: SimulatedWorker) -> dict[str, Any]:
+def kv_event_sources(w: Node) -> dict[str, Any]:
     """vLLM `GET /kv_event_sources`: `{dp_rank: KVEventsConfig}` for the ranks this server manages.
 
     `endpoint` is the configured endpoint offset by the rank: a wildcard host stays a wildcard.
@@ -159,7 +159,7 @@ def kv_event_sources(w: SimulatedWorker) -> dict[str, Any]:
 
 
 # The answer of each discovery route a simulated engine serves.
-ANSWERS: dict[str, Callable[[SimulatedWorker], dict[str, Any]]] = {
+ANSWERS: dict[str, Callable[[Node], dict[str, Any]]] = {
     "/server_info": server_info,
     "/get_server_info": server_info,  # the name before SGLang 0.5 deprecated it
     "/kv_event_sources": kv_event_sources,

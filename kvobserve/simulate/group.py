@@ -11,8 +11,9 @@ from typing import Any
 from kvobserve.simulate.config import SimConfig
 from kvobserve.simulate.dynamo_indexer import SimIndexer
 from kvobserve.simulate.dynamo_worker import SimulatedDynamoWorker, dynamo_worker_id, indexer_truth
+from kvobserve.simulate.ranks import Endpoint
 from kvobserve.simulate.truth import TRUTH_VERSION, write_truth
-from kvobserve.simulate.worker import Endpoint, SimulatedWorker
+from kvobserve.simulate.worker import SimulatedWorker
 
 _rng = random.Random()
 

@@ -21,8 +21,7 @@ from kvobserve.simulate.engines.base import NodeMetrics, RankLoad
 from kvobserve.simulate.serve import ThreadedApp
 
 if TYPE_CHECKING:
-    from kvobserve.simulate.ranks import RankState
-    from kvobserve.simulate.worker import SimulatedWorker
+    from kvobserve.simulate.ranks import Node, RankState
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 HEALTH_ROUTES = frozenset({"/health", "/health_generate", "/ping"})  # "ok" while it runs
@@ -32,7 +31,7 @@ class _EngineMetrics(Collector):
     """The engine's own scheduler metrics (its simulator profile's `metrics`), read at scrape
     time from the ranks this node's server reports."""
 
-    def __init__(self, w: SimulatedWorker) -> None:
+    def __init__(self, w: Node) -> None:
         self.w = w
 
     def collect(self) -> Iterator[Metric]:
@@ -64,7 +63,7 @@ class _EngineMetrics(Collector):
 class SimHttpServer:
     """aiohttp on a private loop in a thread; `start()` returns the bound port."""
 
-    def __init__(self, w: SimulatedWorker, host: str, port: int) -> None:
+    def __init__(self, w: Node, host: str, port: int) -> None:
         self.w = w
         self.host = host
         self.port = port
@@ -94,7 +93,7 @@ class SimHttpServer:
         return web.Response(text="ok")
 
     def _answer(
-        self, build: Callable[[SimulatedWorker], dict[str, Any]]
+        self, build: Callable[[Node], dict[str, Any]]
     ) -> Callable[[web.Request], Awaitable[web.Response]]:
         async def handle(request: web.Request) -> web.Response:
             return web.json_response(build(self.w))

@@ -1,15 +1,19 @@
-"""Per-rank socket and publisher-instance state, and the endpoints a worker prints."""
+"""A simulated node's state: per-rank sockets and publisher instances, the endpoints it prints,
+and what its HTTP server, discovery answers, side channels and truth read of it (`Node`)."""
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 
+from kvobserve.simulate.config import SimConfig
 from kvobserve.simulate.stream import SimStream
+from kvobserve.simulate.wire_format import WireFormat
 
 
 @dataclass(frozen=True)
@@ -55,3 +59,22 @@ class RankState:
     def ring(self) -> deque[tuple[int, bytes, bytes]]:
         """The replay ring this rank's ROUTER serves."""
         return self.mirror_ring if self.mirror_of is not None else self.streams[0].ring
+
+
+class Node(Protocol):
+    """A simulated engine node as its parts read it (simulate/worker.py `SimulatedWorker`)."""
+
+    cfg: SimConfig
+    fmt: WireFormat
+    ranks: list[RankState]
+    stray: RankState | None  # the publisher past the last rank (a fault), if any
+    bind_failures: list[str]
+    kv_base: int
+    replay_base: int | None
+    load_base: int | None
+    http_port: int | None
+
+    @property
+    def peers(self) -> Sequence[Node]:
+        """The other nodes of this worker in this process (a vLLM head's API server reads them)."""
+        ...

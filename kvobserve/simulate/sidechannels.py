@@ -12,7 +12,7 @@ from kvobserve.simulate.engines.sglang import LOAD_STAT_FULL
 from kvobserve.simulate.stream import PREFILL_US_PER_TOKEN
 
 if TYPE_CHECKING:
-    from kvobserve.simulate.worker import SimulatedWorker
+    from kvobserve.simulate.ranks import Node
 
 LOAD_TOPIC = b"load"
 
@@ -98,7 +98,7 @@ def load_stat_for(
     )
 
 
-def emit_side_channels(w: SimulatedWorker) -> None:
+def emit_side_channels(w: Node) -> None:
     """Send one LoadStat and one KvMetrics per hosted rank; capacity is the same number in both."""
     c = w.cfg
     for st in w.ranks:

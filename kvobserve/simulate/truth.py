@@ -9,9 +9,8 @@ from typing import TYPE_CHECKING, Any
 from kvobserve.simulate.cache import Hash
 
 if TYPE_CHECKING:
-    from kvobserve.simulate.ranks import RankState
+    from kvobserve.simulate.ranks import Node, RankState
     from kvobserve.simulate.stream import SimStream
-    from kvobserve.simulate.worker import SimulatedWorker
 
 TRUTH_VERSION = 1
 
@@ -68,7 +67,7 @@ def _rank_truth(st: RankState) -> dict[str, Any]:
     }
 
 
-def build_truth(w: SimulatedWorker) -> dict[str, Any]:
+def build_truth(w: Node) -> dict[str, Any]:
     """The whole truth document of one worker node."""
     c = w.cfg
     return {

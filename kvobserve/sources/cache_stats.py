@@ -11,15 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from kvobserve.analysis.analytics import TOP_MEDIA, AnalyticsOptions, CacheAnalytics
-from kvobserve.analysis.blocks import BlockIndex, LifetimeHistogram
+from kvobserve.analysis.analytics import AnalyticsOptions, CacheAnalytics
+from kvobserve.analysis.blocks import BlockIndex
+from kvobserve.analysis.histogram import LifetimeHistogram
 from kvobserve.analysis.placement import local_placement
 from kvobserve.analysis.sequence import StreamSequencer
+from kvobserve.analysis.tiers import DEFAULT_MEDIUM, TOP_MEDIA
 from kvobserve.engines import profile
 from kvobserve.wire.kv_events import BlockHash
 from kvobserve.wire.snapshot import Histogram, HotBlock, StreamStats, WorkerPlacement
-
-_TOP = "GPU"
 
 
 def attach(seq: StreamSequencer, options: AnalyticsOptions) -> CacheAnalytics:
@@ -36,13 +36,13 @@ def link_peers(streams: Iterable[tuple[str, StreamSequencer]]) -> None:
     for indexes in by_worker.values():
         for idx in indexes:
             if idx.analytics is not None:
-                idx.analytics.peers = [o._tiers for o in indexes if o is not idx]
+                idx.analytics.peers = [o.tiers for o in indexes if o is not idx]
 
 
 def top_tier(idx: BlockIndex) -> dict[BlockHash, float]:
     """The resident hashes of the index's top tier (GPU, or DEVICE), empty if none yet."""
-    for name in (_TOP, *TOP_MEDIA):
-        tier = idx._tiers.get(name)
+    for name in (DEFAULT_MEDIUM, *TOP_MEDIA):
+        tier = idx.tiers.get(name)
         if tier is not None:
             return tier.resident
     return {}

@@ -23,26 +23,13 @@ from kvobserve.engines.profile import Discovery
 from kvobserve.sources.discovery_parse import (
     PARSERS,
     DiscoveredEngine,
-    DiscoveredSource,
     DiscoveryError,
     block_sizes,
     merge,
-    parse_sglang_server_info,
-    parse_vllm_kv_event_sources,
     with_block_sizes,
 )
 from kvobserve.sources.periodic import PeriodicPoll, connect_reason, http_failure_reason
 
-__all__ = [
-    "DiscoveredEngine",
-    "DiscoveredSource",
-    "DiscoveryError",
-    "Rediscovery",
-    "discover",
-    "discover_urls",
-    "parse_sglang_server_info",
-    "parse_vllm_kv_event_sources",
-]
 log = logging.getLogger(__name__)
 
 

@@ -25,7 +25,7 @@ from kvobserve.aio import cancel_and_wait
 from kvobserve.analysis.drift import Drift, compare_blocks, compare_sizes
 from kvobserve.sources.dynamo_ingest import DynamoIngest
 from kvobserve.sources.dynamo_plan import DynamoPlan, redact
-from kvobserve.sources.dynamo_streams import Key, Touched
+from kvobserve.sources.dynamo_state import Key, Touched
 from kvobserve.wire.dynamo import medium_of
 from kvobserve.wire.dynamo_indexer import IndexerDump, decode_dump, decode_tree_sizes
 from kvobserve.wire.errors import WireError

@@ -25,7 +25,8 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from kvobserve.sources.dynamo_plan import DynamoPlan
-from kvobserve.sources.dynamo_streams import DynamoOptions, DynamoStats, DynamoTable
+from kvobserve.sources.dynamo_state import DynamoOptions, DynamoStats
+from kvobserve.sources.dynamo_streams import DynamoTable
 
 if TYPE_CHECKING:  # nats-py is imported only when a NATS plane runs (`run` without NATS)
     from nats.aio.client import Client

@@ -47,8 +47,6 @@ from kvobserve.wire.snapshot import (
     WorkerInfo,
 )
 
-__all__ = ["DynamoOptions", "DynamoStats", "DynamoTable", "Key", "Touched"]
-
 
 class DynamoTable:
     """Every stream and scheduler value of the collector's Dynamo planes."""

@@ -1,14 +1,13 @@
-"""The ingest loop's settings and what it reports for a snapshot (sources/kv_stream.py)."""
+"""The settings of the ingest loop (sources/kv_stream.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvobserve.analysis.analytics import DEFAULT_ANALYTICS, AnalyticsOptions
 from kvobserve.analysis.sequence import DEFAULT_LIMITS, SequencerLimits
 from kvobserve.sources.link import DEFAULT_LINK_TIMES, LinkTimes
 from kvobserve.wire.kv_events import DEFAULT_MAX_PAYLOAD
-from kvobserve.wire.snapshot import BindStats, StreamStats, UnexpectedStream, WorkerPlacement
 
 
 @dataclass(frozen=True)
@@ -30,17 +29,3 @@ class IngestOptions:
     link: LinkTimes = DEFAULT_LINK_TIMES
     # docs/cache-analytics.md; None = residency and sequence only (benchmarks compare both)
     analytics: AnalyticsOptions | None = DEFAULT_ANALYTICS
-
-
-@dataclass(frozen=True)
-class IngestStats:
-    """What the ingest thread reports for one snapshot."""
-
-    streams: list[StreamStats]
-    unexpected: list[UnexpectedStream]
-    refused: dict[str, int]  # what a cardinality cap refused: streams, medium_events
-    messages_received: int = 0
-    loop_errors: int = 0
-    placement: list[WorkerPlacement] = field(default_factory=list)
-    binds: list[BindStats] = field(default_factory=list)  # bind mode: the endpoints bound
-    pods: dict[str, list[str]] = field(default_factory=dict)  # [[worker]] id -> its pods' ids

@@ -18,18 +18,17 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from kvobserve.analysis.mirror import MirrorDetector
-from kvobserve.analysis.sequence import (
-    StreamSequencer,
-)
+from kvobserve.analysis.sequence import StreamSequencer
 from kvobserve.sources import cache_stats
 from kvobserve.sources.bind import Listener
-from kvobserve.sources.ingest_options import IngestOptions, IngestStats
+from kvobserve.sources.ingest_options import IngestOptions
 from kvobserve.sources.link import MONITOR_EVENTS, Link
 from kvobserve.sources.plan import ListenSpec, StreamSpec
 from kvobserve.sources.relay import Relay
@@ -45,6 +44,20 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _RCVMORE = int(zmq.RCVMORE)
+
+
+@dataclass(frozen=True)
+class IngestStats:
+    """What the ingest thread reports for one snapshot."""
+
+    streams: list[StreamStats]
+    unexpected: list[UnexpectedStream]
+    refused: dict[str, int]  # what a cardinality cap refused: streams, medium_events
+    messages_received: int = 0
+    loop_errors: int = 0
+    placement: list[WorkerPlacement] = field(default_factory=list)
+    binds: list[BindStats] = field(default_factory=list)  # bind mode: the endpoints bound
+    pods: dict[str, list[str]] = field(default_factory=dict)  # [[worker]] id -> its pods' ids
 
 
 class IngestLoop:

@@ -25,6 +25,7 @@ gone.
 from __future__ import annotations
 
 import contextlib
+import errno as os_errno
 import json
 import logging
 import os
@@ -84,11 +85,12 @@ def bound_sub(ctx: zmq.Context[zmq.Socket[bytes]], rcvhwm: int) -> zmq.Socket[by
 
 
 def bind_endpoint(
-    ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, rcvhwm: int, retry_s: float
+    ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, rcvhwm: int, retry_s: float | None
 ) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]] | str:
     """The SUB bound at `endpoint` with its monitor (connections), or why it could not be bound,
-    for a person. libzmq's BIND_FAILED monitor event has the errno, which its own sending of
-    that event can overwrite (EAGAIN) before zmq_bind returns."""
+    for a person (and that it is tried again after `retry_s`, when given). libzmq's BIND_FAILED
+    monitor event has the errno, which its own sending of that event can overwrite (EAGAIN)
+    before zmq_bind returns."""
     sub = bound_sub(ctx, rcvhwm)
     mon = sub.get_monitor_socket(LISTEN_EVENTS)
     try:
@@ -102,8 +104,31 @@ def bind_endpoint(
         sub.disable_monitor()
         mon.close(linger=0)
         sub.close(linger=0)
-        return f"cannot bind {endpoint}: {zmq.strerror(errno)}; trying again every {retry_s:g} s"
+        why = f"cannot bind {endpoint}: {zmq.strerror(errno)}{_bind_hint(endpoint, errno)}"
+        return why if retry_s is None else f"{why}; trying again every {retry_s:g} s"
     return sub, mon
+
+
+def _bind_hint(endpoint: str, errno: int) -> str:
+    """What an operator does about a bind that failed with `errno`."""
+    if errno == os_errno.EADDRINUSE:
+        return (
+            " (another process binds that port: a second kvobserve, or the scheduler, which "
+            "cannot share it; relay_to puts kvobserve in front of it)"
+        )
+    if errno in (os_errno.EADDRNOTAVAIL, os_errno.ENODEV):
+        host, _, port = endpoint.partition("://")[2].rpartition(":")
+        return f" ({host} is not an address of this machine: bind tcp://*:{port} instead)"
+    return ""
+
+
+def nobody_connected(endpoint: str, within: str = "") -> str:
+    """Why a bound endpoint is silent when no publisher connected (`within`: " in 3 s")."""
+    port = endpoint.rpartition(":")[2]
+    return (
+        f"no publisher connected{within} (the engines' --kv-events-config endpoint must name "
+        f"this host, port {port})"
+    )
 
 
 def count_peers(peers: set[int], event: int, value: int) -> str | None:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import zmq
 
-from kvobserve.analysis.sequence import CancelReplay, RequestReplay
+from kvobserve.analysis.actions import CancelReplay, RequestReplay
 from kvobserve.sources.stream_state import WatchedStream, count_bad
 from kvobserve.wire.errors import WireError
 from kvobserve.wire.replay import decode_replay_message, encode_replay_request

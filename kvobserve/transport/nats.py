@@ -16,6 +16,7 @@ import inspect
 import logging
 import os
 import random
+import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -29,7 +30,6 @@ from kvobserve.aio import cancel_and_wait
 from kvobserve.config import NatsConfig
 from kvobserve.transport import Coalescer, Handler, TransportCounters, TransportStatus
 from kvobserve.transport.nats_kv import SnapshotBucket
-from kvobserve.transport.nats_tls import NatsConnectError, build_ssl_context
 from kvobserve.transport.subjects import (
     event_subject,
     event_wildcard,
@@ -44,7 +44,8 @@ from kvobserve.wire.snapshot import WHOLE
 log = logging.getLogger(__name__)
 
 
-__all__ = ["NatsConnectError", "NatsTransport"]
+class NatsConnectError(Exception):
+    """The first connection (or the KV bucket) could not be set up; the message says why."""
 
 
 class NatsTransport:
@@ -382,3 +383,23 @@ class NatsTransport:
 
     async def _on_closed(self) -> None:
         self.status = TransportStatus.CLOSED
+
+
+def build_ssl_context(
+    ca: str | None, cert: str | None, key: str | None, *, force: bool = False
+) -> ssl.SSLContext | None:
+    """A client TLS context from PEM files; None when no TLS is asked for."""
+    if not (ca or cert or key or force):
+        return None
+    try:
+        ctx = ssl.create_default_context(cafile=ca)
+    except (OSError, ssl.SSLError) as exc:
+        raise NatsConnectError(f"nats tls_ca {ca!r}: cannot load: {exc}") from None
+    if cert or key:
+        if not (cert and key):
+            raise NatsConnectError("nats tls_cert/tls_key: set both or neither")
+        try:
+            ctx.load_cert_chain(cert, key)
+        except (OSError, ssl.SSLError) as exc:
+            raise NatsConnectError(f"nats tls_cert {cert!r} / tls_key {key!r}: {exc}") from None
+    return ctx

@@ -23,13 +23,6 @@ from kvobserve.wire.kv_events import (
     decode_seq,
 )
 
-__all__ = [
-    "END_SEQ",
-    "decode_replay_message",
-    "encode_replay_request",
-    "is_end_marker",
-]
-
 _MAX_SEQ = (1 << 64) - 1
 
 

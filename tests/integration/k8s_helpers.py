@@ -145,6 +145,15 @@ def lws_pod(group: int, worker: int) -> tuple[str, dict[str, str], dict[str, str
     return pod, labels, annotations, injected
 
 
+def lws_sidecar_env(group: int, worker: int) -> tuple[str, dict[str, str]]:
+    """(pod name, the environment its collector sidecar gets) of an LWS pod of the example."""
+    pod, labels, annotations, injected = lws_pod(group, worker)
+    template = lws_templates()["leader" if worker == 0 else "worker"]
+    (sidecar,) = template["spec"]["initContainers"]
+    labels = {**template["metadata"]["labels"], **labels}
+    return pod, container_env(sidecar, pod, labels, annotations, injected)
+
+
 _FIELD = re.compile(r"^metadata\.(labels|annotations)\['([^']+)'\]$")
 _REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 

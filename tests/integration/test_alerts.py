@@ -78,7 +78,7 @@ def _alert_cases() -> list[dict[str, Any]]:
 def test_promtool_check_rules() -> None:
     proc = _run("promtool", "check", "rules", str(RULES))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"SUCCESS: {len(DESIGN_ALERTS)} rules found" in proc.stdout
+    assert f"SUCCESS: {len(_rules())} rules found" in proc.stdout
 
 
 def test_promtool_unit_tests_pass() -> None:
@@ -112,11 +112,13 @@ def test_alertmanager_routes_by_severity(severity: str, receiver: str) -> None:
     assert proc.stdout.strip() == receiver
 
 
-def test_rules_are_exactly_the_design_alerts() -> None:
-    assert sorted(_rules()) == sorted(DESIGN_ALERTS)
+def test_every_design_alert_has_its_rule() -> None:
+    """The names the design fixes are kept (a rename breaks routes and silences); a new alert is
+    a row of analysis/conditions.py and its rule, held together by tests/unit/test_alert_table.py."""
+    assert set(DESIGN_ALERTS) <= set(_rules()), set(DESIGN_ALERTS) - set(_rules())
 
 
-@pytest.mark.parametrize("name", DESIGN_ALERTS)
+@pytest.mark.parametrize("name", sorted(_rules()))
 def test_rule_has_required_fields(name: str) -> None:
     rule = _rules()[name]
     assert rule["labels"]["severity"] in {"critical", "warning", "info"}
@@ -150,8 +152,8 @@ def test_rules_use_only_catalog_metrics() -> None:
 
 def test_every_alert_has_firing_and_silent_case() -> None:
     rules = _rules()
-    firing: dict[str, list[dict[str, Any]]] = {name: [] for name in DESIGN_ALERTS}
-    silent: dict[str, int] = dict.fromkeys(DESIGN_ALERTS, 0)
+    firing: dict[str, list[dict[str, Any]]] = {name: [] for name in rules}
+    silent: dict[str, int] = dict.fromkeys(rules, 0)
     for case in _alert_cases():
         name = case["alertname"]
         assert name in rules, f"test for unknown alert {name}"
@@ -160,7 +162,7 @@ def test_every_alert_has_firing_and_silent_case() -> None:
             firing[name].extend(expected)
         else:
             silent[name] += 1
-    for name in DESIGN_ALERTS:
+    for name in rules:
         assert firing[name], f"{name}: no case where it fires"
         assert silent[name], f"{name}: no case where it does not fire"
         for alert in firing[name]:
@@ -184,14 +186,14 @@ def test_inhibition_labels_exist_on_both_alerts() -> None:
             assert found, f"inhibit rules name exact alerts: {matcher}"
             names.append(found.group(1))
         for name in names:
-            assert name in DESIGN_ALERTS
+            assert name in _rules()
             missing = set(rule["equal"]) - labels_of[name]
             assert not missing, f"{name} lacks {missing} used by an inhibit rule"
 
 
 def test_runbook_has_a_section_per_alert() -> None:
     headings = re.findall(r"^## (\S+)\s*$", RUNBOOK.read_text(), flags=re.MULTILINE)
-    for name in DESIGN_ALERTS:
+    for name in _rules():
         # GitHub anchors are the lowercased heading text, which is what runbook_url points at.
         assert name in headings, f"docs/alerts.md has no '## {name}' section"
 
@@ -302,7 +304,7 @@ def test_rules_evaluate_without_errors(prometheus: str) -> None:
     def evaluated() -> bool:
         groups = _get(prometheus, "/api/v1/rules")["data"]["groups"]
         rules = [r for g in groups for r in g["rules"]]
-        return len(rules) == len(DESIGN_ALERTS) and all(r["evaluationTime"] > 0 for r in rules)
+        return len(rules) == len(_rules()) and all(r["evaluationTime"] > 0 for r in rules)
 
     _poll("every rule evaluated", evaluated)
     groups = _get(prometheus, "/api/v1/rules")["data"]["groups"]

@@ -167,8 +167,9 @@ async def test_an_endpoint_in_use_is_reported_and_bound_once_free(sims: Sims) ->
                 col, lambda s: _bind(s, 0).state == "bind_failed", what="bind failed"
             )
             assert _bind(snap, 0).reason == (
-                f"cannot bind tcp://127.0.0.1:{port}: Address already in use; "
-                "trying again every 0.5 s"
+                f"cannot bind tcp://127.0.0.1:{port}: Address already in use (another process "
+                "binds that port: a second kvobserve, or the scheduler, which cannot share it; "
+                "relay_to puts kvobserve in front of it); trying again every 0.5 s"
             )
             assert (stream(snap, 0).state, stream(snap, 0).up) == ("bind_failed", False)
             squatter.close(linger=0)

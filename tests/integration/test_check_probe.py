@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import zmq
 
 from kvobserve.simulate import SimConfig, SimulatedWorker
 from tests.integration.conftest import free_port
@@ -105,3 +107,99 @@ def test_probe_of_a_healthy_engine_exits_0(engine: SimulatedWorker, tmp_path: Pa
     proc = _check(cfg, "--probe", "--probe-seconds", "2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "BAD" not in proc.stdout and "up: HTTP 200" in proc.stdout
+
+
+# --- bind mode: the endpoints this node binds, and the relay's target ------------------------------
+
+
+def _polled_sub(
+    ctx: zmq.Context[zmq.Socket[bytes]], stop: threading.Event, threads: list[threading.Thread]
+) -> int:
+    """A scheduler stand-in: a SUB bound on a free port, subscribed to everything and polled (a
+    socket attaches its peers, and sends them its subscriptions, only when it is used)."""
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    port = sub.bind_to_random_port("tcp://127.0.0.1")
+
+    def loop() -> None:
+        while not stop.is_set():
+            if sub.poll(50):
+                sub.recv_multipart()
+        sub.close(linger=0)
+
+    threads.append(threading.Thread(target=loop, daemon=True))
+    threads[-1].start()
+    return port
+
+
+def _bound_worker(wid: str, port: int, target: int) -> dict[str, object]:
+    return {"id": wid, "engine": "vllm", "bind": f"tcp://127.0.0.1:{port}",
+            "topic": "kv@{pod}@{model}", "relay_to": f"tcp://127.0.0.1:{target}"}  # fmt: skip
+
+
+def _probed(proc: subprocess.CompletedProcess[str]) -> dict[tuple[str, str], dict[str, object]]:
+    """(worker id, role) -> what `check --probe --json` found."""
+    plan = json.loads(proc.stdout)
+    return {(w["worker_id"], f["role"]): f for w in plan["workers"] for f in w.get("probe", [])}
+
+
+def test_probe_binds_what_this_node_binds_and_asks_the_relay_target(tmp_path: Path) -> None:
+    """Nothing connected and no target: both BAD, with the reason; the port held by another
+    process: named; two llm-d pods connected and a subscribing target: ok, exit 0."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    stop = threading.Event()
+    threads: list[threading.Thread] = []
+    sims = []
+    try:
+        holder = ctx.socket(zmq.SUB)
+        held = holder.bind_to_random_port("tcp://127.0.0.1")
+        port, target = free_port(), free_port()
+        cfg = write_toml(tmp_path / "b.toml", {"worker": [
+            _bound_worker("alone", port, target), _bound_worker("held", held, target)]})  # fmt: skip
+        proc = _check(cfg, "--probe", "--probe-seconds", "2")
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        lines = [" ".join(line.split()) for line in proc.stdout.splitlines()]  # columns: 1 space
+        assert (
+            f"BAD bound rank 0 tcp://127.0.0.1:{port} listening: no publisher connected in 2 s "
+            f"(the engines' --kv-events-config endpoint must name this host, port {port})" in lines
+        )
+        assert (
+            f"BAD relay rank 0 tcp://127.0.0.1:{target} connecting: connection refused: nothing "
+            "listens there" in lines
+        )
+        found = _probed(_check(cfg, "--probe", "--probe-seconds", "2", "--json"))
+        assert found["held", "bound"]["state"] == "bind_failed"
+        assert str(found["held", "bound"]["reason"]).startswith(
+            f"cannot bind tcp://127.0.0.1:{held}: Address already in use (another process binds "
+            "that port: a second kvobserve, or the scheduler"
+        )
+
+        target_port = _polled_sub(ctx, stop, threads)
+        cfg = write_toml(
+            tmp_path / "ok.toml", {"worker": [_bound_worker("llmd", port, target_port)]}
+        )
+        topics = [f"kv@127.0.0.{k}:8000@m{k}" for k in (2, 3)]
+        for k, topic in zip((2, 3), topics, strict=True):
+            sims.append(SimulatedWorker(SimConfig(
+                worker_id=f"pod{k}", format="vllm-0.33", dp_size=1, topic=topic, rate=50,
+                host=f"127.0.0.{k}", kv_connect=f"tcp://127.0.0.1:{port}", http_port=None,
+                replay_port=None)).start())  # fmt: skip
+        proc = _check(cfg, "--probe", "--probe-seconds", "3", "--json")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        found = _probed(proc)
+        bound, relay = found["llmd", "bound"], found["llmd", "relay"]
+        assert (bound["state"], bound["reason"], bound["publishers"]) == (
+            "up",
+            "receiving from 2 publisher(s)",
+            2,
+        )
+        assert sorted(bound["topics"]) == topics  # type: ignore[call-overload]
+        assert relay["ok"] and relay["reason"] == "reachable, subscribed to every topic"
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=5)
+        for sim in sims:
+            sim.stop()
+        ctx.destroy(linger=0)

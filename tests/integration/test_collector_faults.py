@@ -9,6 +9,7 @@ import time
 import pytest
 import zmq
 
+from kvobserve.analysis.conditions import active
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.simulate import FaultConfig, SimConfig, SimulatedWorker
 from kvobserve.wire.snapshot import Snapshot
@@ -165,7 +166,7 @@ async def test_a_duplicate_streams_since_stays_at_its_first_sign(sims: Sims) -> 
         def since(snap: Snapshot) -> float:
             state = FleetState()
             state.update(snap, snap.time)
-            (c,) = [c for c in state.view(snap.time).conditions if c.kind == "duplicate_stream"]
+            (c,) = [c for c in active(state.view(snap.time)) if c.kind == "duplicate_stream"]
             return c.since
 
         start = since(first)

@@ -14,12 +14,11 @@ import pytest
 from aiohttp import web
 
 from kvobserve import cli
-from kvobserve.sources.discovery import (
+from kvobserve.sources.discovery import Rediscovery, discover
+from kvobserve.sources.discovery_parse import (
     DiscoveredEngine,
     DiscoveredSource,
     DiscoveryError,
-    Rediscovery,
-    discover,
     parse_sglang_server_info,
 )
 

@@ -15,8 +15,8 @@ import pytest
 from aiohttp import web
 
 from kvobserve.simulate import SimConfig, SimulatorGroup, nodes_of
-from kvobserve.sources.discovery import DiscoveryError, discover, discover_urls
-from kvobserve.sources.discovery_parse import parse_sglang_server_info
+from kvobserve.sources.discovery import discover, discover_urls
+from kvobserve.sources.discovery_parse import DiscoveryError, parse_sglang_server_info
 
 pytestmark = pytest.mark.integration
 HOSTS = ("127.0.0.1", "127.0.0.2")

@@ -18,10 +18,12 @@ import ssl
 import subprocess
 import sys
 import time
+import tomllib
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,8 +31,10 @@ from kvobserve.simulate import SimConfig, SimulatedWorker, SimulatorGroup
 from kvobserve.simulate.group import free_port_range
 from tests.certs import self_signed
 from tests.integration.conftest import NatsServer, free_port
-from tests.integration.fleet_helpers import ROOT, Procs, clean_env, poll, write_toml
+from tests.integration.fleet_helpers import ROOT, Procs, clean_env, fetch, poll, write_toml
+from tests.integration.k8s_helpers import expand, lws_sidecar_env, lws_templates, shared_toml
 from tests.integration.kube_api import serving_in_thread
+from tests.integration.test_dynamo_source import expected, observed
 
 pytestmark = pytest.mark.integration
 
@@ -81,6 +85,7 @@ class Env:
     dynamo_config: Path  # a Dynamo plane on `nats`, where a simulated Dynamo worker publishes
     dynamo_zmq: str  # a ZMQ direct KV-event publisher of a simulated Dynamo worker
     pods_config: Path  # a [worker.kubernetes] worker whose API server plays recorded pods
+    bind: str  # where a simulated vLLM connects its publisher (vLLM given a concrete host)
     recorded: Path = field(init=False)
 
     def __post_init__(self) -> None:
@@ -103,6 +108,9 @@ def _map(line: str, env: Env) -> tuple[list[str], dict[str, str], str | None]:
         (r"--url (URL|(http://)?(localhost|<aggregator>|127\.0\.0\.1):947[78])", f"--url {env.aggregator}"),
         (r"--cluster NAME", "--cluster prod-a"),
         (r"tcp://127\.0\.0\.1:6557", f"tcp://127.0.0.1:{free_port()}"),  # bind mode's port
+        (r"tcp://127\.0\.0\.1:6657", f"tcp://127.0.0.1:{free_port()}"),  # and its replay port
+        (r"--replay-port 6657", f"--replay-port {free_port()}"),
+        (r"--bind tcp://\*:5557", f"--bind {env.bind}"),  # where a simulated vLLM connects
         (r"(0\.0\.0\.0):9477", listen),
         (r"tcp://(10\.0\.0\.5|127\.0\.0\.1):5657", env.replay),
         (r"tcp://(10\.0\.0\.5|127\.0\.0\.1):(5557|41230)|tcp://<host>:<port>|tcp://host:port", env.kv),
@@ -203,6 +211,11 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         ]
     ).start()
     run = None
+    bind = f"tcp://127.0.0.1:{free_port()}"
+    connecting = SimulatedWorker(
+        SimConfig(worker_id="docs-connect", format="vllm-0.33", dp_size=1, topic="kv-events",
+                  rate=20, kv_connect=bind, http_port=None, replay_port=None)
+    ).start()  # fmt: skip
     pods = serving_in_thread()  # a Kubernetes API server with llm-d's pods (kube_api.py)
     pods_api = pods.__enter__()
     try:
@@ -240,13 +253,14 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         cert, key = self_signed(tmp / "tls")
         yield Env(
             tmp, nats.url, kv, replay, url, config, sim_config, aggregator, cert, key,
-            dynamo_config, dynamo_zmq, pods_config,
+            dynamo_config, dynamo_zmq, pods_config, bind,
         )  # fmt: skip
     finally:
         if run is not None:
             run.send_signal(signal.SIGTERM)
             run.wait(timeout=10)
         sim.stop()
+        connecting.stop()
         dynamo.stop()
         nats.stop()
         pods.__exit__(None, None, None)
@@ -305,18 +319,20 @@ def _simulate_args(launch: str, node_rank: int, ports: dict[int, int]) -> list[s
     """The documented SGLang launch on node `node_rank`, stood in for by `kvobserve simulate`
     with the same layout; documented ports mapped to free ones (`ports`)."""
     words = shlex.split(launch.replace("\\\n", " "))
-    assert words[:3] == ["python", "-m", "sglang.launch_server"], words
+    assert words[0] in ("python", "python3") and words[1:3] == ["-m", "sglang.launch_server"]
     opts = {w: words[i + 1] for i, w in enumerate(words) if w.startswith("--") and i + 1 < len(words) and not words[i + 1].startswith("--")}  # fmt: skip
     kv = json.loads(opts["--kv-events-config"])
     kv_port = int(kv["endpoint"].rsplit(":", 1)[1])
     dp = int(opts["--dp-size"])
-    assert opts["--load-publish-endpoint"] == "auto" and "--enable-metrics" in words
+    assert "--enable-metrics" in words  # what every node's metrics_url reads
+    load = opts.get("--load-publish-endpoint")
+    assert load in (None, "auto"), load
     return [
         "simulate", "--format", "sglang-0.5.23", "--dp-size", str(dp),
         "--nnodes", opts["--nnodes"], "--node-rank", str(node_rank), "--host", NODES[node_rank],
         "--http-port", str(ports[int(opts["--port"])]), "--kv-port", str(ports[kv_port]),
         "--replay-port", str(ports[int(kv["replay_endpoint"].rsplit(":", 1)[1])]),
-        "--load-port", str(ports[kv_port] + dp),  # `auto`: the KV base + dp_size
+        *(["--load-port", str(ports[kv_port] + dp)] if load else []),  # `auto`: KV base + dp
         "--topic", kv["topic"], "--rate", "20",
         *([] if "--enable-dp-attention" in words else ["--no-dp-attention"]),
     ]  # fmt: skip
@@ -413,4 +429,137 @@ def test_two_node_walkthrough_with_node_1s_engine_killed(tmp_path: Path) -> None
         assert head[12:15] == ["USAGE", "TOKEN_USAGE", "REASON"], head
     finally:
         procs.stop_all()
+        nats.stop()
+
+
+# --- docs/deployment.md's sidecar and Dynamo sections: their files run as the sections say ------
+
+SIDECAR = PAGE.split("## Kubernetes: a collector sidecar in every engine pod", 1)[1].split("\n## ")[
+    0
+]
+DYNAMO = PAGE.split("## NVIDIA Dynamo: its event plane", 1)[1].split("\n## ", 1)[0]
+
+
+def _blocks(section: str) -> tuple[str, str]:
+    """(the engine's launch: the first plain code block, the kvobserve file) of a section."""
+    launch = re.search(r"```\n(.*?)```", section, re.S)
+    config = re.search(r"```toml\n(.*?)```", section, re.S)
+    assert launch and config, "a section shows the engine's flags and kvobserve's file"
+    return launch.group(1), config.group(1)
+
+
+def test_sidecar_section_is_the_manifests_and_runs_in_each_lws_pod(tmp_path: Path) -> None:
+    """The sidecar section shows deploy/kubernetes' engine flags and shared file. Run as
+    deployed, each LWS pod on its own loopback address with the environment the manifests give
+    its sidecar, then the aggregator: 8 ranks up, each owned by the pod that runs it, with a
+    cache usage from that pod's own engine."""
+    launch, config = _blocks(SIDECAR)
+    (engine,) = lws_templates()["leader"]["spec"]["containers"]
+    assert shlex.split(launch.replace("\\\n", " ")) == [*engine["command"], *engine["args"]]
+    assert tomllib.loads(config) == shared_toml()
+    collect = re.search(r"`(kvobserve collect -c \S+)`", SIDECAR)
+    aggregate = re.search(r"`(kvobserve aggregate -c \S+)`", SIDECAR)
+    assert collect and aggregate
+    base = free_port_range(NODES, 19)  # 8 ranks and the port past them, their replay, HTTP
+    ports = {5557: base, 5657: base + 9, 30000: base + 18}
+    cfg = tmp_path / "kvobserve.toml"
+    cfg.write_text(re.sub(r":(5557|5657|30000)\b", lambda m: f":{ports[int(m[1])]}", config))
+    nats = NatsServer(tmp_path / "js")
+    nats.start()
+    procs = Procs(tmp_path)
+    agg = f"127.0.0.1:{free_port()}"
+
+    def logs() -> str:
+        return "\n".join(f"--- {p.args}\n{log.read_text()[-1500:]}" for p, log in procs.started)
+
+    try:
+        for k in (0, 1):  # the leader pod, the worker pod
+            pod, env = lws_sidecar_env(0, k)
+            lws = {n: v for n, v in env.items() if n.startswith("LWS_")}
+            sim = procs.kvobserve(f"engine-{k}", *_simulate_args(expand(launch, lws), k, ports))
+            poll(lambda sim=sim: "ready workers=" in procs.log(sim), 30, f"{pod}'s engine", logs)
+            mine = {n: v for n, v in env.items() if n.startswith("KVOBSERVE_")}
+            mine.update(KVOBSERVE_NATS_URL=nats.url, KVOBSERVE_COLLECTOR_HOST=NODES[k],
+                        KVOBSERVE_HTTP_LISTEN=f"{NODES[k]}:{free_port()}")  # fmt: skip
+            argv = shlex.split(collect[1].replace("/etc/kvobserve/kvobserve.toml", str(cfg)))
+            procs.kvobserve(f"collect-{k}", *argv[1:], env=clean_env(**mine))
+        argv = shlex.split(aggregate[1].replace("/etc/kvobserve/kvobserve.toml", str(cfg)))
+        procs.kvobserve("aggregate", *argv[1:],
+                        env=clean_env(KVOBSERVE_NATS_URL=nats.url, KVOBSERVE_HTTP_LISTEN=agg))  # fmt: skip
+
+        def rows() -> dict[int, list[str]] | None:
+            rc, text = _status(["status", "--url", agg])
+            found = {int(ln.split()[1]): ln.split() for ln in text.splitlines()
+                     if ln.startswith("sglang-dp8-0 ")}  # fmt: skip
+            ok = rc == 0 and len(found) == 8
+            return (
+                found if ok and all(r[4] == "up" and r[12] != "-" for r in found.values()) else None
+            )
+
+        found = poll(rows, 60, "8 ranks up, each with its cache usage", logs)
+        for rank, cells in found.items():  # NODE, COLLECTOR: the pod that runs the rank
+            k = rank // 4
+            assert cells[2:4] == [str(k), lws_sidecar_env(0, k)[0]], cells
+    finally:
+        procs.stop_all()
+        nats.stop()
+
+
+def test_dynamo_section_runs_against_simulated_dynamo_workers(tmp_path: Path) -> None:
+    """The Dynamo section: the workers' environment and flags agree with kvobserve's file, which
+    `kvobserve run` reads as shown while a simulated Dynamo worker publishes on NATS in the
+    documented namespace: every stream exact against the simulator's truth, tokens counted in
+    the engine's blocks."""
+    launch, config = _blocks(DYNAMO)
+    lines = launch.replace("\\\n", " ").splitlines()
+    exports = dict(w.split("=", 1) for w in shlex.split(lines[0])[1:])
+    words = shlex.split(next(ln for ln in lines if "-m dynamo.sglang" in ln))
+    opts = {w: words[i + 1] for i, w in enumerate(words[:-1]) if w.startswith("--")}
+    (worker,) = tomllib.loads(config)["worker"]
+    assert exports["DYN_EVENT_PLANE"] == "nats" and worker["engine"] == "dynamo"
+    assert worker["event_plane_url"] == exports["NATS_SERVER"]
+    assert worker["block_size"] == int(opts["--page-size"])
+    run = re.search(r"\$ (kvobserve run -c dynamo\.toml)\n", DYNAMO)
+    assert run and json.loads(opts["--kv-events-config"])["publisher"] == "zmq"
+    nats = NatsServer(tmp_path / "js", jetstream=False)
+    nats.start()
+    procs = Procs(tmp_path)
+    group = None
+    try:
+        group = SimulatorGroup([SimConfig(
+            worker_id="dyn", format="sglang-0.5.23", dp_size=1, event_plane="nats",
+            event_plane_url=nats.url, namespace=worker["namespace"],
+            page_size=worker["block_size"], rate=300.0, max_batches=60, start_delay_s=600.0,
+            side_interval_s=0.2, http_port=None, replay_port=None, prompts=40,
+        )]).start()  # fmt: skip
+        (tmp_path / "dynamo.toml").write_text(config.replace(exports["NATS_SERVER"], nats.url))
+        listen = f"127.0.0.1:{free_port()}"
+        env = clean_env(KVOBSERVE_HTTP_LISTEN=listen)
+        argv = shlex.split(run[1].replace("dynamo.toml", str(tmp_path / "dynamo.toml")))
+        pid = procs.spawn("run", [sys.executable, "-m", *argv], env)
+        base = f"http://{listen}"
+
+        def streams() -> list[dict[str, Any]]:
+            return [s for s in json.loads(fetch(f"{base}/api/v1/streams") or "[]")
+                    if s["engine"] == "dynamo"]  # fmt: skip
+
+        def beating() -> bool:  # the rank's load heartbeat came: subscribed, events may start
+            text = fetch(f"{base}/api/v1/fleet")
+            workers = json.loads(text)["workers"] if text else []
+            return any(w["worker_id"].startswith("dynamo/") and w["owners"] for w in workers)
+
+        poll(beating, 30, "the Dynamo worker's heartbeat", lambda: procs.log(pid))
+        for w in group.dynamo:
+            w.publish_now()
+        poll(lambda: all(w._finished() for w in group.dynamo), 30, "the simulator published")
+        want = expected(group.truth())
+        poll(lambda: observed(streams(), set()) == want, 30, "streams equal the truth",
+             lambda: f"{observed(streams(), set())}\n!=\n{want}")  # fmt: skip
+        (s,) = streams()
+        assert s["blocks"]["GPU"] > 0
+        assert s["tokens"]["GPU"] == s["blocks"]["GPU"] * worker["block_size"]
+    finally:
+        procs.stop_all()
+        if group is not None:
+            group.stop()
         nats.stop()

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from kvobserve.analysis.conditions import active
 from kvobserve.collector import Collector
 from kvobserve.commands.demo import start_demo
 from kvobserve.config import load_config
@@ -198,7 +199,7 @@ async def test_demo_with_a_dynamo_worker_measures_its_indexer() -> None:
 
         await eventually(measured, 30, "the demo's Dynamo worker is watched and drifts")
         view = demo.kvobserve.aggregator.view()
-        kinds = {c.kind for c in view.conditions if dict(c.labels).get("worker_id") == label}
+        kinds = {c.kind for c in active(view) if dict(c.labels).get("worker_id") == label}
         assert "dp_rank_uncovered" not in kinds
     finally:
         await demo.close()

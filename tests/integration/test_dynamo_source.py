@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from benchmarks._common import free_port
+from kvobserve.analysis.conditions import active
 from kvobserve.commands.embedded import start_embedded
 from kvobserve.config import Config, load_config
 from kvobserve.simulate import FaultConfig, SimConfig
@@ -208,7 +209,7 @@ async def test_each_node_keeps_its_own_share_of_a_namespace(tmp_path: Path) -> N
             return out
 
         await eventually(lambda: streams() == {"c0": {0, 1, 2, 3}, "c1": {4, 5, 6, 7}}, 30, "split")
-        assert not [c for c in emb.aggregator.view().conditions if c.kind.startswith("dp_rank")]
+        assert not [c for c in active(emb.aggregator.view()) if c.kind.startswith("dp_rank")]
         for col in emb.collectors:  # each dropped the other node's events
             snap = col.last_snapshot
             assert snap is not None and snap.dynamo_planes[0].not_owned_events > 0
@@ -219,7 +220,7 @@ async def test_each_node_keeps_its_own_share_of_a_namespace(tmp_path: Path) -> N
             view = emb.aggregator.view()
             return {
                 int(dict(c.labels)["dp_rank"])
-                for c in view.conditions
+                for c in active(view)
                 if c.kind == "dp_rank_uncovered"
             }
 

@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 
-from kvobserve.analysis.fleet import FleetView
-from kvobserve.commands.run import start_embedded
+from kvobserve.analysis.conditions import active
+from kvobserve.analysis.views import FleetView
+from kvobserve.commands.embedded import start_embedded
 from kvobserve.config import Config, load_config
 from kvobserve.simulate import FaultConfig, SimConfig, SimulatedWorker, nodes_of
 from kvobserve.simulate.profiles import PROFILES
@@ -325,7 +326,7 @@ def _actual(view: FleetView, want: dict[str, Any]) -> dict[str, Any]:
         assert st.dp_rank not in streams, f"stream {st.dp_rank} twice in the view"
         streams[st.dp_rank] = got
     conditions: set[tuple[str, object]] = set()
-    for c in view.conditions:
+    for c in active(view):
         labels = dict(c.labels)
         where = (
             labels["endpoint"] if c.kind == "unexpected_stream" else int(labels.get("dp_rank", -1))

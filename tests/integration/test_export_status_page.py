@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvobserve.analysis.alerting import DEFAULT_RUNBOOK_URL as RUNBOOK
+from kvobserve.analysis.conditions import DEFAULT_RUNBOOK_URL as RUNBOOK
 from kvobserve.export.server import create_app, serve
 from tests.unit.test_export_fleet import NOW, rich_state
 

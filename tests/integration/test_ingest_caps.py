@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from kvobserve.sources.ingest_options import IngestOptions
-from kvobserve.sources.kv_stream import IngestLoop, StreamSpec
+from kvobserve.sources.kv_stream import IngestLoop
+from kvobserve.sources.plan import StreamSpec
 from tests.integration.conftest import free_port
 
 

@@ -252,7 +252,10 @@ def test_engine_flags_match_the_shared_config() -> None:
     assert events["topic"] == worker["topic"]
     assert int(value["--dp-size"]) == worker["dp_size"] == 8
     assert ("--enable-dp-attention" in flags) == worker["dp_attention"] is True
-    assert worker["metrics_url"] == f"http://127.0.0.1:{value['--port']}/metrics"
+    # every pod scrapes its own engine (a wildcard host): node 0's /metrics has node 0's ranks
+    # only, and a node >= 1 serves its own with --enable-metrics
+    assert worker["metrics_url"] == f"http://0.0.0.0:{value['--port']}/metrics"
+    assert "--enable-metrics" in flags
     _, _, _, injected = lws_pod(0, 1)
     assert value["--nnodes"] == "$(LWS_GROUP_SIZE)" and injected["LWS_GROUP_SIZE"] == "2"
     assert value["--node-rank"] == "$(LWS_WORKER_INDEX)"

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 
 from kvobserve.config import load_config
+from kvobserve.sources.plan import plan_worker
 from tests.integration.k8s_helpers import (
     configmap_data,
     container_env,
     find,
-    lws_pod,
-    lws_templates,
+    lws_sidecar_env,
 )
 
 pytestmark = pytest.mark.integration
@@ -27,11 +27,7 @@ def _shared_file(tmp_path: Path) -> str:
 
 @pytest.mark.parametrize("worker", [0, 1])
 def test_each_collector_pod_loads_the_shared_config(tmp_path: Path, worker: int) -> None:
-    pod, labels, annotations, injected = lws_pod(0, worker)
-    template = lws_templates()["leader" if worker == 0 else "worker"]
-    (sidecar,) = template["spec"]["initContainers"]
-    labels = {**template["metadata"]["labels"], **labels}
-    env = container_env(sidecar, pod, labels, annotations, injected)
+    pod, env = lws_sidecar_env(0, worker)
     cfg = load_config(_shared_file(tmp_path), {}, env)
     assert cfg.cluster == "prod-a"
     assert cfg.collector.id == pod
@@ -44,7 +40,13 @@ def test_each_collector_pod_loads_the_shared_config(tmp_path: Path, worker: int)
         "tcp://*:5657",
         "kv-events",
     )
-    assert w.leader is (worker == 0)  # only the leader pod scrapes metrics_url
+    assert w.leader is (worker == 0)
+    plan = plan_worker(0, w, cfg.collector, None)
+    assert list(plan.watched_ranks) == list(range(4 * worker, 4 * worker + 4))
+    # each pod reads its own engine's /metrics (its ranks' scheduler values), the worker too
+    assert [(s.source, s.scope, s.endpoints) for s in plan.scheduler] == [
+        ("metrics", "node", ("http://127.0.0.1:30000/metrics",))
+    ]
     assert cfg.nats is not None
     assert (cfg.nats.url, cfg.nats.jetstream_kv) == ("nats://nats:4222", True)
 

@@ -14,9 +14,8 @@ from typing import Any
 import pytest
 
 from tests.integration.k8s_helpers import (
-    container_env,
     kvobserve_args,
-    lws_pod,
+    lws_sidecar_env,
     lws_templates,
 )
 
@@ -28,16 +27,9 @@ def _sidecar(role: str) -> dict[str, Any]:
     return sidecar
 
 
-def _pod_env(group: int, worker: int) -> tuple[str, dict[str, str]]:
-    pod, labels, annotations, injected = lws_pod(group, worker)
-    template = lws_templates()["leader" if worker == 0 else "worker"]
-    labels = {**template["metadata"]["labels"], **labels}
-    return pod, container_env(_sidecar("leader"), pod, labels, annotations, injected)
-
-
 @pytest.mark.parametrize(("group", "worker"), [(0, 0), (0, 1), (3, 1)])
 def test_each_lws_pod_gives_its_collector_its_own_id_and_rank(group: int, worker: int) -> None:
-    pod, env = _pod_env(group, worker)
+    pod, env = lws_sidecar_env(group, worker)
     assert pod == (f"sglang-dp8-{group}" if worker == 0 else f"sglang-dp8-{group}-{worker}")
     assert env["KVOBSERVE_COLLECTOR_ID"] == pod
     assert env["KVOBSERVE_COLLECTOR_NODE_RANK"] == str(worker)

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import pytest
 import zmq
 
+from kvobserve.analysis.conditions import active
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.collector import Collector
 from kvobserve.simulate import FaultConfig, SimConfig, SimulatedWorker
@@ -222,7 +223,7 @@ async def _pods_restart_and_the_scheduler_goes_away(
     assert relay.reason.startswith(("disconnected: ", "connection refused: "))
     fleet = FleetState()
     fleet.update(away, away.time)
-    (cond,) = [c for c in fleet.view(away.time).conditions if c.kind == "relay_dropping"]
+    (cond,) = [c for c in active(fleet.view(away.time)) if c.kind == "relay_dropping"]
     assert dict(cond.labels) == {"collector": "c0", "worker_id": "llmd", "dp_rank": "0"}
     assert f"frames not forwarded to {scheduler.endpoint} (no_target " in cond.description
     assert all(s.lost == 0 and s.up for s in away.streams), describe(away)  # nothing lost here

@@ -12,6 +12,7 @@ kvobserve joins each pod mid-stream (in the pause) and recovers the start by rep
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import time
@@ -359,3 +360,24 @@ def test_without_the_client_the_config_error_names_the_extra(tmp_path: Path) -> 
         "kvobserve check: error: worker[0].kubernetes: pod discovery needs the Kubernetes "
         "client lightkube, which is not installed: pip install 'kvobserve[kubernetes]'"
     )
+
+
+def test_check_outside_a_cluster_says_what_is_missing_and_how_to_check_the_file(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "pods.toml"
+    path.write_text('[[worker]]\nengine = "vllm"\n[worker.kubernetes]\nselector = "app=vllm"\n')
+    env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
+    env["HOME"] = str(tmp_path)  # no ~/.kube/config, no service account: not in a cluster
+    argv = [sys.executable, "-m", "kvobserve", "check", "-c", str(path)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == (
+        "kvobserve check: error: worker[0].kubernetes: cannot list pods: no Kubernetes client "
+        "configuration (Configuration file ~/.kube/config not found): outside a pod, set "
+        "[worker.kubernetes] kubeconfig or $KUBECONFIG (`check --no-discovery` checks the file "
+        "without listing them)"
+    )
+    proc = subprocess.run([*argv, "--no-discovery"], capture_output=True, text=True, timeout=60,
+                          env=env)  # fmt: skip
+    assert proc.returncode == 0 and "pods: listed at run time (--no-discovery)" in proc.stdout

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from kvobserve.analysis.conditions import active
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.config import CollectorConfig, Config, WorkerConfig
 from kvobserve.export import api
@@ -89,7 +90,7 @@ async def test_each_wrong_endpoint_has_its_reason(
         and streams["refused"]["state"] == "connecting"
     )
     assert streams["http"]["reason"] == s["http"].reason
-    down = {dict(c.labels)["worker_id"]: c.description for c in view.conditions
+    down = {dict(c.labels)["worker_id"]: c.description for c in active(view)
             if c.kind == "stream_down"}  # fmt: skip
     assert set(down) == {"refused", "http", "topic"}
     assert down["topic"].endswith("topic mismatch: subscribed 'foo', saw 'kv-events'")

@@ -171,10 +171,11 @@ def _baseline() -> tuple[set[threading.Thread], int, set[int]]:
 
 def child_main() -> None:
     """Start and stop each object; print {object: leftovers} as JSON."""
-    from kvobserve.commands.run import start_embedded
+    from kvobserve.commands.embedded import start_embedded
     from kvobserve.config import load_config
     from kvobserve.simulate import SimConfig, SimulatedWorker
-    from kvobserve.sources.kv_stream import IngestLoop, StreamSpec
+    from kvobserve.sources.kv_stream import IngestLoop
+    from kvobserve.sources.plan import StreamSpec
 
     report: dict[str, Any] = {}
     b = _baseline()

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from kvobserve.analysis.fleet import FleetView
+from kvobserve.analysis.conditions import active
+from kvobserve.analysis.views import FleetView
 from kvobserve.commands.embedded import Embedded, start_embedded
 from kvobserve.config import CollectorConfig, Config, HttpConfig, WorkerConfig
 from kvobserve.simulate import SimConfig, SimulatedWorker
@@ -56,7 +57,7 @@ def _has(kind: str, rank: int | None = None) -> Callable[[FleetView], bool]:
     def check(v: FleetView) -> bool:
         return any(
             c.kind == kind and (rank is None or dict(c.labels).get("dp_rank") == str(rank))
-            for c in v.conditions
+            for c in active(v)
         )
 
     return check
@@ -66,7 +67,7 @@ def _clean(v: FleetView) -> bool:
     return (
         len(v.streams) == 2
         and all(s.stats.state == "up" and s.stats.batches_total > 20 for s in v.streams)
-        and not v.conditions
+        and not active(v)
     )
 
 
@@ -102,7 +103,7 @@ CASES: dict[str, tuple[str, Callable[[FleetView], bool], list[str]]] = {
         "clean",
         lambda v: (
             _has("stream_down", 2)(v)
-            and any("HTTP server" in c.description for c in v.conditions if c.kind == "stream_down")
+            and any("HTTP server" in c.description for c in active(v) if c.kind == "stream_down")
         ),
         [
             "connection refused: nothing listens there",

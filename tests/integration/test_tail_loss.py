@@ -9,7 +9,8 @@ import dataclasses
 
 import pytest
 
-from kvobserve.commands.run import start_embedded
+from kvobserve.analysis.conditions import active
+from kvobserve.commands.embedded import start_embedded
 from kvobserve.simulate import FaultConfig, SimConfig, SimulatedWorker
 from kvobserve.simulate.profiles import PROFILES
 from kvobserve.sources.ingest_options import IngestOptions
@@ -93,7 +94,7 @@ async def test_seen_5_sglang_0_5_23_every_17th_batch_dropped_the_last_one_too() 
 
             await eventually(settled, 20.0, "gaps 18 and 306 batches applied on every rank")
             truth = sim.truth()
-            conditions = {(c.kind, dict(c.labels)["dp_rank"]): c for c in view().conditions}
+            conditions = {(c.kind, dict(c.labels)["dp_rank"]): c for c in active(view())}
             events = list(emb.aggregator.events)
             for sv in view().streams:
                 st, r = sv.stats, sv.stats.dp_rank

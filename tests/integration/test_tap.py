@@ -246,3 +246,83 @@ def test_without_timeout_it_says_why_once_and_keeps_waiting() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# --- --bind: publishers that connect (vLLM given a host, llm-d's central mode) ---------------------
+
+
+def _bound_tap(*args: str) -> tuple[subprocess.Popen[str], str]:
+    """A `tap --bind` started, once it says where it listens (stderr's first line)."""
+    proc = subprocess.Popen(
+        [*TAP, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert proc.stderr is not None
+    ready, _, _ = select.select([proc.stderr], [], [], 20)
+    assert ready, "tap --bind said nothing within 20 s"
+    return proc, proc.stderr.readline()
+
+
+def test_bound_tap_prints_each_connected_pods_batches_under_its_topic() -> None:
+    """Two llm-d pods (their own loopback addresses) connect to one bound tap: every batch of
+    each is printed once, in order, under the pod's own topic."""
+    port = free_port()
+    pods = {f"kv@127.0.0.{k}:8000@model-{k}": f"127.0.0.{k}" for k in (2, 3)}
+    proc, first = _bound_tap("--bind", f"tcp://*:{port}", "--count", "40", "--timeout", "20")
+    sims = []
+    try:
+        assert (
+            first == f"kvobserve tap: listening on tcp://0.0.0.0:{port}; publishers connect here\n"
+        )
+        for topic, host in pods.items():
+            cfg = SimConfig(worker_id=host, format="vllm-0.33", dp_size=1, topic=topic, rate=50,
+                            max_batches=20, start_delay_s=2.0, host=host, http_port=None,
+                            replay_port=None, kv_connect=f"tcp://127.0.0.1:{port}")  # fmt: skip
+            sims.append(SimulatedWorker(cfg).start())
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+    finally:
+        for sim in sims:
+            sim.stop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    lines = [json.loads(x) for x in out.splitlines()]
+    seqs: dict[str, list[int]] = {}
+    for line in lines:
+        seqs.setdefault(line["topic"], []).append(line["seq"])
+        assert line["events"] and all("type" in e for e in line["events"])
+    assert seqs == {topic: list(range(20)) for topic in pods}
+
+
+def test_bound_tap_says_whether_anyone_connected() -> None:
+    ep = f"tcp://127.0.0.1:{free_port()}"
+    proc, took = _timed("--bind", ep, "--timeout", "2")
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.splitlines()[-1] == (
+        f"kvobserve tap: nothing received in 2 s on {ep}: no publisher connected (the engines' "
+        f"--kv-events-config endpoint must name this host, port {ep.rpartition(':')[2]})"
+    )
+    assert took < 10
+
+
+def test_bound_tap_names_what_holds_the_port_or_the_host_it_cannot_bind() -> None:
+    ctx = zmq.Context()
+    try:
+        holder = ctx.socket(zmq.SUB)
+        port = holder.bind_to_random_port("tcp://127.0.0.1")
+        proc = run_tap("--bind", f"tcp://127.0.0.1:{port}", "--timeout", "2")
+        assert proc.returncode == 1 and proc.stdout == ""
+        assert proc.stderr.splitlines()[-1].startswith(
+            f"kvobserve tap: cannot bind tcp://127.0.0.1:{port}: Address already in use "
+            "(another process binds that port: a second kvobserve, or the scheduler"
+        )
+    finally:
+        ctx.destroy(linger=0)
+    proc = run_tap("--bind", "tcp://192.0.2.7:5557")  # TEST-NET-1: nobody's address
+    assert proc.returncode == 2 and proc.stderr == (
+        "kvobserve tap: bad --bind 'tcp://192.0.2.7:5557': '192.0.2.7' in "
+        "'tcp://192.0.2.7:5557' is not an address of this machine, so it cannot be bound: bind "
+        "tcp://*:5557 (every address of this machine; the engines connect to its name)\n"
+    )
+    proc = run_tap("--bind", "tcp://*:5557", "--replay-endpoint", "tcp://127.0.0.1:5558")
+    assert proc.returncode == 2 and "--replay-endpoint asks one publisher" in proc.stderr

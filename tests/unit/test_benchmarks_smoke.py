@@ -19,7 +19,8 @@ from benchmarks import e2e, ingest, memory, relay, scale, sketch
 from benchmarks._common import build_cycle
 from kvobserve.analysis.analytics import CacheAnalytics
 from kvobserve.analysis.blocks import BlockIndex
-from kvobserve.analysis.fleet import FleetState, FleetView
+from kvobserve.analysis.fleet import FleetState
+from kvobserve.analysis.views import FleetView
 from kvobserve.export.exposition import format_value
 from kvobserve.export.prometheus import FleetCollector, catalog_metric
 from kvobserve.export.scrape import ScrapeCache

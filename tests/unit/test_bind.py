@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +19,7 @@ from kvobserve.sources.stream_events import RecentEvents
 from kvobserve.sources.stream_state import WatchedStream, new_link
 
 LLMD = "kv@{pod}@{model}"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cfg(node_rank: int = 0, nnodes: int = 1, **worker: Any) -> Any:
@@ -106,7 +109,19 @@ def test_the_llm_d_central_config_loads() -> None:
         ({"kv_endpoint": "tcp://*:5557", "relay_to": "tcp://s:5556"},
          "--relay-to (worker[0].relay_to): 'tcp://s:5556' forwards what a bound endpoint"),
         ({"bind": "tcp://*:5556", "relay_to": "tcp://*:5556"}, "wildcard host in 'tcp://*:5556'"),
-        ({"bind": "tcp://*:5556", "relay_to": "tcp://localhost:5556"}, "itself: every frame"),
+        ({"bind": "tcp://*:5556", "relay_to": "tcp://localhost:5556"},
+         "'tcp://localhost:5556' reaches --bind (worker[0].bind) 'tcp://*:5556' on this machine"),
+        # any loopback address reaches a wildcard bind; rank 1 relays to 5557, which rank 1 binds
+        ({"bind": "tcp://*:5556", "relay_to": "tcp://127.0.0.2:5556"}, "every frame would come back"),
+        ({"bind": "tcp://*:5556", "relay_to": "tcp://127.0.0.1:5557", "dp_size": "2"},
+         "(rank r binds and relays port + r, 2 ranks): every frame would come back"),
+        # the engines' endpoint names the collector's node from outside: not bindable here
+        ({"bind": "tcp://collector.invalid:5557"},
+         "--bind (worker[0].bind): 'collector.invalid' in 'tcp://collector.invalid:5557' does "
+         "not resolve here, so it cannot be bound: bind tcp://*:5557 (every address of this "
+         "machine; the engines connect to its name)"),
+        ({"bind": "tcp://192.0.2.7:5557"},  # TEST-NET-1: nobody's address
+         "'192.0.2.7' in 'tcp://192.0.2.7:5557' is not an address of this machine"),
         ({"bind": "tcp://*:5556", "replay_endpoint": "tcp://{pod_ip}:5559"},
          "names {pod_ip}, which a topic template with {pod} gives"),
         ({"bind": "tcp://*:5556", "topic": LLMD, "replay_endpoint": "tcp://{pod}:5559"},
@@ -121,6 +136,23 @@ def test_bind_config_errors_name_the_field_and_value(worker: dict[str, str], fra
     with pytest.raises(ConfigError) as exc:
         _cfg(**worker)
     assert fragment in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    ("bind", "relay_to"),
+    [("tcp://127.0.0.1:5556", "tcp://127.0.0.2:5556"),  # bound on one loopback address only
+     ("tcp://*:5556", "tcp://127.0.0.1:5558"),  # past the 2 ranks' ports
+     ("tcp://lo:5556", "tcp://scheduler:5556"),  # a network interface binds
+     ("tcp://localhost:5556", "tcp://scheduler:5556")],  # a name of this machine's address
+)  # fmt: skip
+def test_binds_and_relays_that_do_not_loop_are_accepted(bind: str, relay_to: str) -> None:
+    w = _cfg(bind=bind, relay_to=relay_to, dp_size="2").workers[0]
+    assert (w.bind, w.relay_to) == (bind, relay_to)
+
+
+def test_a_node_that_is_not_the_leader_binds_nothing_so_any_address_is_its_leaders() -> None:
+    w = _cfg(node_rank=1, nnodes=2, bind="tcp://192.0.2.7:5557").workers[0]
+    assert (w.leader, w.bind) == (False, "tcp://192.0.2.7:5557")
 
 
 # --- the plan ---------------------------------------------------------------------------------
@@ -223,3 +255,26 @@ def test_the_relay_is_up_only_while_its_target_is_connected_and_subscribed() -> 
     assert r.reason == "disconnected: tcp://sched:5556 went away (restarted?)"
     r.drop("no_target", 7.0)
     assert (r.dropped, r.last_drop_time) == ({"no_target": 1, "queue_full": 0}, 7.0)
+
+
+# the mistakes docs/configuration.md shows under "Bind mode", each with the file that makes it
+DOC_MISTAKES = [
+    {"bind": "tcp://collector.invalid:5557"},
+    {"kv_endpoint": "tcp://*:5556", "topic": LLMD},
+    {"bind": "tcp://*:5556", "relay_to": "tcp://127.0.0.1:5556"},
+    {"kv_endpoint": "tcp://*:5557", "relay_to": "tcp://scheduler:5556"},
+]
+
+
+def test_the_mistakes_configuration_md_shows_are_what_check_prints(tmp_path: Path) -> None:
+    doc = (ROOT / "docs" / "configuration.md").read_text()
+    block = doc.split("- **Mistakes `check` names.**", 1)[1].split("```\n", 2)[1]
+    printed = []
+    for worker in DOC_MISTAKES:
+        path = tmp_path / "k.toml"
+        keys = "".join(f"{k} = {json.dumps(v)}\n" for k, v in worker.items())
+        path.write_text(f'[[worker]]\nengine = "vllm"\n{keys}')
+        with pytest.raises(ConfigError) as exc:
+            load_config(str(path), {}, {})
+        printed.append(f"kvobserve check: error: {exc.value}")
+    assert printed == block.splitlines()

@@ -10,7 +10,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from kvobserve.analysis.blocks import BlockIndex, LifetimeHistogram
+from kvobserve.analysis.blocks import BlockIndex
+from kvobserve.analysis.histogram import LifetimeHistogram
 from kvobserve.wire.kv_events import (
     BlockHash,
     KvBatch,
@@ -173,7 +174,7 @@ def test_batch_timestamp_is_shared_not_copied_per_block() -> None:
     idx = BlockIndex()
     b = batch(0, 1234.5, stored(list(range(100))))
     idx.apply_batch(b)
-    stamps = {id(v) for v in idx._tiers["GPU"].resident.values()}
+    stamps = {id(v) for v in idx.tiers["GPU"].resident.values()}
     assert stamps == {id(b.ts)}
 
 

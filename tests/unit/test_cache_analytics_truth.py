@@ -36,7 +36,7 @@ def _drive(fmt_name: str, batches: int, *, cpu: int, flush: int = 0, seed: int =
         indexes.append(idx)
     for i, idx in enumerate(indexes):
         assert idx.analytics is not None
-        idx.analytics.peers = [o._tiers for j, o in enumerate(indexes) if j != i]
+        idx.analytics.peers = [o.tiers for j, o in enumerate(indexes) if j != i]
     for tick in range(batches):
         ts = 1000.0 + tick * 0.25
         for r, s in enumerate(sims):  # the worker's order: rank 0, then rank 1, per tick

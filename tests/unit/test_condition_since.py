@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from kvobserve.aggregator import Aggregator
-from kvobserve.analysis.conditions import Condition, began
+from kvobserve.analysis.conditions import Condition, active, began
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.analysis.sequence import StreamSequencer
 from kvobserve.export.api import alerts_json
@@ -252,7 +252,7 @@ def test_an_uncovered_rank_names_the_collector_that_owned_it_last() -> None:
         ("w", 4): "node-1",
         ("w", 5): "node-1b",  # the one seen last
     }
-    unc = {dict(c.labels)["dp_rank"]: c for c in v.conditions if c.kind == "dp_rank_uncovered"}
+    unc = {dict(c.labels)["dp_rank"]: c for c in active(v) if c.kind == "dp_rank_uncovered"}
     assert set(unc) == {"4", "5", "6", "7"}
     assert dict(unc["5"].labels) == {"worker_id": "w", "dp_rank": "5", "node_rank": "1",
                                      "collector": "node-1b"}  # fmt: skip

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kvobserve.analysis.conditions import Condition
+from kvobserve.analysis.conditions import Condition, active
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.export.prometheus import FleetCollector
 from kvobserve.sources.scheduler import KvMetricsPull, LoadSubscriber
@@ -46,14 +46,14 @@ def _kinds(conds: list[Condition]) -> list[tuple[str, tuple[tuple[str, str], ...
 def test_an_undiscovered_worker_is_one_critical_condition_while_its_collector_lives() -> None:
     w = WorkerInfo("sglang-c", "sglang", 0, [], False, 0, "undiscovered", GONE, NOW - 30)
     live = _state((_snap("node-1", 1, [w]), NOW))
-    (c,) = live.view(NOW).conditions
+    (c,) = active(live.view(NOW))
     assert (c.kind, c.severity, c.since) == ("worker_undiscovered", "critical", NOW - 30)
     assert dict(c.labels) == {"worker_id": "sglang-c", "node_rank": "1", "collector": "node-1"}
     assert c.description == f"sglang-c on node-1: undiscovered: {GONE}"
-    assert live.conditions(NOW) == live.view(NOW).conditions  # the per-second check sees it
+    assert live.conditions(NOW) == active(live.view(NOW))  # the per-second check sees it
     # a silent collector's word is stale: collector_down says it, not the worker
     stale = _state((_snap("node-1", 1, [w]), NOW - 10))
-    assert [c.kind for c in stale.view(NOW).conditions] == ["collector_down"]
+    assert [c.kind for c in active(stale.view(NOW))] == ["collector_down"]
 
 
 def test_a_layout_mismatch_folds_the_ranks_it_leaves_uncovered() -> None:
@@ -64,16 +64,16 @@ def test_a_layout_mismatch_folds_the_ranks_it_leaves_uncovered() -> None:
     streams.append(StreamStats("w2", 0, up=True, state="up", state_complete=True))
     state = _state((_snap("box", 0, [mism, other], streams=streams), NOW))
     v = state.view(NOW)
-    assert _kinds(v.conditions) == [
+    assert _kinds(active(v)) == [
         ("layout_mismatch", (("worker_id", "w8"), ("node_rank", "0"), ("collector", "box"))),
         # another worker's uncovered rank is still its own condition
         ("dp_rank_uncovered", (("worker_id", "w2"), ("dp_rank", "1"))),
     ]
-    assert v.conditions[0].description == (
+    assert active(v)[0].description == (
         f"w8 on box: {FIX} (ranks 4-7 are not watched here: the engine does not run them on this "
         "node)"
     )
-    assert state.conditions(NOW) == v.conditions
+    assert state.conditions(NOW) == active(v)
     assert [v.owners[("w8", r)] for r in range(8)] == [["box"]] * 4 + [[]] * 4  # still true
 
 
@@ -85,7 +85,7 @@ def test_a_scheduler_source_down_for_5_s_is_a_warning(state: str, age: float, ra
     src = SourceState("w", "metrics", "http://10.0.0.5:30000/metrics", state, "cannot connect: "
                       "connection refused", NOW - age, 3)  # fmt: skip
     snap = _snap("node-0", 0, [WorkerInfo("w", "sglang", 0, [], True)], sources=[src])
-    got = [c for c in _state((snap, NOW)).view(NOW).conditions if c.kind != "dp_rank_uncovered"]
+    got = [c for c in active(_state((snap, NOW)).view(NOW)) if c.kind != "dp_rank_uncovered"]
     if not raised:
         assert got == []
         return

@@ -58,3 +58,21 @@ def test_simulator_doc_lists_every_profile() -> None:
     section = text.split("## Fault profiles", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| `(\w+)` \|", section, flags=re.MULTILINE)
     assert sorted(rows) == sorted(PROFILES)
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_to_a_heading_find_it() -> None:
+    """`[x](page.md#anchor)` and `[x](#anchor)` in the docs name a heading that exists."""
+    prose = {p.name: re.sub(r"```.*?```", "", p.read_text(), flags=re.S) for p in DOCS}
+    anchors = {n: {_slug(h) for h in re.findall(r"^#+ (.*)$", t, re.M)} for n, t in prose.items()}
+    broken = [
+        (name, f"{target}#{anchor}")
+        for name, text in prose.items()
+        for target, anchor in re.findall(r"\]\(([\w./-]*\.md|)#([\w-]+)\)", text)
+        if anchor not in anchors.get(Path(target).name if target else name, {anchor})
+    ]
+    assert not broken, "links to headings that do not exist"

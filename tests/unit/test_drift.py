@@ -12,7 +12,7 @@ from kvobserve.config import load_config
 from kvobserve.simulate import dynamo_encode as enc
 from kvobserve.sources.dynamo_drift import compare, indexer_endpoint
 from kvobserve.sources.dynamo_plan import plan_dynamo
-from kvobserve.sources.dynamo_streams import Touched
+from kvobserve.sources.dynamo_state import Touched
 from kvobserve.wire.dynamo_indexer import IndexerDump, decode_dump, decode_tree_sizes
 from kvobserve.wire.errors import WireError
 

@@ -11,7 +11,8 @@ from typing import Any
 from kvobserve.config import load_config
 from kvobserve.simulate import dynamo_encode as enc
 from kvobserve.sources.dynamo_plan import plan_dynamo
-from kvobserve.sources.dynamo_streams import DynamoOptions, DynamoTable
+from kvobserve.sources.dynamo_state import DynamoOptions
+from kvobserve.sources.dynamo_streams import DynamoTable
 
 W = 7855569312903942451
 SUBJ = enc.subject("dynamo", "backend", "generate", "kv-events")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from kvobserve.analysis.fleet import FleetState, FleetView
+from kvobserve.analysis.conditions import active
+from kvobserve.analysis.fleet import FleetState
+from kvobserve.analysis.views import FleetView
 from kvobserve.wire.snapshot import (
     BindStats,
     CollectorCounters,
@@ -264,5 +266,5 @@ def test_rich_fleet_has_what_the_export_tests_rely_on() -> None:
     ]
     assert len(v.owners[("sglang-a", 1)]) == 2
     assert v.owners[("sglang-a", 3)] == []
-    kinds = {c.kind for c in v.conditions}
+    kinds = {c.kind for c in active(v)}
     assert {"duplicate_stream", "unexpected_stream", "collector_down", "dp_rank_uncovered"} <= kinds

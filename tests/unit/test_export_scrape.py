@@ -15,7 +15,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.openmetrics.exposition import generate_latest as om_generate_latest
 
 from benchmarks import scale
-from kvobserve.analysis.fleet import FleetState, FleetView
+from kvobserve.analysis.fleet import FleetState
+from kvobserve.analysis.views import FleetView
 from kvobserve.export.prometheus import FleetCollector, catalog_metric
 from kvobserve.export.scrape import ScrapeCache
 from kvobserve.export.series import Detail

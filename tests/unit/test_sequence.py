@@ -5,15 +5,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvobserve.analysis.actions import Action, CancelReplay, RequestReplay
 from kvobserve.analysis.blocks import BlockIndex
 from kvobserve.analysis.mirror import MirrorDetector
-from kvobserve.analysis.sequence import (
-    Action,
-    CancelReplay,
-    RequestReplay,
-    SequencerLimits,
-    StreamSequencer,
-)
+from kvobserve.analysis.sequence import SequencerLimits, StreamSequencer
 from kvobserve.wire.kv_events import END_SEQ, KvBatch, decode_message, decode_payload, decode_seq
 from tests.unit.test_blocks import (
     capture_messages,

@@ -13,8 +13,6 @@ import pytest
 from kvobserve.simulate.cache import PromptLibrary
 from kvobserve.simulate.encoders import (
     FORMATS,
-    RemoveMeta,
-    StoreMeta,
     encode_batch,
     event_from_dict,
     get_format,
@@ -25,6 +23,7 @@ from kvobserve.simulate.encoders import (
 from kvobserve.simulate.faults import FaultConfig
 from kvobserve.simulate.sidechannels import KvMetrics, LoadStat, encode_kv_metrics, encode_load
 from kvobserve.simulate.stream import SimStream
+from kvobserve.simulate.wire_format import RemoveMeta, StoreMeta
 from kvobserve.wire.kv_events import decode_message, decode_payload
 from kvobserve.wire.kv_view import batch_to_dict, batch_view
 

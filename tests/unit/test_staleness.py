@@ -16,6 +16,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvobserve.analysis.conditions import active
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.commands import status as statuscmd
 from kvobserve.export import status_page
@@ -204,7 +205,7 @@ def test_no_condition_on_a_dead_ranks_last_values() -> None:
     """cache_near_full, duplicate_stream and router_index_drift only for rank 0; rank 1 is
     stream_down. The per-second check (FleetState.conditions) agrees with the view's."""
     state = _state()
-    for found in (_kinds(state.view(NOW).conditions), _kinds(state.conditions(NOW))):
+    for found in (_kinds(active(state.view(NOW))), _kinds(state.conditions(NOW))):
         for kind in ("cache_near_full", "duplicate_stream", "router_index_drift"):
             assert {r for k, r in found if k == kind} == {"0"}, (kind, found)
         assert ("stream_down", "1") in found and ("stream_down", "3") in found

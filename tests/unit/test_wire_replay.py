@@ -7,12 +7,8 @@ import json
 import pytest
 
 from kvobserve.wire.errors import WireError
-from kvobserve.wire.replay import (
-    END_SEQ,
-    decode_replay_message,
-    encode_replay_request,
-    is_end_marker,
-)
+from kvobserve.wire.kv_events import END_SEQ
+from kvobserve.wire.replay import decode_replay_message, encode_replay_request, is_end_marker
 from tests.unit.test_captures import CAPTURES, load_lines
 
 LIVE = load_lines(CAPTURES / "sglang-0.5.23")[0]["frames"]  # [b"kv-events", seq 0, payload]

@@ -1,0 +1,89 @@
+"""The fleet as the exporters and the conditions read it: one view per scrape or check.
+
+Built by `FleetState` (analysis/fleet.py) from the collectors' latest snapshots; read by
+analysis/conditions.py (what is wrong now) and the export layer (/metrics, the API, the page).
+Pure data: nothing here computes beyond a stream's usage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvobserve.analysis.placement import PlacementEstimate
+from kvobserve.wire.snapshot import (
+    CollectorInfo,
+    SchedulerStats,
+    Snapshot,
+    SourceState,
+    StreamStats,
+    UnexpectedStream,
+    WorkerInfo,
+)
+
+Labels = tuple[tuple[str, str], ...]  # a condition's labels, in order
+Key = tuple[str, Labels]  # a condition's identity across views: (kind, labels)
+
+
+@dataclass(frozen=True, slots=True)
+class CollectorView:
+    """One collector as the fleet sees it."""
+
+    info: CollectorInfo
+    up: bool
+    age_s: float  # seconds since its last snapshot arrived
+    snapshot: Snapshot
+
+
+@dataclass(frozen=True, slots=True)
+class StreamView:
+    """One stream with its collector, liveness and derived usage."""
+
+    stats: StreamStats
+    collector: CollectorInfo
+    live: bool  # collector up; a stale stream is served as down
+    capacity_tokens: float | None
+    gpu_tokens: int
+    scheduler_source: str | None = None  # the scheduler sources of this rank; None: none has it
+    collector_last_seen: float = 0.0  # the time of its collector's last snapshot
+
+    @property
+    def up(self) -> bool:
+        """Connected, healthy and not stale."""
+        return self.live and self.stats.up
+
+    @property
+    def usage_ratio(self) -> float | None:
+        """GPU-tier resident tokens / capacity, when the capacity is known."""
+        if not self.capacity_tokens:
+            return None
+        return self.gpu_tokens / self.capacity_tokens
+
+    @property
+    def over_capacity(self) -> bool:
+        """More GPU tokens resident than the rank can hold: evidence of lost removals (the
+        check lives here, where the scheduler's capacity is known; docs/cache-analytics.md)."""
+        return bool(self.capacity_tokens) and self.gpu_tokens > (self.capacity_tokens or 0)
+
+
+@dataclass
+class FleetView:
+    """Everything the exporters render, computed once per scrape; its conditions are
+    analysis/conditions.py `active(view)`, worked out only when asked for (/metrics never is)."""
+
+    collectors: list[CollectorView] = field(default_factory=list)
+    streams: list[StreamView] = field(default_factory=list)
+    unexpected: list[tuple[UnexpectedStream, CollectorInfo]] = field(default_factory=list)
+    scheduler: list[tuple[SchedulerStats, CollectorInfo]] = field(default_factory=list)
+    dp_size: dict[str, int] = field(default_factory=dict)
+    owners: dict[tuple[str, int], list[str]] = field(default_factory=dict)  # -> collector ids
+    leaders: dict[str, list[str]] = field(default_factory=dict)
+    now: float = 0.0  # the time the view is as of
+    placement: dict[str, PlacementEstimate] = field(default_factory=dict)  # per worker
+    # an uncovered rank -> the down collector that owned it at its last snapshot (the latest)
+    last_owner: dict[tuple[str, int], CollectorView] = field(default_factory=dict)
+    # when each condition was first active, as the aggregator remembers it (analysis/conditions)
+    began: dict[Key, float] = field(default_factory=dict)
+    # what live collectors say about each worker they are configured with, and their scheduler
+    # sources (states and reasons; docs/collector.md)
+    workers: list[tuple[WorkerInfo, CollectorInfo]] = field(default_factory=list)
+    sources: list[tuple[SourceState, CollectorInfo]] = field(default_factory=list)
