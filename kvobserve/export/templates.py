@@ -39,10 +39,11 @@ class Filled:
     def whole(self) -> bytes:
         """Every collector's lines, in batch order."""
         if self._whole is None:
-            if self._text is not None:
-                self._whole = self._text.replace(_SEP, "").encode()
+            if self._pieces is not None:
+                self._whole = b"".join(self._pieces)
             else:
-                self._whole = b"".join(self.pieces)
+                assert self._text is not None
+                self._whole = self._text.replace(_SEP, "").encode()
         return self._whole
 
     @property
@@ -51,6 +52,7 @@ class Filled:
         if self._pieces is None:
             assert self._text is not None
             self._pieces = list(map(str.encode, self._text.split(_SEP)))
+            self._text = None  # no longer needed: the whole lines come from the pieces
         return self._pieces
 
 
