@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +55,7 @@ from benchmarks._common import (
     wait_for_port,
 )
 from kvobserve.analysis.blocks import DEFAULT_LIFETIME_BUCKETS
+from kvobserve.export.ahead import SERVED
 from kvobserve.transport.subjects import snapshot_subject
 from kvobserve.wire.parts import worker_bucket
 from kvobserve.wire.snapshot import (
@@ -173,6 +175,7 @@ async def serve_aggregator(
         shard=label,
         render_ahead_s=0.0 if renderer == "main" else 2.0,  # main: before render-ahead
     )
+    _count_cpu(app)
     app.router.add_get("/bench/served", lambda _: _served(app))  # the steady phase's counts
     await agg.start(transport)
     tune_runtime()  # as `kvobserve aggregate` does once started
@@ -186,19 +189,49 @@ async def serve_aggregator(
     await transport.close()
 
 
+_CPU = {"renders": 0, "render_cpu_s": 0.0, "views": 0, "view_cpu_s": 0.0}
+
+
+def _count_cpu(app: Any) -> None:
+    """Count the CPU time (time.thread_time) of each /metrics body rendered from the scrape
+    cache and of each view taken for one: what machine load does not distort."""
+    from kvobserve.export.server import CACHE, FLEET
+
+    cache, fleet = app[CACHE], app[FLEET]
+    render, take = cache.render, fleet.take
+
+    def timed_render(*args: Any, **kwargs: Any) -> bytes:
+        t0 = time.thread_time()
+        try:
+            return render(*args, **kwargs)
+        finally:
+            _CPU["renders"] += 1
+            _CPU["render_cpu_s"] += time.thread_time() - t0
+
+    def timed_take() -> Any:
+        t0 = time.thread_time()
+        try:
+            return take()
+        finally:
+            _CPU["views"] += 1
+            _CPU["view_cpu_s"] += time.thread_time() - t0
+
+    cache.render, fleet.take = timed_render, timed_take
+
+
 async def _served(app: Any) -> Any:
-    """How the aggregator answered /metrics so far (export/ahead.py)."""
+    """How the aggregator answered /metrics so far (export/ahead.py), and its render CPU."""
     from aiohttp import web
 
     from kvobserve.export.server import AHEAD
 
-    return web.json_response(app[AHEAD].served)
+    return web.json_response({**app[AHEAD].served, **_CPU})
 
 
-def served(url: str) -> dict[str, int]:
-    """The aggregator's answers so far: ahead, in_flight, on_request."""
+def served(url: str) -> dict[str, float]:
+    """The aggregator's answers so far (ahead, in_flight, on_request) and its render CPU."""
     _, body = scrape(url.replace("/metrics", "/bench/served"))
-    got: dict[str, int] = json.loads(body)
+    got: dict[str, float] = json.loads(body)
     return got
 
 
@@ -215,9 +248,14 @@ class Figures:
     steady_cpu: float = 0.0  # aggregator CPU s per steady scrape (renders ahead included)
     served: dict[str, int] = field(default_factory=dict)  # steady requests by how answered
     cold_cpu: list[float] = field(default_factory=list)  # aggregator CPU s per one-off scrape
+    # CPU s of one-off scrapes' renders (render thread) and views (loop), by thread_time
+    cold_render_cpu: list[float] = field(default_factory=list)
+    fixed: dict[tuple[str, float], float] = field(default_factory=dict)  # ms, over rounds
 
     def p(self, key: str, q: float) -> float:
         """Percentile `q` of the response times `key`, in ms."""
+        if (key, q) in self.fixed:
+            return self.fixed[(key, q)]
         return 1e3 * (median(self.times[key]) if q == 0.5 else percentile(self.times[key], q))
 
     @property
@@ -246,17 +284,32 @@ class Agg:
 
 
 def start_aggregator(
-    nats_url: str, renderer: str, streams: int, workdir: Path, shard: int = 0, shards: int = 1
+    nats_url: str,
+    renderer: str,
+    streams: int,
+    workdir: Path,
+    shard: int = 0,
+    shards: int = 1,
+    tree: Path | None = None,
 ) -> Agg:
-    """An aggregator subprocess serving `streams` streams (its shard's)."""
+    """An aggregator subprocess serving `streams` streams (its shard's); with `tree`, the
+    kvobserve package of that checkout (this benchmark's harness around it)."""
     port = free_port()
     name = f"{renderer}-{shard}of{shards}-{streams}"
+    cwd = None
+    if tree is not None:  # `python -m` puts the working directory first on the path
+        name = f"{tree.name}-{name}"
+        cwd = workdir / f"tree-{tree.name}"
+        cwd.mkdir(exist_ok=True)
+        for pkg, where in (("kvobserve", tree), ("benchmarks", Path(__file__).parents[1])):
+            if not (cwd / pkg).exists():
+                (cwd / pkg).symlink_to(where.resolve() / pkg)
     with open(workdir / f"aggregate-{name}.log", "wb") as logf:
         proc = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.scale", "--serve", nats_url,
              "--listen", f"127.0.0.1:{port}", "--renderer", renderer,
              "--shard", str(shard), "--shards", str(shards)],
-            stdout=logf, stderr=subprocess.STDOUT,
+            stdout=logf, stderr=subprocess.STDOUT, cwd=cwd,
         )  # fmt: skip
     return Agg(name, proc, f"http://127.0.0.1:{port}/metrics", Figures(streams))
 
@@ -357,18 +410,27 @@ async def measure(aggs: list[Agg], plan: Plan, srv: NatsServer) -> float:
         for a, c, s in zip(aggs, c0, s0, strict=True):
             extra = cpu_seconds(a.proc.pid) - c - a.fig.idle_cores * took
             a.fig.steady_cpu = extra / (2 * plan.steady)
-            a.fig.served = {k: n - s[k] for k, n in served(a.url).items()}
+            a.fig.served = {k: int(n - s[k]) for k, n in served(a.url).items() if k in SERVED}
         for i in range(2 * plan.cold):  # one-off: a new address each (127.0.1.x), never steady
             packed = i % 2 == 1
             await asyncio.sleep(1.5)  # every collector has sent a new snapshot
             source = f"127.0.{1 + i // 200}.{1 + i % 200}"
             for a in _turn(aggs, i // 2):
+                before = served(a.url)
                 c, t = cpu_seconds(a.proc.pid), time.monotonic()
                 took_s, body = await clients.get(a.url, packed, source)
                 f = a.fig
                 f.cold_cpu.append(
                     cpu_seconds(a.proc.pid) - c - f.idle_cores * (time.monotonic() - t)
                 )
+                after = served(a.url)
+                if after["renders"] - before["renders"] == 1:  # this request's render only
+                    f.cold_render_cpu.append(
+                        after["render_cpu_s"]
+                        - before["render_cpu_s"]
+                        + after["view_cpu_s"]
+                        - before["view_cpu_s"]
+                    )
                 f.times["cold_gz" if packed else "cold"].append(took_s)
                 f.keep(body, packed)
         for i in range(2 * plan.warm):
@@ -383,12 +445,16 @@ async def measure(aggs: list[Agg], plan: Plan, srv: NatsServer) -> float:
     return moved / idle
 
 
+def _percentile(key: str, q: float) -> Callable[[Figures], float]:
+    return lambda f: f.p(key, q)
+
+
 def report(title: str, figs: dict[str, Figures], nats_bps: float) -> None:
     """Each aggregator's figures side by side (and main/new when both were measured)."""
     print(f"{title}; NATS {nats_bps / 1e6:.2f} MB/s (in + out); load {_load()}")
     names = list(figs)
-    ratio = names == ["main", "new"]
-    rows = [
+    ratio = len(names) == 2 and "shard 0" not in names
+    rows: list[tuple[str, Callable[[Figures], float], str]] = [
         ("streams", lambda f: f.streams, "{:,.0f}"),
         ("/metrics MB plain", lambda f: f.plain_bytes / 1e6, "{:.2f}"),
         ("/metrics MB gzip", lambda f: f.gzip_bytes / 1e6, "{:.2f}"),
@@ -398,17 +464,19 @@ def report(title: str, figs: dict[str, Figures], nats_bps: float) -> None:
                       ("cold", "one-off plain"), ("cold_gz", "one-off gzip"),
                       ("warm", "back-to-back plain"), ("warm_gz", "back-to-back gzip")):  # fmt: skip
         for q, qn in ((0.5, "p50"), (0.99, "p99")):
-            rows.append((f"{what} {qn} ms", lambda f, k=key, q=q: f.p(k, q), "{:.0f}"))
+            rows.append((f"{what} {qn} ms", _percentile(key, q), "{:.0f}"))
     rows += [
         ("steady: served ahead", lambda f: f.served["ahead"], "{:.0f}"),
         ("steady: waited for a render", lambda f: f.served["in_flight"], "{:.0f}"),
         ("steady: rendered on request", lambda f: f.served["on_request"], "{:.0f}"),
         ("CPU s per steady scrape", lambda f: f.steady_cpu, "{:.3f}"),
         ("CPU s per one-off scrape", lambda f: median(f.cold_cpu), "{:.3f}"),
+        ("  of it view + render (thread CPU)", lambda f: median(f.cold_render_cpu), "{:.3f}"),
         ("idle CPU (intake), cores", lambda f: f.idle_cores, "{:.3f}"),
         ("cores at a 15 s scrape interval", lambda f: f.cores_at_15s, "{:.3f}"),
     ]
-    print(f"  {'':34s}" + "".join(f"{n:>10s}" for n in names) + ("  main/new" if ratio else ""))
+    head = "".join(f"{n[-10:]:>10s}" for n in names)
+    print(f"  {'':34s}{head}" + (f"  {names[0]}/{names[1]}" if ratio else ""))
     for label, get, fmt in rows:
         vals = [get(figs[n]) for n in names]
         line = f"  {label:34s}" + "".join(f"{fmt.format(v):>10s}" for v in vals)
@@ -469,6 +537,56 @@ async def run(
     return out
 
 
+async def compare(
+    against: Path, collectors: int, ranks: int, plan: Plan, workdir: Path, rounds: int
+) -> list[dict[str, Figures]]:
+    """This checkout's aggregator beside `against`'s (both with render-ahead), at the whole
+    fleet, in `rounds` fresh pairs (each going first in turn); the medians over the rounds."""
+    here = Path(__file__).resolve().parents[1]
+    out: list[dict[str, Figures]] = []
+    with NatsServer(workdir / "nats.log") as srv:
+        stop = asyncio.Event()
+        pub = asyncio.create_task(publish_fleet(srv.url, collectors, ranks, stop))
+        try:
+            for r in range(rounds):
+                trees = [against.resolve(), here] if r % 2 == 0 else [here, against.resolve()]
+                aggs = [
+                    start_aggregator(srv.url, "new", collectors * ranks, workdir, tree=t)
+                    for t in trees
+                ]
+                load0 = _load()
+                bps = await measure(aggs, plan, srv)
+                by_tree = {t: a.fig for t, a in zip(trees, aggs, strict=True)}
+                figs = {against.resolve().name: by_tree[against.resolve()], "this": by_tree[here]}
+                report(
+                    f"round {r + 1}: {collectors * ranks} streams (load before {load0})", figs, bps
+                )
+                out.append(figs)
+        finally:
+            stop.set()
+            await pub
+    summary: dict[str, Figures] = {}
+    for name in out[0]:
+        f = Figures(out[0][name].streams)
+        rs = [o[name] for o in out]
+        f.plain_bytes, f.gzip_bytes, f.samples = rs[0].plain_bytes, rs[0].gzip_bytes, rs[0].samples
+        f.fixed = {
+            (k, q): median([x.p(k, q) for x in rs]) for k in rs[0].times for q in (0.5, 0.99)
+        }
+        f.idle_cores = median([x.idle_cores for x in rs])
+        f.steady_cpu = median([x.steady_cpu for x in rs])
+        f.served = {k: int(median([x.served[k] for x in rs])) for k in rs[0].served}
+        f.cold_cpu = [median([median(x.cold_cpu) for x in rs])]
+        f.cold_render_cpu = [median([median(x.cold_render_cpu) for x in rs])]
+        summary[name] = f
+    report(
+        f"medians over {rounds} rounds (of each round's p50, p99 and CPU)",
+        summary,
+        0.0,
+    )
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Measure and print; returns 0."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.scale", description=__doc__)
@@ -481,6 +599,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warm", type=int, default=20, help="back-to-back scrapes per encoding")
     p.add_argument("--idle", type=float, default=10.0, help="seconds of intake-only CPU")
     p.add_argument("--quick", action="store_true", help="a smoke run: 8 collectors, 2 scrapes")
+    p.add_argument(
+        "--against",
+        metavar="CHECKOUT",
+        type=Path,
+        help="measure this checkout's aggregator beside CHECKOUT's (e.g. a worktree of main), "
+        "both rendering ahead, at --collectors only, over --rounds fresh pairs",
+    )
+    p.add_argument("--rounds", type=int, default=3, help="with --against: pairs measured")
     p.add_argument("--serve", metavar="NATS_URL", help=argparse.SUPPRESS)
     p.add_argument("--listen", help=argparse.SUPPRESS)
     p.add_argument("--renderer", choices=("main", "new"), default="new", help=argparse.SUPPRESS)
@@ -499,7 +625,12 @@ def main(argv: list[str] | None = None) -> int:
           f"--shards {args.shards} --steady {plan.steady} --interval {plan.interval_s:g} "
           f"--cold {plan.cold} --warm {plan.warm} --idle {plan.idle_s:g}")  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="kvobserve-scale-") as tmp:
-        asyncio.run(run(args.collectors, args.ranks, plan, Path(tmp), args.shards))
+        if args.against is not None:
+            asyncio.run(
+                compare(args.against, args.collectors, args.ranks, plan, Path(tmp), args.rounds)
+            )
+        else:
+            asyncio.run(run(args.collectors, args.ranks, plan, Path(tmp), args.shards))
     return 0
 
 

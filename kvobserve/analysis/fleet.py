@@ -283,13 +283,25 @@ class FleetState:
         """
         infos = {c.info.collector_id: c.info for c in v.collectors if c.up}
         names: dict[tuple[str, int], str] = {}
+        owners = v.owners
         for key, got in reported.items():
-            stats = got[0][0] if len(got) == 1 else _merge_stats([s for s, _ in got])
-            owner = next((infos[c] for c in v.owners.get(key, []) if c in infos), got[0][1])
+            ids = owners.get(key, ())
+            if len(got) == 1:  # the usual case: one reader, one source (a rank per scrape)
+                stats = got[0][0]
+                source = stats.source
+                if "+" in source:
+                    source = "+".join(sorted({n for n in source.split("+") if n}))
+            else:
+                stats = _merge_stats([s for s, _ in got])
+                source = "+".join(sorted({n for s, _ in got for n in s.source.split("+") if n}))
+            if len(ids) == 1 and ids[0] in infos:
+                owner = infos[ids[0]]
+            else:
+                owner = next((infos[c] for c in ids if c in infos), got[0][1])
             v.scheduler.append((stats, owner))
             if stats.max_total_tokens:
                 capacity[key] = stats.max_total_tokens
-            names[key] = "+".join(sorted({n for s, _ in got for n in s.source.split("+") if n}))
+            names[key] = source
         return names
 
 

@@ -1,46 +1,31 @@
-"""A prometheus_client Collector that renders the FleetView at scrape time; nothing per event."""
+"""A prometheus_client Collector that reads the FleetView at scrape time; nothing per event.
+
+Its families, written by prometheus_client's encoders, are the reference /metrics: the cached
+text (export/scrape.py) is tested byte for byte against them.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from functools import partial
-from typing import Any
 
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.analysis.views import FleetView
-from kvobserve.export.catalog import BY_NAME, render_docs
-from kvobserve.export.exposition import Listed, MetricFamilies, TextFamilies
+from kvobserve.export.catalog import BY_NAME, CATALOG
+from kvobserve.export.exposition import cumulative
+from kvobserve.export.metrics_docs import render_docs
 from kvobserve.export.passthrough import passthrough
-from kvobserve.export.samples import Detail, fleet
+from kvobserve.export.series import EMPTY, Detail, Plan, groups, ordered
+from kvobserve.export.sums import Sums
 from kvobserve.transport import Transport, TransportStatus
 
 ViewProvider = Callable[[], FleetView]
 ExtraProvider = Callable[[], Iterable[Metric]]
-
-
-def render_exposition(
-    view: FleetView,
-    extra: Sequence[Metric],
-    encoder: Callable[[Any], bytes],
-    openmetrics: bool = False,
-    detail: Detail | None = None,
-) -> bytes:
-    """The whole /metrics body, rendered afresh: catalog families here, extras and passthrough
-    by `encoder` (prometheus_client's, from choose_encoder: it also writes OpenMetrics' # EOF).
-
-    Same bytes as `encoder` over FleetCollector.collect() for the text format 0.0.4 and for
-    OpenMetrics with legacy-valid names (every name here is). export/scrape.py writes the same
-    bytes from per-collector text kept between snapshots.
-    """
-    f = TextFamilies()
-    fleet(f, view, detail or Detail())
-    head, taken = f.text(openmetrics)
-    return head.encode() + encoder(Listed(rest_families(view, extra, taken)))
 
 
 def rest_families(view: FleetView, extra: Sequence[Metric], taken: set[str]) -> list[Metric]:
@@ -74,25 +59,50 @@ class FleetCollector(Collector):
         self._view = view_provider
         self._extra = extra
         self.detail = Detail(per_stream_histograms, per_stream_counters, shard)
+        self._plan = Plan(self.detail)
 
     def take(self) -> tuple[FleetView, list[Metric]]:
         """The view and the extras now (on the event loop: the fleet state lives there)."""
         return self._view(), list(self._extra()) if self._extra is not None else []
 
-    def exposition(
-        self, encoder: Callable[[Any], bytes], openmetrics: bool = False
-    ) -> Callable[[], bytes]:
-        """Take the view and the extras now; the returned function renders the body (any thread)."""
-        v, extra = self.take()
-        return partial(render_exposition, v, extra, encoder, openmetrics, self.detail)
-
     def collect(self) -> Iterable[Metric]:
         """Metric families of one scrape."""
-        f = MetricFamilies()
         v, extra = self.take()
-        fleet(f, v, self.detail)
-        out = [m for m in f.metrics.values() if m.samples]
+        out = fleet_metrics(self._plan, v)
         return out + rest_families(v, extra, {m.name for m in out})
+
+
+def fleet_metrics(plan: Plan, v: FleetView) -> list[Metric]:
+    """The catalog families of the view with samples, in catalog order (a repeated label set
+    is served once: the first live copy)."""
+    order = ordered(v)
+    by_c = groups(v)
+    batch = plan.batch([(c, by_c.get(c.info.collector_id, EMPTY)) for c in order], set())
+    sums = Sums()
+    for s in batch.sums:
+        sums.merge(s)
+    level = plan.fleet(v, order, sums)
+    out = []
+    for d in CATALOG:
+        cols = [col for col in (level.get(d.name), batch.columns.get(d.name)) if col is not None]
+        if not cols:
+            continue
+        m = Metric(d.family, d.help, d.type)
+        names = plan.names[d.name]
+        for col in cols:
+            for labels, value in zip(col.labels, col.values, strict=True):
+                ls = dict(zip(names, labels, strict=True))
+                if d.type != "histogram":  # a flag (up, complete, ...) as 1 or 0, for OTLP too
+                    m.add_sample(d.name, ls, int(value) if type(value) is bool else value)
+                    continue
+                cum, top = cumulative(value)
+                for bound, n in zip(value.bounds, cum, strict=False):
+                    m.add_sample(f"{d.name}_bucket", {**ls, "le": floatToGoString(bound)}, n)
+                m.add_sample(f"{d.name}_bucket", {**ls, "le": "+Inf"}, top)
+                m.add_sample(f"{d.name}_count", ls, top)
+                m.add_sample(f"{d.name}_sum", ls, value.sum)
+        out.append(m)
+    return out
 
 
 def catalog_metric(name: str, samples: Iterable[tuple[Mapping[str, str], float]]) -> Metric:

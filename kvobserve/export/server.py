@@ -102,19 +102,14 @@ async def _metrics(request: web.Request) -> web.Response:
     # rendering works on that immutable view, so it runs off the loop. The catalog families
     # come from per-collector text kept until the collector's next snapshot (export/scrape.py,
     # same bytes, docs/performance.md), rendered ahead for steady scrapers (export/ahead.py);
-    # other format variants are prometheus_client's.
+    # other format variants, and every scrape without the cache, are prometheus_client's.
     openmetrics = _fast_format(content_type)
-    fleet: FleetCollector = request.app[FLEET]
     cache: ScrapeCache | None = request.app[CACHE]  # type: ignore[assignment]
     if openmetrics is not None and cache is not None:
         fmt = Format(content_type, gzip, openmetrics, encoder)
         body = await request.app[AHEAD].body(request.remote or "", fmt)
     else:
-        render: Callable[[], bytes]
-        if openmetrics is None:
-            render = partial(encoder, _Collected(list(request.app[REGISTRY].collect())))
-        else:
-            render = fleet.exposition(encoder, openmetrics)
+        render = partial(encoder, _Collected(list(request.app[REGISTRY].collect())))
         if gzip:
             render = partial(_gzipped, render)
         body = await asyncio.to_thread(render)
@@ -259,7 +254,7 @@ def create_app(
 
     `per_stream_histograms`/`per_stream_counters` serve block lifetimes and block/event
     counters per stream instead of per worker (docs/metrics.md, series budget);
-    `scrape_cache=False` renders every scrape afresh (the renderer before the cache);
+    `scrape_cache=False` renders every scrape afresh with prometheus_client's encoders;
     `render_ahead_s`: bodies for steady scrapers are rendered just before their requests and at
     most this old when served (export/ahead.py; 0: on request only);
     `events` gives the recent events of /api/v1/events; `runbook_url` is docs/alerts.md's URL.

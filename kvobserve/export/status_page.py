@@ -47,14 +47,15 @@ def _cell(kind: str) -> str | None:
     return k.cell if k is not None else None
 
 
-def _e(value: object) -> str:
+def _html(value: object) -> str:
+    """`value` as HTML text (quotes escaped too: it goes into attributes as well)."""
     return escape(str(value), quote=True)
 
 
 def _table(head: Iterable[str], rows: list[str], empty: str, tid: str = "") -> str:
     if not rows:
-        return f'<p class="muted">{_e(empty)}</p>'
-    th = "".join(f"<th>{_e(h)}</th>" for h in head)
+        return f'<p class="muted">{_html(empty)}</p>'
+    th = "".join(f"<th>{_html(h)}</th>" for h in head)
     idattr = f' id="{tid}"' if tid else ""
     return f"<table{idattr}><thead><tr>{th}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
 
@@ -83,7 +84,7 @@ class _Clock:
 
 
 def _sev(severity: str) -> str:
-    return f'<span class="sev sev-{_e(severity)}">{_e(severity)}</span>'
+    return f'<span class="sev sev-{_html(severity)}">{_html(severity)}</span>'
 
 
 def _where(labels: Json) -> str:
@@ -104,14 +105,16 @@ def _alerts(alerts: list[Json], clock: _Clock) -> str:
     rows = []
     for a in alerts:
         link = (
-            f'<a href="{_e(a["runbook_url"])}">{_e(a["alert"])}</a>' if a.get("runbook_url") else ""
+            f'<a href="{_html(a["runbook_url"])}">{_html(a["alert"])}</a>'
+            if a.get("runbook_url")
+            else ""
         )
         rows.append(
-            f'<tr class="c-{_e(a["severity"])}" data-kind="{_e(a["kind"])}">'
-            f"<td>{_sev(a['severity'])}</td><td><b>{_e(a.get('title', a['kind']))}</b><br>"
-            f'<span class="small muted">{_e(a["kind"])}</span></td>'
-            f'<td class="nw">{_e(_where(a["labels"]))}</td><td>{_e(a["description"])}</td>'
-            f'<td class="nw">{_e(clock.ago(a.get("since")))}</td><td>{link}</td></tr>'
+            f'<tr class="c-{_html(a["severity"])}" data-kind="{_html(a["kind"])}">'
+            f"<td>{_sev(a['severity'])}</td><td><b>{_html(a.get('title', a['kind']))}</b><br>"
+            f'<span class="small muted">{_html(a["kind"])}</span></td>'
+            f'<td class="nw">{_html(_where(a["labels"]))}</td><td>{_html(a["description"])}</td>'
+            f'<td class="nw">{_html(clock.ago(a.get("since")))}</td><td>{link}</td></tr>'
         )
     head = ("severity", "condition", "where", "what", "since", "runbook")
     return _table(head, rows, "No active conditions.", "alerts-table")
@@ -151,32 +154,36 @@ def _stream_row(s: Json, cond: dict[str, str], clock: _Clock) -> str:
     state = s.get("state") or ("up" if s["up"] else "down")
     cls = "ok" if state == "up" else "st"
     since = clock.ago(s.get("state_since"))
-    reason = f'{_e(s.get("reason") or "")}<br><span class="small muted">since {_e(since)}</span>'
+    reason = (
+        f'{_html(s.get("reason") or "")}<br><span class="small muted">since {_html(since)}</span>'
+    )
     gaps = f"{s['gaps']}"
     if s["gaps"]:
         gaps += f'<br><span class="small">{s["recovered"]} recovered, {s["lost"]} lost'
-        gaps += f"<br>last {_e(clock.hms(s.get('last_gap_time')))}</span>"
+        gaps += f"<br>last {_html(clock.hms(s.get('last_gap_time')))}</span>"
     restarts = f"{s['restarts']}"
     if s["restarts"]:
         restarts += (
-            f'<br><span class="small">last {_e(clock.hms(s.get("last_restart_time")))}</span>'
+            f'<br><span class="small">last {_html(clock.hms(s.get("last_restart_time")))}</span>'
         )
     if s["duplicate_stream"]:
-        dup = f'yes<br><span class="small">{_e(clock.hms(s.get("last_duplicate_time")))}</span>'
+        dup = f'yes<br><span class="small">{_html(clock.hms(s.get("last_duplicate_time")))}</span>'
     else:  # None: the stream is not up, so it is not known now
         dup = "-" if s["duplicate_stream"] is None else "no"
         if s.get("last_duplicate_time"):
-            last = _e(clock.hms(s["last_duplicate_time"]))
+            last = _html(clock.hms(s["last_duplicate_time"]))
             dup += f'<br><span class="small muted">last {last}</span>'
     complete = s["state_complete"] if s["batches"] else None  # no batch yet: nothing to judge
     if not s["batches"] and not s["duplicate_stream"]:
         dup = "-"
     index = "-" if complete is None else "exact" if complete else "lower bound"
     if s.get("trust") and s["batches"]:  # docs/cache-analytics.md, "Trust state"
-        index = f'{_e(s["trust"])}<br><span class="small">{_e(s.get("trust_reason") or "")}</span>'
+        index = f'{_html(s["trust"])}<br><span class="small">{_html(s.get("trust_reason") or "")}</span>'
     elif complete is False and s.get("incomplete_reason"):
-        index += f'<br><span class="small">{_e(s["incomplete_reason"])}</span>'
-    evidence = ", ".join(f"{_e(k)} {_e(n)}" for k, n in sorted(s.get("silent_loss", {}).items()))
+        index += f'<br><span class="small">{_html(s["incomplete_reason"])}</span>'
+    evidence = ", ".join(
+        f"{_html(k)} {_html(n)}" for k, n in sorted(s.get("silent_loss", {}).items())
+    )
     if s.get("over_capacity"):
         evidence = ", ".join(x for x in (evidence, "over capacity") if x)
     if evidence:
@@ -186,13 +193,13 @@ def _stream_row(s: Json, cond: dict[str, str], clock: _Clock) -> str:
         f" / {s['rank_mismatch_batches']} rank" if s["rank_mismatch_batches"] else ""
     )
     eps = s.get("events_per_s")
-    state_cell = td("state", f'<span class="{cls}">{_e(state)}</span>')
+    state_cell = td("state", f'<span class="{cls}">{_html(state)}</span>')
     return (
-        f'<tr data-rank="{_e(s["dp_rank"])}" data-state="{_e(state)}">'
-        f"<td>{_e(s['worker_id'])}</td><td class=n>{_e(s['dp_rank'])}</td>"
-        f"<td class=n>{_e(s['node_rank'])}</td>"
+        f'<tr data-rank="{_html(s["dp_rank"])}" data-state="{_html(state)}">'
+        f"<td>{_html(s['worker_id'])}</td><td class=n>{_html(s['dp_rank'])}</td>"
+        f"<td class=n>{_html(s['node_rank'])}</td>"
         f"{state_cell}<td>{reason}</td>"
-        f"<td class=n>{_e(s['batches'])}</td>"
+        f"<td class=n>{_html(s['batches'])}</td>"
         f"<td class=n>{'-' if eps is None else f'{eps:,.0f}'}</td>"
         f"<td class=n>{_secs(s.get('lag_seconds'))}</td>"
         f"<td class=n>{_secs(s.get('last_message_age_s'))}</td>"
@@ -200,7 +207,7 @@ def _stream_row(s: Json, cond: dict[str, str], clock: _Clock) -> str:
         f"{td('index', index)}{td('errors', errors, True)}"
         f"<td class=n>{_pct(s.get('cache_usage_ratio'))}</td>"
         f"{td('sched', _pct(s.get('token_usage_ratio')) + _via(s), True)}"
-        f'<td class="small">{_e(s["endpoint"])}<br>{_e(s["collector"])}</td></tr>'
+        f'<td class="small">{_html(s["endpoint"])}<br>{_html(s["collector"])}</td></tr>'
     )
 
 
@@ -209,7 +216,7 @@ def _via(s: Json) -> str:
     src = s.get("scheduler_source")
     if src is None:
         return ""
-    return f'<br><span class="small{" muted" if src != "none" else ""}">{_e(src)}</span>'
+    return f'<br><span class="small{" muted" if src != "none" else ""}">{_html(src)}</span>'
 
 
 def _streams(streams: list[Json], alerts: list[Json], clock: _Clock) -> str:
@@ -232,11 +239,11 @@ def _events(events: list[Json], clock: _Clock) -> str:
     rows = []
     for ev in events:
         sev = ev.get("severity")
-        tint = f' class="c-{_e(sev)}"' if sev and ev.get("state") == "firing" else ""
+        tint = f' class="c-{_html(sev)}"' if sev and ev.get("state") == "firing" else ""
         where = _where(ev.get("labels") or ev)
         rows.append(
-            f'<tr{tint} data-kind="{_e(ev["kind"])}"><td class="nw">{_e(clock.ago(ev["time"]))}</td>'
-            f"<td>{_e(ev['kind'])}</td><td class=nw>{_e(where)}</td><td>{_e(ev['message'])}</td></tr>"
+            f'<tr{tint} data-kind="{_html(ev["kind"])}"><td class="nw">{_html(clock.ago(ev["time"]))}</td>'
+            f"<td>{_html(ev['kind'])}</td><td class=nw>{_html(where)}</td><td>{_html(ev['message'])}</td></tr>"
         )
     return _table(("time (UTC)", "kind", "where", "what"), rows, "No events yet.", "events-table")
 
@@ -244,9 +251,9 @@ def _events(events: list[Json], clock: _Clock) -> str:
 def _strays(items: list[Json]) -> str:
     active = [u for u in items if u["active"]]
     rows = [
-        f'<tr class="c-warning"><td>{_e(u["worker_id"])}</td><td class=n>{_e(u["dp_rank"])}</td>'
-        f"<td class=n>{_e(u['node_rank'])}</td><td>{_e(u['endpoint'])}</td>"
-        f"<td class=n>{_e(u['batches'])}</td></tr>"
+        f'<tr class="c-warning"><td>{_html(u["worker_id"])}</td><td class=n>{_html(u["dp_rank"])}</td>'
+        f"<td class=n>{_html(u['node_rank'])}</td><td>{_html(u['endpoint'])}</td>"
+        f"<td class=n>{_html(u['batches'])}</td></tr>"
         for u in active
     ]
     head = ("worker", "would-be rank", "node", "endpoint", "batches")
@@ -255,7 +262,7 @@ def _strays(items: list[Json]) -> str:
     if idle:
         out += (
             f'<p class="small muted" id="idle-probes">Idle probe ports past the last rank '
-            f"(nothing publishes there, as it should be): {_e(', '.join(idle))}</p>"
+            f"(nothing publishes there, as it should be): {_html(', '.join(idle))}</p>"
         )
     return out
 
@@ -271,18 +278,18 @@ def _row_conditions(alerts: list[Json]) -> dict[tuple[str, ...], str]:
 
 
 def _tint(severity: str | None) -> str:
-    return f' class="c-{_e(severity)}"' if severity else ""
+    return f' class="c-{_html(severity)}"' if severity else ""
 
 
 def _sources(sources: list[Json], clock: _Clock, alerts: list[Json]) -> str:
     conds = _row_conditions(alerts)
     rows = [
-        f"<tr><td>{_e(s['worker_id'])}</td><td>{_e(s['source'])}</td>"
-        f'<td class="small">{_e(s["endpoint"])}</td><td>{_e(s["collector"])}</td>'
+        f"<tr><td>{_html(s['worker_id'])}</td><td>{_html(s['source'])}</td>"
+        f'<td class="small">{_html(s["endpoint"])}</td><td>{_html(s["collector"])}</td>'
         f"<td{_tint(conds.get((str(s['worker_id']), str(s['collector']), str(s['source']))))}>"
-        f'<span class="{"ok" if s["state"] == "up" else "st"}">{_e(s["state"])}</span></td>'
-        f"<td>{_e(s['reason'])}</td><td class=nw>{_e(clock.ago(s.get('since')))}</td>"
-        f"<td class=n>{_e(s['messages'])}</td></tr>"
+        f'<span class="{"ok" if s["state"] == "up" else "st"}">{_html(s["state"])}</span></td>'
+        f"<td>{_html(s['reason'])}</td><td class=nw>{_html(clock.ago(s.get('since')))}</td>"
+        f"<td class=n>{_html(s['messages'])}</td></tr>"
         for s in sources
     ]
     head = ("worker", "source", "endpoint", "collector", "state", "reason", "since", "messages")
@@ -304,19 +311,20 @@ def _binds(binds: list[Json], clock: _Clock) -> str:
         if r is not None:
             dropped = ", ".join(f"{k} {n}" for k, n in sorted(r["dropped"].items()))
             relay = (
-                f'<span class="{"ok" if r["state"] == "up" else "st"}">{_e(r["state"])}</span> '
-                f"{_e(r['target'])}: {_e(r['reason'])} ({_e(clock.ago(r['since']))}); "
-                f"{_e(r['forwarded'])} forwarded" + (f", dropped {_e(dropped)}" if dropped else "")
+                f'<span class="{"ok" if r["state"] == "up" else "st"}">{_html(r["state"])}</span> '
+                f"{_html(r['target'])}: {_html(r['reason'])} ({_html(clock.ago(r['since']))}); "
+                f"{_html(r['forwarded'])} forwarded"
+                + (f", dropped {_html(dropped)}" if dropped else "")
             )
         cls = "" if r is None or not r["dropped"] else ' class="c-warning"'
         rows.append(
-            f"<tr{cls}><td>{_e(b['worker_id'])}</td><td class=n>{_e(b['dp_rank'])}</td>"
-            f"<td>{_e(b['endpoint'])}</td><td>{_e(b['topic'])}</td>"
-            f'<td class="{"ok" if b["state"] == "connected" else "st"}">{_e(b["state"])}</td>'
-            f"<td>{_e(b['reason'])}</td><td class=n>{_e(b['streams'])}</td>"
-            f"<td class=n>{_e(b['messages'])}</td>"
-            f'<td class="small">{_e(skipped or "-")}'
-            + (f"<br>{_e(b['skip_reason'])}" if skipped and b["skip_reason"] else "")
+            f"<tr{cls}><td>{_html(b['worker_id'])}</td><td class=n>{_html(b['dp_rank'])}</td>"
+            f"<td>{_html(b['endpoint'])}</td><td>{_html(b['topic'])}</td>"
+            f'<td class="{"ok" if b["state"] == "connected" else "st"}">{_html(b["state"])}</td>'
+            f"<td>{_html(b['reason'])}</td><td class=n>{_html(b['streams'])}</td>"
+            f"<td class=n>{_html(b['messages'])}</td>"
+            f'<td class="small">{_html(skipped or "-")}'
+            + (f"<br>{_html(b['skip_reason'])}" if skipped and b["skip_reason"] else "")
             + f'</td><td class="small">{relay}</td></tr>'
         )
     head = ("worker", "rank", "bound", "topic", "state", "reason", "streams", "messages",
@@ -326,11 +334,11 @@ def _binds(binds: list[Json], clock: _Clock) -> str:
 
 def _collectors(collectors: list[Json]) -> str:
     rows = [
-        f"<tr{'' if c['up'] else ' class=c-critical'}><td>{_e(c['collector'])}</td>"
-        f"<td class=n>{_e(c['node_rank'])}</td><td>{_e(c['hostname'])}</td>"
+        f"<tr{'' if c['up'] else ' class=c-critical'}><td>{_html(c['collector'])}</td>"
+        f"<td class=n>{_html(c['node_rank'])}</td><td>{_html(c['hostname'])}</td>"
         f'<td class="{"ok" if c["up"] else "st"}">{"up" if c["up"] else "down"}</td>'
         f"<td class=n>{c['age_s']:.1f} s</td>"
-        f"<td>{_e(', '.join(c['workers']))}</td><td>{_e(c['version'])}</td></tr>"
+        f"<td>{_html(', '.join(c['workers']))}</td><td>{_html(c['version'])}</td></tr>"
         for c in collectors
     ]
     head = ("collector", "node", "hostname", "state", "last snapshot", "workers", "version")
@@ -343,7 +351,7 @@ HOT_SHOWN = 5  # hot prefixes per worker on the page (/api/v1/hot lists more)
 def _stores(b: Json) -> str:
     """A hot prefix's store count, with its upper bound when the count may fall short."""
     lo, hi = b["stores"], b["stores_max"]
-    return f"{_e(lo)}" if hi == lo else f"{_e(lo)} &ndash; {_e(hi)}"
+    return f"{_html(lo)}" if hi == lo else f"{_html(lo)} &ndash; {_html(hi)}"
 
 
 def _hot(hot: Json | None) -> str:
@@ -354,17 +362,17 @@ def _hot(hot: Json | None) -> str:
         ratio = p.get("redundancy")
         place = (
             f" &middot; redundancy {ratio:.2f} &middot; recomputed elsewhere "
-            f"{_e(p.get('recomputed_elsewhere', 0))}"
+            f"{_html(p.get('recomputed_elsewhere', 0))}"
             if ratio is not None
             else ""
         )
         rows = [
-            f'<tr><td class="small">{_e(b["hash"])}</td><td class=n>{_stores(b)}</td>'
-            f"<td class=n>{_e(b['holders'])}</td></tr>"
+            f'<tr><td class="small">{_html(b["hash"])}</td><td class=n>{_stores(b)}</td>'
+            f"<td class=n>{_html(b['holders'])}</td></tr>"
             for b in w["blocks"][:HOT_SHOWN]
         ]
         out.append(
-            f'<h3 class="small">{_e(w["worker_id"])}{place}</h3>'
+            f'<h3 class="small">{_html(w["worker_id"])}{place}</h3>'
             + _table(("block hash", "stores", "ranks holding"), rows, "No hot prefixes yet.")
         )
     return "".join(out) or '<p class="muted">No cache analytics.</p>'
@@ -377,8 +385,8 @@ def _workers(workers: list[Json], alerts: list[Json], clock: _Clock) -> str:
         cells = []
         for rank, owners in w["owners"].items():
             cls = "own0" if not owners else "own1" if len(owners) == 1 else "ownN"
-            who = "<br>".join(_e(o) for o in owners) or "uncovered"
-            cells.append(f'<td class="{cls}"><b>rank {_e(rank)}</b><br>{who}</td>')
+            who = "<br>".join(_html(o) for o in owners) or "uncovered"
+            cells.append(f'<td class="{cls}"><b>rank {_html(rank)}</b><br>{who}</td>')
         leaders = ", ".join(w["leaders"]) or "none"
         grid = (
             f'<table class="grid"><tr>{"".join(cells)}</tr></table>'
@@ -388,15 +396,15 @@ def _workers(workers: list[Json], alerts: list[Json], clock: _Clock) -> str:
         # each live collector's word on the worker: why it watches nothing, or other ranks
         states = [
             f"<tr{_tint(conds.get((str(w['worker_id']), str(st['collector']))))} "
-            f'data-state="{_e(st["state"])}"><td>{_e(st["collector"])}</td>'
+            f'data-state="{_html(st["state"])}"><td>{_html(st["collector"])}</td>'
             f'<td><span class="{"ok" if st["state"] == "watching" else "st"}">'
-            f"{_e(st['state'])}</span></td><td>{_e(st['reason'])}</td>"
-            f"<td class=nw>{_e(clock.ago(st.get('since')))}</td></tr>"
+            f"{_html(st['state'])}</span></td><td>{_html(st['reason'])}</td>"
+            f"<td class=nw>{_html(clock.ago(st.get('since')))}</td></tr>"
             for st in w.get("states", [])
         ]
         out.append(
-            f'<h3 class="small">{_e(w["worker_id"])} &middot; dp_size {_e(w["dp_size"])} '
-            f"&middot; scheduler leader: {_e(leaders)}</h3>"
+            f'<h3 class="small">{_html(w["worker_id"])} &middot; dp_size {_html(w["dp_size"])} '
+            f"&middot; scheduler leader: {_html(leaders)}</h3>"
             + (_table(("collector", "state", "reason", "since"), states, "") if states else "")
             + grid
         )
@@ -430,8 +438,8 @@ def render(
         "<!doctype html><html lang=en><head><meta charset=utf-8>"
         f'<meta http-equiv="refresh" content="{max(1, int(refresh_s))}">'
         f"<title>kvobserve fleet</title><style>{_CSS}</style></head><body>"
-        f'<h1>kvobserve fleet</h1><p class="muted" id="summary">{_e(summary)} &middot; '
-        f"{_e(stamp)} &middot; <a href=/metrics>/metrics</a> &middot; "
+        f'<h1>kvobserve fleet</h1><p class="muted" id="summary">{_html(summary)} &middot; '
+        f"{_html(stamp)} &middot; <a href=/metrics>/metrics</a> &middot; "
         "<a href=/api/v1/streams>streams</a> &middot; <a href=/api/v1/alerts>alerts</a> "
         "&middot; <a href=/api/v1/events>events</a></p>"
         f'<h2>Active conditions</h2><div id="alerts">{_alerts(alerts, clock)}</div>'

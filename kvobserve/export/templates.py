@@ -1,285 +1,188 @@
-"""A collector's stream and scheduler lines from cached templates: only the values are formatted.
+"""A family's lines from templates built for its series' labels: only the values are formatted.
 
-With the default series budget a stream's lines differ from one snapshot to the next only in
-their values; their names, labels and which lines exist (the stream's "shape": up or not,
-its media, replay results, decode-error reasons, ...) almost never change. So each collector
-keeps, per shape of all its streams and scheduler ranks, one template per family with a
-`%(n)s` placeholder per value; rendering is then one pass that lists the values, one
-`format_value` per value and one `%` per family (C-level). Same bytes as chunks._stream and the
-reference writer (export/samples.py); tests hold all three to prometheus_client's output.
+The lines of a family differ from one scrape to the next mostly in their values; which lines
+exist and their labels (the family's "shape") rarely change. So each family keeps, per
+collector, its lines for the shape they last had with a `%s` per value, and for the batch of
+collectors last written together those templates joined; a scrape formats the values (one
+`format_value` each, C-level `%`), and a family whose values did not change keeps its text.
+Byte for byte what prometheus_client writes for the same series (tests hold the two equal).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from operator import attrgetter, itemgetter, methodcaller
+from collections import Counter
 from typing import Any
 
-from kvobserve.analysis.views import StreamView
-from kvobserve.export.exposition import _escape, format_value
-from kvobserve.export.rollup import WorkerSums
-from kvobserve.export.samples import EVENT_TYPES, SCHEDULER_FIELDS
-from kvobserve.wire.snapshot import MediumStats, SchedulerStats, StreamStats
+from prometheus_client.utils import floatToGoString
 
-# Always written, in this order (the row families of chunks.STREAM_FAMILIES that are scalars).
-_COUNTERS = (
-    ("kvobserve_kv_event_batches_total", "batches_total"),
-    ("kvobserve_kv_sequence_gaps_total", "gaps"),
-    ("kvobserve_kv_batches_missed_total", "missed"),
-    ("kvobserve_kv_batches_recovered_total", "recovered"),
-    ("kvobserve_kv_batches_lost_total", "lost"),
-    ("kvobserve_kv_publisher_restarts_total", "restarts"),
-    ("kvobserve_kv_duplicate_batches_total", "duplicate_batches"),
-    ("kvobserve_kv_rank_mismatch_batches_total", "rank_mismatch_batches"),
-)
-_SCALARS = attrgetter(*[attr for _, attr in _COUNTERS])
-_SCHED = attrgetter(*[attr for attr, _ in SCHEDULER_FIELDS])
+from kvobserve.export.exposition import cumulative, format_value, label_text
+from kvobserve.export.series import Column
+from kvobserve.wire.snapshot import Histogram
 
-
-class Template:
-    """One collector shape's lines per family, with `%s` where a value goes, and its slots."""
-
-    __slots__ = ("families",)
-
-    def __init__(self) -> None:
-        self.families: dict[str, tuple[list[str], list[int]]] = {}
-
-    def line(self, name: str, labels: str, slot: int | None) -> None:
-        """A line of `name`; `labels` is the escaped `{...}` text, `slot` its value (None: 1)."""
-        lines, slots = self.families.setdefault(name, ([], []))
-        if slot is None:
-            lines.append(f"{name}{labels.replace('%', '%%')} 1.0\n")
-        else:
-            lines.append(f"{name}{labels.replace('%', '%%')} %s\n")
-            slots.append(slot)
-
-    def built(self) -> Filled:
-        """The compiled template, nothing filled in yet."""
-        out = []
-        for name, (lines, slots) in self.families.items():
-            getter: Callable[[list[Any]], tuple[Any, ...]]
-            if not slots:
-                getter = _none
-            elif len(slots) == 1:
-                getter = _one(slots[0])
-            else:
-                getter = itemgetter(*slots)
-            out.append((name, "".join(lines), getter))
-        return Filled(out)
-
-
-def _none(values: list[Any]) -> tuple[Any, ...]:
-    return ()
-
-
-def _one(slot: int) -> Callable[[list[Any]], tuple[Any, ...]]:
-    def get(values: list[Any]) -> tuple[Any, ...]:
-        return (values[slot],)
-
-    return get
+_SEP = "\x00"  # between collectors in a batch's text; a label value holding one: cut apart
+# collector -> its lines' shape, template, the values it takes, whether the template holds _SEP,
+# the last values and their lines
+PerCollector = dict[str, tuple[object, str, int, bool, list[Any], bytes]]
 
 
 class Filled:
-    """A compiled template and, per family, the values and bytes it was last filled with."""
+    """One family's lines over a batch of collectors: all of them, or each collector's."""
 
-    __slots__ = ("families", "last")
+    __slots__ = ("_pieces", "_text", "_whole")
 
-    def __init__(self, families: list[tuple[str, str, Callable[[list[Any]], tuple[Any, ...]]]]):
-        self.families = families
-        self.last: dict[str, tuple[tuple[Any, ...], bytes]] = {}
+    def __init__(self, text: str | None, pieces: list[bytes] | None = None) -> None:
+        self._text = text  # the collectors' lines with _SEP between them
+        self._pieces = pieces
+        self._whole: bytes | None = None
 
-    def fill(self, values: list[Any]) -> dict[str, bytes]:
-        """Each family's text; a family whose values did not change since the last fill is
-        reused, the others get their values formatted in."""
-        out = {}
-        last = self.last
-        fv = format_value
-        for name, text, getter in self.families:
-            vals = getter(values)
-            hit = last.get(name)
-            if hit is not None and hit[0] == vals:
-                out[name] = hit[1]
-                continue
-            body = (text % tuple(map(fv, vals))).encode()
-            last[name] = (vals, body)
-            out[name] = body
-        return out
+    @property
+    def whole(self) -> bytes:
+        """Every collector's lines, in batch order."""
+        if self._whole is None:
+            if self._pieces is not None:
+                self._whole = b"".join(self._pieces)
+            else:
+                assert self._text is not None
+                self._whole = self._text.replace(_SEP, "").encode()
+        return self._whole
 
-
-def stream_values(sv: StreamView, out: list[Any]) -> tuple[object, ...]:
-    """Append one stream's values to `out` (in template order); return its shape (what its
-    lines depend on besides the values)."""
-    st = sv.stats
-    live = sv.live and st.up  # gauges are served only then (the staleness rule)
-    out.append(1 if live else 0)
-    out.extend(_SCALARS(st))
-    interleaved = st.interleaved_batches
-    if interleaved:
-        out.append(interleaved)
-    rk: tuple[str, ...] = ()
-    dk: tuple[str, ...] = ()
-    replay = st.replay_requests
-    if replay:
-        rk = tuple(sorted(replay)) if len(replay) > 1 else tuple(replay)
-        out.extend([replay[k] for k in rk])
-    decode = st.decode_errors
-    if decode:
-        dk = tuple(sorted(decode)) if len(decode) > 1 else tuple(decode)
-        out.extend([decode[k] for k in dk])
-    ident = (st.worker_id, st.dp_rank, st.endpoint, st.engine, st.topic, sv.collector.collector_id)
-    media = st.media
-    # the media are part of the shape even while stale: the collector's claims depend on them
-    names = (media[0].medium,) if len(media) == 1 else tuple([m.medium for m in media])
-    ts = st.last_batch_ts > 0
-    if not live:  # counters and health only
-        if ts:
-            out.append(st.last_batch_ts)
-        return (ident, False, interleaved > 0, rk, dk, names, ts)
-    if len(media) == 1:
-        m = media[0]
-        out.append(m.blocks)
-        out.append(m.tokens)
-    else:
-        out.extend([m.blocks for m in media])
-        out.extend([m.tokens for m in media])
-    cap = sv.capacity_tokens
-    if cap:
-        out.append(cap)
-        out.append(sv.gpu_tokens / cap)
-    out.append(1 if st.duplicate_stream else 0)
-    out.append(1 if st.state_complete else 0)
-    if ts:
-        out.append(st.last_batch_ts)
-    lag = st.lag_seconds
-    if lag is not None:
-        out.append(lag)
-    return (ident, True, interleaved > 0, rk, dk, names, bool(cap), ts, lag is not None)
+    @property
+    def pieces(self) -> list[bytes]:
+        """Each collector's lines (b"" for none)."""
+        if self._pieces is None:
+            assert self._text is not None
+            self._pieces = list(map(str.encode, self._text.split(_SEP)))
+            self._text = None  # no longer needed: the whole lines come from the pieces
+        return self._pieces
 
 
-_EVENTS = attrgetter("events")
-_MEDIA = attrgetter("media")
-_GET = tuple(methodcaller("get", t, 0) for t in EVENT_TYPES)
-_ALREADY = attrgetter("already_resident")
-_STORED = attrgetter("stored_total")
-_REMOVED = attrgetter("removed_total")
-_LIFETIME = attrgetter("lifetime")
-_EVENT_SET = frozenset(EVENT_TYPES)
-_UNKNOWN = attrgetter("unknown_removed")
+class FamilyText:
+    """One family's lines over batches of collectors, from templates kept for their shapes."""
 
-
-def add_sums(streams: list[StreamView], sums: WorkerSums) -> None:
-    """The streams' block/event counters and lifetimes into the per-worker sums (as
-    samples.stream adds them; counters are integers, so the order of the sum is free)."""
-    by: dict[str, list[StreamStats]] = {}
-    for sv in streams:
-        st = sv.stats
-        sts = by.get(st.worker_id)
-        if sts is None:
-            by[st.worker_id] = [st]
-        else:
-            sts.append(st)
-    counter = sums.counter
-    for w, sts in by.items():
-        evs = list(map(_EVENTS, sts))
-        for t, get in zip(EVENT_TYPES, _GET, strict=True):
-            counter("kvobserve_kv_events_total", w, t, sum(map(get, evs)))
-        for e in evs:
-            if not e.keys() <= _EVENT_SET:
-                for t in sorted(t for t in e if t not in _EVENT_SET):
-                    counter("kvobserve_kv_events_total", w, t, e[t])
-        counter(
-            "kvobserve_kv_blocks_unchanged_total", w, "already_resident", sum(map(_ALREADY, sts))
-        )
-        counter("kvobserve_kv_blocks_unchanged_total", w, "not_resident", sum(map(_UNKNOWN, sts)))
-        media: dict[str, list[MediumStats]] = {}
-        for ms in map(_MEDIA, sts):
-            for m in ms:
-                got = media.get(m.medium)
-                if got is None:
-                    media[m.medium] = [m]
-                else:
-                    got.append(m)
-        for medium, ms in media.items():
-            counter("kvobserve_kv_blocks_stored_total", w, medium, sum(map(_STORED, ms)))
-            counter("kvobserve_kv_blocks_removed_total", w, medium, sum(map(_REMOVED, ms)))
-            hs = [h for h in map(_LIFETIME, ms) if h is not None]
-            if hs:
-                sums.histograms(w, medium, hs)
-
-
-def stream_template(t: Template, shape: tuple[Any, ...], node: str, slot: int) -> int:
-    """Add one stream's lines for `shape`, its values from `slot` on in stream_values' order;
-    returns the next slot."""
-    (w, r, endpoint, engine, topic, cid), live, interleaved, rk, dk = shape[:5]
-    ew = _escape(w)
-    ls = f'{{dp_rank="{r}",node_rank="{node}",worker_id="{ew}"}}'
-    info = (
-        f'{{collector="{_escape(cid)}",dp_rank="{r}",endpoint="{_escape(endpoint)}",'
-        f'engine="{_escape(engine)}",node_rank="{node}",topic="{_escape(topic)}",worker_id="{ew}"}}'
+    __slots__ = (
+        "_counts",
+        "_cut",
+        "_joined",
+        "_last",
+        "_per",
+        "_shape",
+        "_templates",
+        "hist",
+        "labelnames",
+        "name",
     )
-    t.line("kvobserve_stream_info", info, None)
-    t.line("kvobserve_stream_up", ls, slot)
-    slot += 1
-    for name, _ in _COUNTERS:
-        t.line(name, ls, slot)
-        slot += 1
-    if interleaved:
-        t.line("kvobserve_kv_interleaved_batches_total", ls, slot)
-        slot += 1
-    for k in rk:
-        labels = f'{{dp_rank="{r}",node_rank="{node}",result="{_escape(k)}",worker_id="{ew}"}}'
-        t.line("kvobserve_kv_replay_requests_total", labels, slot)
-        slot += 1
-    for k in dk:
-        labels = f'{{dp_rank="{r}",node_rank="{node}",reason="{_escape(k)}",worker_id="{ew}"}}'
-        t.line("kvobserve_kv_decode_errors_total", labels, slot)
-        slot += 1
-    if not live:
-        if shape[6]:  # its last batch's time: health, served while down
-            t.line("kvobserve_kv_last_batch_timestamp_seconds", ls, slot)
-            slot += 1
-        return slot
-    names, cap, ts, lag = shape[5:]
-    media = [
-        f'{{dp_rank="{r}",medium="{_escape(m)}",node_rank="{node}",worker_id="{ew}"}}'
-        for m in names
-    ]
-    for ml in media:
-        t.line("kvobserve_kv_blocks", ml, slot)
-        slot += 1
-    for ml in media:
-        t.line("kvobserve_kv_tokens", ml, slot)
-        slot += 1
-    if cap:
-        t.line("kvobserve_kv_capacity_tokens", ls, slot)
-        t.line("kvobserve_kv_cache_usage_ratio", ls, slot + 1)
-        slot += 2
-    t.line("kvobserve_kv_duplicate_stream", ls, slot)
-    t.line("kvobserve_kv_state_complete", ls, slot + 1)
-    slot += 2
-    if ts:
-        t.line("kvobserve_kv_last_batch_timestamp_seconds", ls, slot)
-        slot += 1
-    if lag:
-        t.line("kvobserve_kv_event_lag_seconds", ls, slot)
-        slot += 1
-    return slot
+
+    def __init__(
+        self,
+        name: str,
+        labelnames: tuple[str, ...],
+        hist: bool = False,
+        per: PerCollector | None = None,
+    ) -> None:
+        self.name = name
+        self.labelnames = labelnames
+        self.hist = hist
+        # each collector's template and last lines (shared by a family's FamilyTexts)
+        self._per: PerCollector = {} if per is None else per
+        self._shape: tuple[object, ...] | None = None  # of the last batch
+        self._templates: list[str] = []  # its collectors' templates
+        self._counts: list[int] = []  # the values each takes
+        self._joined: str | None = None  # them with _SEP between, once a batch of that shape came
+        self._cut = False  # a label value holds _SEP: a template per collector
+        self._last: tuple[list[Any], Filled] | None = None
+
+    def fill(self, col: Column, ids: list[str]) -> Filled:
+        """The lines of the batch of collectors `ids` (the Column's owners index them): from
+        the batch's template when the batch is the last one's shape (every collector changed
+        since the last scrape, the usual case), else collector by collector."""
+        values = col.values
+        bounds = None
+        if self.hist:
+            bounds = [(h.bounds, len(h.counts)) for h in values]
+            values = _flat(values)
+        shape = (ids, col.labels, col.owner, bounds)
+        if shape != self._shape:
+            filled = self._by_collector(col, ids, values, bounds)
+            self._shape = shape
+        elif self._last is not None and self._last[0] == values:
+            return self._last[1]
+        else:
+            text = list(map(format_value, values))
+            if not self._cut:
+                if self._joined is None:
+                    self._joined = _SEP.join(self._templates)
+                filled = Filled(self._joined % tuple(text))
+            else:
+                out, start = [], 0
+                for tmpl, k in zip(self._templates, self._counts, strict=True):
+                    out.append((tmpl % tuple(text[start : start + k])).encode())
+                    start += k
+                filled = Filled(None, out)
+        self._last = (values, filled)
+        return filled
+
+    def _by_collector(
+        self, col: Column, ids: list[str], values: list[Any], bounds: list[Any] | None
+    ) -> Filled:
+        """Each collector's lines, from its template (made again where its shape changed; its
+        last lines where its values did not)."""
+        per = Counter(col.owner)  # each collector's series are consecutive
+        templates, counts, pieces = [], [], []
+        known = self._per
+        cut = False
+        b = v = 0
+        for j, cid in enumerate(ids):
+            a, b = b, b + per[j]
+            shape = col.labels[a:b] if bounds is None else (col.labels[a:b], bounds[a:b])
+            hit = known.get(cid)
+            if hit is not None and hit[0] == shape:
+                _, tmpl, k, sep, last, piece = hit
+                mine = values[v : v + k]
+                if last != mine:
+                    piece = (tmpl % tuple(map(format_value, mine))).encode()
+                    known[cid] = (shape, tmpl, k, sep, mine, piece)
+            else:
+                tmpl, k = self._template(col.labels[a:b], col.values[a:b])
+                sep = _SEP in tmpl
+                mine = values[v : v + k]
+                piece = (tmpl % tuple(map(format_value, mine))).encode()
+                known[cid] = (shape, tmpl, k, sep, mine, piece)
+            cut = cut or sep
+            v += k
+            templates.append(tmpl)
+            counts.append(k)
+            pieces.append(piece)
+        self._templates, self._counts, self._joined, self._cut = templates, counts, None, cut
+        return Filled(None, pieces)
+
+    def _template(self, labels: list[tuple[str, ...]], values: list[Any]) -> tuple[str, int]:
+        """One collector's lines with `%s` for the values, and how many values they take."""
+        name, names = self.name, self.labelnames
+        lines = []
+        if not self.hist:
+            for lab in labels:
+                lines.append(f"{name}{label_text(names, lab).replace('%', '%%')} %s\n")
+            return "".join(lines), len(labels)
+        le_names = (*names, "le")
+        k = 0
+        for lab, h in zip(labels, values, strict=True):
+            ls = label_text(names, lab).replace("%", "%%")
+            for bound in h.bounds[: len(h.counts)]:
+                le = label_text(le_names, (*lab, floatToGoString(bound))).replace("%", "%%")
+                lines.append(f"{name}_bucket{le} %s\n")
+            le = label_text(le_names, (*lab, "+Inf")).replace("%", "%%")
+            lines.append(f"{name}_bucket{le} %s\n{name}_count{ls} %s\n{name}_sum{ls} %s\n")
+            k += min(len(h.bounds), len(h.counts)) + 3
+        return "".join(lines), k
 
 
-def scheduler_values(sch: SchedulerStats, out: list[Any]) -> tuple[object, ...]:
-    """Append one rank's scheduler values that are set; return its shape."""
-    vals = _SCHED(sch)
-    present = tuple([v is not None for v in vals])
-    out.extend([v for v in vals if v is not None])
-    return (sch.worker_id, sch.dp_rank, present)
-
-
-def scheduler_template(t: Template, shape: tuple[Any, ...], node: str, slot: int) -> int:
-    """Add one rank's scheduler lines; returns the next slot."""
-    w, r, present = shape
-    ls = f'{{dp_rank="{r}",node_rank="{node}",worker_id="{_escape(w)}"}}'
-    for (_, name), here in zip(SCHEDULER_FIELDS, present, strict=True):
-        if here:
-            t.line(name, ls, slot)
-            slot += 1
-    return slot
+def _flat(hs: list[Histogram]) -> list[Any]:
+    """The values of histograms' lines: buckets, +Inf, count, sum of each."""
+    out: list[Any] = []
+    for h in hs:
+        cum, top = cumulative(h)
+        out.extend(cum)
+        out.append(top)
+        out.append(top)
+        out.append(h.sum)
+    return out

@@ -22,7 +22,8 @@ from kvobserve.analysis.blocks import BlockIndex
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.analysis.views import FleetView
 from kvobserve.export.exposition import format_value
-from kvobserve.export.prometheus import FleetCollector, catalog_metric, render_exposition
+from kvobserve.export.prometheus import FleetCollector, catalog_metric
+from kvobserve.export.scrape import ScrapeCache
 from kvobserve.wire.kv_events import decode_payload
 from kvobserve.wire.snapshot import decode_snapshot, encode_snapshot
 from tests.unit.test_export_fleet import rich_view
@@ -71,7 +72,7 @@ def test_scale_snapshot_round_trips_and_renders() -> None:
     for c in range(2):
         snap = decode_snapshot(encode_snapshot(scale.synthetic_snapshot(c, 8, 1, now)))
         fs.update(snap, now)
-    body = FleetCollector(lambda: fs.view(now)).exposition(generate_latest)()
+    body = ScrapeCache().render(fs.view(now), [], generate_latest)
     assert body.count(b"\nkvobserve_stream_up{") == 16
 
 
@@ -84,6 +85,24 @@ def test_scale_short_run_measures_both_renderers(tmp_path: Path) -> None:
         assert f.streams == 4 and all(len(t) == 1 for t in f.times.values()), f.times
         assert 0 < f.gzip_bytes < f.plain_bytes
     assert main.samples == new.samples  # the same series, rendered on request and ahead
+
+
+def test_scale_against_another_checkout(tmp_path: Path) -> None:
+    # "other" stands in for a worktree of main: its own kvobserve (this one's, by a link)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "kvobserve").symlink_to(Path(scale.__file__).resolve().parents[1] / "kvobserve")
+    work = tmp_path / "work"
+    work.mkdir()
+    plan = scale.Plan(steady=scale.LEARN + 1, interval_s=1.0, cold=1, warm=1, idle_s=0.2)
+    rounds = asyncio.run(scale.compare(other, 2, 2, plan, work, 1))
+    assert [list(r) for r in rounds] == [["other", "this"]]
+    a, b = rounds[0]["other"], rounds[0]["this"]
+    assert a.streams == b.streams == 4 and a.samples == b.samples > 0
+    # one-off scrapes (one per encoding); those that met no render ahead have their thread CPU
+    assert len(a.cold_cpu) == len(b.cold_cpu) == 2
+    assert all(len(f.cold_render_cpu) <= 2 for f in (a, b))
+    assert all(x > 0 for f in (a, b) for x in f.cold_render_cpu)
 
 
 def test_scale_short_run_over_shards(tmp_path: Path) -> None:
@@ -117,7 +136,7 @@ def test_fast_exposition_is_byte_identical_to_prometheus_client(accept: str) -> 
         reg = CollectorRegistry(auto_describe=False)
         reg.register(FleetCollector(lambda v=view: v, lambda: extra))  # type: ignore[misc]
         want = (om_generate_latest if om else generate_latest)(reg)
-        got = render_exposition(view, extra, encoder, om)
+        got = ScrapeCache().render(view, extra, encoder, om)
         assert got == want
 
 
@@ -130,7 +149,7 @@ def test_label_values_needing_escapes_render_as_prometheus_client_does() -> None
     reg.register(FleetCollector(lambda: view))
     want = generate_latest(reg)
     assert b'endpoint="tcp://a\\"b\\\\c\\nd"' in want  # the escapes are exercised
-    assert render_exposition(view, [], generate_latest) == want
+    assert ScrapeCache().render(view, [], generate_latest) == want
 
 
 @pytest.mark.parametrize(

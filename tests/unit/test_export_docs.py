@@ -9,7 +9,8 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from kvobserve.analysis.fleet import FleetState
-from kvobserve.export.catalog import BY_FAMILY, BY_NAME, render_docs
+from kvobserve.export.catalog import BY_FAMILY, BY_NAME
+from kvobserve.export.metrics_docs import render_docs
 from kvobserve.export.prometheus import FleetCollector, aggregator_metrics, main
 from kvobserve.transport.local import LocalBus
 from tests.design_contract import DESIGN_METRICS

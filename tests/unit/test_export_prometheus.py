@@ -10,9 +10,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvobserve import __version__
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.analysis.views import FleetView
-from kvobserve.export.catalog import CATALOG
+from kvobserve.export.catalog import CATALOG, EVENT_TYPES
 from kvobserve.export.prometheus import FleetCollector, aggregator_metrics, catalog_metric
-from kvobserve.export.samples import EVENT_TYPES
 from tests.unit.test_export_fleet import NOW, rich_state, rich_view
 
 S0 = {"worker_id": "sglang-a", "node_rank": "0", "dp_rank": "0"}

@@ -18,8 +18,8 @@ from benchmarks import scale
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.analysis.views import FleetView
 from kvobserve.export.prometheus import FleetCollector, catalog_metric
-from kvobserve.export.samples import Detail
 from kvobserve.export.scrape import ScrapeCache
+from kvobserve.export.series import Detail
 from tests.unit.test_export_fleet import NOW, rich_state
 
 EXTRA = [catalog_metric("kvobserve_nats_connected", [({}, 1.0)])]
@@ -180,7 +180,55 @@ def test_templates_follow_shape_changes_and_keep_percent_signs() -> None:
     body = check(cache, state.view(NOW), False)
     assert b'endpoint="tcp://h:1/%s%%d"' in body and b'medium="CPU%"' in body
     check(cache, state.view(NOW + 100), True)  # every collector stale: gauges go
-    fresh = ScrapeCache(templates=False)  # line by line: the same bytes
-    assert fresh.render(state.view(NOW), EXTRA, encoder(False)) == reference(
-        state.view(NOW), Detail(), False
+    check(ScrapeCache(), state.view(NOW), False)  # templates built afresh: the same bytes
+
+
+def test_gzip_of_whole_families_as_every_collector_changes() -> None:
+    # Every collector new each time: one deflate segment per family, kept for the families
+    # whose lines did not change (the gauges here) and made again for the others.
+    now = time.time()
+    fs = synthetic(8, 3, now)
+    cache = ScrapeCache()
+    for seq in (4, 5, 6):
+        for c in range(8):
+            fs.update(scale.synthetic_snapshot(c, 8, seq, now + seq), now + seq)
+        view = fs.view(now + seq)
+        packed = cache.render(view, EXTRA, encoder(False), False, gzip=True)
+        assert gzip.decompress(packed) == reference(view, Detail(), False)
+
+
+def test_label_values_with_a_nul_are_written_as_prometheus_client_does() -> None:
+    # A collector's lines are cut apart at NUL characters when a template serves several
+    # collectors: a label value holding one takes the template per collector instead.
+    state = rich_state()
+    snap = state.snapshot("node-0")
+    assert snap is not None
+    odd = msgspec.structs.replace(snap.streams[0], endpoint="tcp://h:1/\x00x", topic="\x00")
+    state.update(
+        msgspec.structs.replace(snap, seq=snap.seq + 1, streams=[odd, *snap.streams[1:]]), NOW
     )
+    cache = ScrapeCache()
+    body = check(cache, state.view(NOW), False)
+    assert b'endpoint="tcp://h:1/\x00x"' in body
+    check(cache, state.view(NOW), True)
+
+
+def test_collectors_read_in_blocks() -> None:
+    # Blocks of 2 collectors: every block's lines go where its collectors' do, as they change.
+    now = time.time()
+    fs = synthetic(7, 3, now)
+    clash = rich_state()
+    clash.snapshot("node-1").collector.node_rank = 0
+    for view in (rich_state().view(NOW), clash.view(NOW)):
+        cache = ScrapeCache(block=2)
+        check(cache, view, False)
+        check(cache, view, True)
+    cache = ScrapeCache(block=2)
+    check(cache, fs.view(now), False)
+    for c, seq in ((3, 4), (0, 4), (6, 5)):
+        fs.update(scale.synthetic_snapshot(c, 8, seq, now + seq), now + seq)
+        check(cache, fs.view(now + seq), seq % 2 == 0)
+    for c in range(7):
+        fs.update(scale.synthetic_snapshot(c, 8, 9, now + 9), now + 9)
+    packed = cache.render(fs.view(now + 9), EXTRA, encoder(False), False, gzip=True)
+    assert gzip.decompress(packed) == reference(fs.view(now + 9), Detail(), False)

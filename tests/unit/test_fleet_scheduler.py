@@ -11,8 +11,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.export.api import streams_json
-from kvobserve.export.samples import Detail
 from kvobserve.export.scrape import ScrapeCache
+from kvobserve.export.series import Detail
 from kvobserve.wire.snapshot import (
     CollectorInfo,
     MediumStats,
