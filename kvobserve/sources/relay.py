@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import errno as os_errno
+import itertools
 import json
 import logging
 import os
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 DRAIN_LIMIT = 512  # frames taken from one bound SUB per poll round
 POLL_MS = 100
 STATUS_S = 0.25  # counters reach the collector this often (state changes at once)
+_NUMBERS = itertools.count(1)  # names each Relay's endpoints (see Relay.__init__)
 # plain ints: pyzmq's flag enums cost more than the send itself when combined per frame
 _RCVMORE, _EVENTS, _POLLIN = int(zmq.RCVMORE), int(zmq.EVENTS), int(zmq.POLLIN)
 _NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
@@ -506,7 +508,9 @@ class Relay:
 
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
         self._ctx = ctx
-        self._name = f"kvobserve-relay-{os.getpid()}-{id(self):x}"
+        # numbered, not id(self): a freed Relay's id comes back, and with it its ipc names,
+        # which libzmq releases after close() returns (a bind at once fails: address in use)
+        self._name = f"kvobserve-relay-{os.getpid()}-{next(_NUMBERS)}"
         self.control: zmq.Socket[bytes] | None = None
         self._proc: Any = None
         self.status: dict[int, dict[str, Any]] = {}  # lane -> its last status

@@ -14,7 +14,7 @@ from kvobserve.config.bind import TopicTemplate, fill_replay, pod_ip
 from kvobserve.sources.bind import Listener
 from kvobserve.sources.link import DEFAULT_LINK_TIMES
 from kvobserve.sources.plan import ListenSpec, StreamSpec, plan_worker
-from kvobserve.sources.relay import RelayLink
+from kvobserve.sources.relay import Relay, RelayLink
 from kvobserve.sources.stream_events import RecentEvents
 from kvobserve.sources.stream_state import WatchedStream, new_link
 
@@ -255,6 +255,21 @@ def test_the_relay_is_up_only_while_its_target_is_connected_and_subscribed() -> 
     assert r.reason == "disconnected: tcp://sched:5556 went away (restarted?)"
     r.drop("no_target", 7.0)
     assert (r.dropped, r.last_drop_time) == ({"no_target": 1, "queue_full": 0}, 7.0)
+
+
+def test_every_relay_has_endpoint_names_of_its_own() -> None:
+    # a name closed a moment ago cannot be bound again yet: one per Relay, even when the one
+    # before it was freed and the new one takes its place in memory
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        names = set()
+        for _ in range(3):
+            relay = Relay(ctx)
+            names.add(relay.handoff_endpoint()[1])
+            del relay
+        assert len(names) == 3, names
+    finally:
+        ctx.term()
 
 
 # the mistakes docs/configuration.md shows under "Bind mode", each with the file that makes it
