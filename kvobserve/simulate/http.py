@@ -57,10 +57,23 @@ class _EngineMetrics(Collector):
             out["num_queue_reqs"].add_metric(labels, s.waiting)
             out["token_usage"].add_metric(labels, used / c.capacity_tokens)
             out["num_used_tokens"].add_metric(labels, used)
-            out["cache_hit_rate"].add_metric(labels, s.hit_rate)
+            out["cache_hit_rate"].add_metric(labels, s.batch_hit_rate)  # the last prefill batch
             out["max_total_num_tokens"].add_metric(labels, c.capacity_tokens)
             out["page_size"].add_metric(labels, c.page_size)
         yield from out.values()
+        if c.http_role != "api":
+            return
+        # the tokenizer's counters: every request of the worker passes node 0's tokenizer
+        prompt = CounterMetricFamily(
+            "sglang:prompt_tokens", "Number of prefill tokens processed.", labels=["model_name"]
+        )
+        cached = CounterMetricFamily(
+            "sglang:cached_tokens", "Number of cached prompt tokens.", labels=["model_name"]
+        )
+        streams = [st.streams[0] for n in (w, *w.peers) for st in n.ranks]
+        prompt.add_metric([c.model_name], sum(s.query_tokens for s in streams))
+        cached.add_metric([c.model_name], sum(s.hit_tokens for s in streams))
+        yield from (prompt, cached)
 
     def _vllm(self) -> Iterator[Metric]:
         w, c = self.w, self.w.cfg
