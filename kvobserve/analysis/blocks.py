@@ -30,6 +30,7 @@ from kvobserve.wire.kv_events import BlockHash, BlockStored, KvBatch
 
 if TYPE_CHECKING:
     from kvobserve.analysis.analytics import CacheAnalytics
+    from kvobserve.analysis.misses import RankMisses
     from kvobserve.analysis.thrash import RecentRemovals
 
 DEFAULT_MEDIUM = "GPU"
@@ -132,6 +133,8 @@ class BlockIndex:
         # analysis/analytics.py: None = residency only, no per-event work beyond it
         self._analytics: CacheAnalytics | None = None
         self._wide = False  # several tiers (with analytics: every store may be a move)
+        # analysis/misses.py: None = no miss split; else told of each top-tier store first
+        self.misses: RankMisses | None = None
 
     def _tier(self, medium: str | None) -> _Tier | None:
         name = medium or DEFAULT_MEDIUM
@@ -167,6 +170,8 @@ class BlockIndex:
                 self.stored_events_total += 1
                 hashes = ev.block_hashes  # type: ignore[attr-defined]
                 resident = tier.resident
+                if self.misses is not None and tier.top:
+                    self.misses.on_store(tier.name, resident, hashes)
                 if analytics is not None:
                     # the analytics' usual case inlined: nothing restored, moved, orphaned,
                     # attributed or held by a sibling rank means nothing to do
@@ -204,6 +209,8 @@ class BlockIndex:
         if tier is None:
             return
         self.stored_events_total += 1
+        if self.misses is not None and tier.top:
+            self.misses.on_store(tier.name, tier.resident, hashes)
         if self._analytics is not None:
             self._analytics.on_store(self._tiers, tier, ev, ts)
         resident = tier.resident
@@ -336,6 +343,11 @@ class BlockIndex:
             tier.odd.clear()
             tier.tokens = 0
         self._usual_size = None
+
+    @property
+    def tiers(self) -> dict[str, _Tier]:
+        """Medium -> tier state, as kept (read-only use: analysis/misses.py reads peers' tiers)."""
+        return self._tiers
 
     @property
     def analytics(self) -> CacheAnalytics | None:

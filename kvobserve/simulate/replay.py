@@ -290,7 +290,9 @@ def replay_offline(
     After each request the rank it went to publishes one batch (what `SimulatedWorker` would
     send at its next tick); `on_batch(dp_rank, seq, payload)` gets each one in that order, so a
     consumer sees every rank's events in the order the simulator made them. The batch ts is the
-    request's trace time in seconds.
+    request's trace time in seconds plus one microsecond per request before it (so that every
+    batch has a time of its own, as an engine's clock gives it, though the trace's requests
+    share whole seconds).
     """
     fmt = get_format(format)
     streams = [
@@ -303,8 +305,8 @@ def replay_offline(
     replay = TraceReplay(
         fmt, page_size, route, seed, decode_tokens_per_s, lambda: streams, range(ranks)
     )
-    for req in requests:
-        ts = req.timestamp_ms / 1000.0
+    for n, req in enumerate(requests):
+        ts = req.timestamp_ms / 1000.0 + n * 1e-6
         i = replay.serve(req, ts)
         out = streams[i].next_batch(ts)
         if out is not None and on_batch is not None:
