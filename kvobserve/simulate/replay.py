@@ -78,6 +78,7 @@ class RankTruth:
 
     dp_rank: int
     requests: int = 0
+    prompt_tokens: int = 0
     blocks: Lookups = field(default_factory=Lookups)
     pages: Lookups = field(default_factory=Lookups)
     unstored_pages: int = 0  # missed but not stored: no room beside the pages requests held
@@ -86,6 +87,7 @@ class RankTruth:
         """The rank's truth."""
         return {
             "requests": self.requests,
+            "prompt_tokens": self.prompt_tokens,
             "blocks": self.blocks.as_dict(),
             "pages": self.pages.as_dict(),
             "unstored_pages": self.unstored_pages,
@@ -183,6 +185,7 @@ class TraceReplay:
         hit = res.hit_pages
         t = self.ranks[i]
         t.requests += 1
+        t.prompt_tokens += req.input_length
         t.unstored_pages += len(pages) - hit - len(res.stored)
         # the kind of every missed page (others' caches are as before: only the target changed)
         ever = self._ever
@@ -238,6 +241,7 @@ class TraceReplay:
         total = RankTruth(-1)
         for t in self.ranks:
             total.requests += t.requests
+            total.prompt_tokens += t.prompt_tokens
             total.blocks.add(t.blocks)
             total.pages.add(t.pages)
             total.unstored_pages += t.unstored_pages
