@@ -15,16 +15,20 @@ store is classified exactly, given the order. Counts are kept per bucket, so rai
 drops exactly the buckets that left: what remains is a uniform 2^-L sample of every store since
 the start.
 
-The level keeps the sample small and large enough. The aggregator raises it while the pool's
-sampled misses exceed `2 * floor`, so at least `floor` (2,500) sampled misses stand behind the
-pool's shares (once the pool has had that many) and its sets hold at most about `2 * floor`
-blocks, however large the pool: the error of a share p is the binomial 1.96 * sqrt(p (1 - p) / n)
-at 95 % (at most 1.96 points at n = 2,500), plus what the order across collectors gets wrong
-(engine timestamps within one delta interval). A collector raises its own level while its own
-sampled stores exceed `2 * floor * share` (`share` = its ranks / the pool's ranks), so it ships
-about what the aggregator needs and never less: the aggregator's level is the highest of its own
-and every collector's. What a collector ships over a run grows with the logarithm of the stores
-(about `2 * floor * share` records of 12 bytes per level), not with the store rate.
+The level keeps the sample small and large enough. It starts at 1 (half the blocks), so a
+pool's first 10,000 stores give 5,000 sampled misses; the aggregator raises it while the pool's
+sampled misses exceed `2 * floor`, so at least `floor` (4,000) of them stand behind the pool's
+shares from then on and its sets hold at most about `2 * floor` blocks, however large the pool:
+the error of a share p is the binomial 1.96 * sqrt(p (1 - p) / n) at 95 % (at most 1.55 points
+at n = 4,000; a block stored many times is sampled with all its stores, which widens it a
+little: docs/cache-analytics.md has the measured spread), plus what the order across collectors
+gets wrong
+(engine timestamps within one delta interval). The aggregator tells the collectors the pool's
+level (`MissSampler.follow`, a few bytes per interval), and a collector raises its own while its
+own sampled stores alone exceed `2 * floor`: it ships what the aggregator needs and never less
+(the aggregator's level is the highest of its own and every collector's). What the collectors
+of a pool ship over a run grows with the logarithm of the stores, not with their rate: about
+`floor` sampled stores and as many removals, 10 bytes a record, per doubling of the stores, not with the store rate.
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ from kvobserve.analysis.placement import hash_key
 from kvobserve.wire.kv_events import BlockHash, KvBatch
 from kvobserve.wire.misses import CLEAR, REMOVE, STORE, MissDelta, Op, iter_ops, pack_op
 
-FLOOR = 2500  # sampled misses behind a pool's shares: 1.96 points at 95 %
+FLOOR = 4000  # sampled misses behind a pool's shares: 1.55 points at 95 %
+# the first level: a pool's first 10,000 stores (the target's) give 5,000 >= FLOOR sampled misses
+START_LEVEL = 1
 BUCKETS = 65  # leading zeros of a 64-bit key: 0 .. 64
 _MIX = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
@@ -65,14 +71,18 @@ class MissSampler:
     """
 
     def __init__(
-        self, worker_id: str, signed: bool, share: float = 1.0, floor: int = FLOOR, salt: int = 0
+        self,
+        worker_id: str,
+        signed: bool,
+        floor: int = FLOOR,
+        salt: int = 0,
+        start_level: int = START_LEVEL,
     ) -> None:
         self.worker_id = worker_id
         self.signed = signed
         self.floor = floor
-        self.share = share
         self.salt = salt
-        self.level = 0
+        self.level = start_level
         self.seq = 0
         self.stores = [0] * BUCKETS  # sampled stores shipped, per bucket
         self._ops = bytearray()
@@ -80,19 +90,16 @@ class MissSampler:
         self._index: dict[int, int] = {}
         self._base: float | None = None
         self._until: float | None = None  # of the previous delta
-        self._limit_raw: int | bytes = 0
+        self._limit_raw = 0
+        self._limit_bytes = b""
         self._set_limit()
 
     def _set_limit(self) -> None:
         # a raw hash is sampled iff its key < 2^(64 - level): one comparison per hash, in the
         # hash's own type (SGLang's signed ints shifted, 32-byte hashes by their first 8 bytes)
+        # (a salted key is computed for every hash instead: `_sampled`)
         limit = 1 << (64 - self.level)
-        if self.salt:
-            self._limit_raw = 0  # every hash goes through the salted key
-        elif self.signed:
-            self._limit_raw = limit - _SIGN
-        else:
-            self._limit_raw = limit
+        self._limit_raw = limit - _SIGN if self.signed else limit
         self._limit_bytes = limit.to_bytes(9, "big")[1:] if self.level else b"\xff" * 9
 
     def key(self, h: BlockHash) -> int:
@@ -120,12 +127,12 @@ class MissSampler:
         if ri is None:
             ri = self._index[dp_rank] = len(self._ranks)
             self._ranks.append(dp_rank)
-        us = round((ts - self._base) * 1e6)
+        ms = round((ts - self._base) * 1e3)
         if op == CLEAR:
-            pack_op(self._ops, us, ri, CLEAR, 0)
+            pack_op(self._ops, ms, ri, CLEAR, 0)
             return
         for k in keys:
-            pack_op(self._ops, us, ri, op, k)
+            pack_op(self._ops, ms, ri, op, k)
             if op == STORE:
                 self.stores[bucket_of(k)] += 1
 
@@ -151,17 +158,26 @@ class MissSampler:
         self._record(dp_rank, ts, CLEAR, [])
 
     def _maybe_raise(self) -> None:
-        target = 2 * self.floor * self.share
-        while self.level < 64 and sum(self.stores[self.level :]) > target:
+        # alone past what the whole pool needs: the aggregator will be at least this high
+        while self.level < 64 and sum(self.stores[self.level :]) > 2 * self.floor:
             self.level += 1
+            self._set_limit()
+
+    def follow(self, level: int) -> None:
+        """Take the pool's level from the aggregator (`SampledSplit.level`): ship no bucket it
+        has dropped."""
+        if level > self.level:
+            self.level = min(level, 64)
             self._set_limit()
 
     def delta(self, until: float) -> MissDelta:
         """The changes since the previous delta; every batch at or before `until` (engine
         time) must have been observed."""
         self.seq += 1
-        d = MissDelta(self.worker_id, self.seq, self.level, self._base if self._base is not None else until, until,
-                      list(self._ranks), bytes(self._ops))  # fmt: skip
+        base = self._base if self._base is not None else until
+        d = MissDelta(
+            self.worker_id, self.seq, self.level, base, until, list(self._ranks), bytes(self._ops)
+        )
         self._ops.clear()
         self._ranks.clear()
         self._index.clear()
@@ -199,9 +215,9 @@ class SplitEstimate:
 class SampledSplit:
     """Aggregator side: one pool's sampled residency from every collector's deltas."""
 
-    def __init__(self, floor: int = FLOOR) -> None:
+    def __init__(self, floor: int = FLOOR, start_level: int = START_LEVEL) -> None:
         self.floor = floor
-        self.level = 0
+        self.level = start_level
         self.resident: dict[int, set[int]] = {}  # dp rank -> sampled blocks (48-bit identity)
         self.seen: set[int] = set()  # sampled blocks ever stored on a rank of the pool
         self.counts: dict[int, list[list[int]]] = {}  # dp rank -> kind -> bucket -> misses

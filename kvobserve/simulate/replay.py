@@ -294,9 +294,9 @@ def replay_offline(
     After each request the rank it went to publishes one batch (what `SimulatedWorker` would
     send at its next tick); `on_batch(dp_rank, seq, payload)` gets each one in that order, so a
     consumer sees every rank's events in the order the simulator made them. The batch ts is the
-    request's trace time in seconds plus one microsecond per request before it (so that every
-    batch has a time of its own, as an engine's clock gives it, though the trace's requests
-    share whole seconds).
+    request's trace time in seconds plus one millisecond per request before it (so that every
+    batch has a millisecond of its own, though the trace's requests share whole seconds: 12 s
+    late at the end of the fixture, always in the trace's order).
     """
     fmt = get_format(format)
     streams = [
@@ -310,7 +310,7 @@ def replay_offline(
         fmt, page_size, route, seed, decode_tokens_per_s, lambda: streams, range(ranks)
     )
     for n, req in enumerate(requests):
-        ts = req.timestamp_ms / 1000.0 + n * 1e-6
+        ts = req.timestamp_ms / 1000.0 + n * 1e-3
         i = replay.serve(req, ts)
         out = streams[i].next_batch(ts)
         if out is not None and on_batch is not None:

@@ -2,11 +2,11 @@
 
 One `MissDelta` per pool and interval: the top-tier stores, removals and clears of the
 collector's ranks for the block hashes in the sample (analysis/miss_sample.py), in the order the
-collector applied them, as fixed 12-byte records (`RECORD`):
+collector applied them, as fixed 10-byte records (`RECORD`):
 
 | bytes | field | meaning |
 |---|---|---|
-| 4 | `us` | engine time of the batch, microseconds after `MissDelta.base` |
+| 2 | `ms` | engine time of the batch, milliseconds after `MissDelta.base` (a delta spans < 65 s) |
 | 1 | `rank` | index into `MissDelta.ranks` (the dp ranks) |
 | 1 | `op` | 0 store, 1 removal, 2 clear (of that rank's top tier; `key` 0) |
 | 6 | `key` | the top 48 bits of the hash's 64-bit sample key (low 4 bytes, then high 2) |
@@ -31,10 +31,10 @@ from msgspec import Struct
 
 from kvobserve.wire.errors import decode
 
-RECORD = struct.Struct("<IBBIH")
+RECORD = struct.Struct("<HBBIH")
 STORE, REMOVE, CLEAR = 0, 1, 2
 MAX_DELTA_BYTES = 16 * 1024 * 1024
-MAX_US = (1 << 32) - 1  # 71 minutes after `base`: a delta spans one snapshot interval
+MAX_MS = (1 << 16) - 1  # 65 s after `base`: a delta spans one snapshot interval
 
 
 class MissDelta(Struct, omit_defaults=True, gc=False):
@@ -59,19 +59,19 @@ class Op(NamedTuple):
     key: int  # the top 48 bits of the sample key
 
 
-def pack_op(out: bytearray, us: int, rank_index: int, op: int, key: int) -> None:
+def pack_op(out: bytearray, ms: int, rank_index: int, op: int, key: int) -> None:
     """Append one record to `out` (`key`: a 64-bit sample key; its top 48 bits are kept)."""
     k = key >> 16
-    out += RECORD.pack(min(max(us, 0), MAX_US), rank_index, op, k & 0xFFFFFFFF, k >> 32)
+    out += RECORD.pack(min(max(ms, 0), MAX_MS), rank_index, op, k & 0xFFFFFFFF, k >> 32)
 
 
 def iter_ops(d: MissDelta) -> Iterator[Op]:
     """The delta's records in order; a record whose rank index is out of range is skipped."""
     ranks, base = d.ranks, d.base
     n = len(d.ops) - len(d.ops) % RECORD.size
-    for us, ri, op, lo, hi in RECORD.iter_unpack(d.ops[:n]):
+    for ms, ri, op, lo, hi in RECORD.iter_unpack(d.ops[:n]):
         if ri < len(ranks):
-            yield Op(base + us / 1e6, ranks[ri], op, hi << 32 | lo)
+            yield Op(base + ms / 1e3, ranks[ri], op, hi << 32 | lo)
 
 
 _encoder = msgspec.msgpack.Encoder()
