@@ -12,7 +12,7 @@ WORKDIR /src
 # Dependencies first, in their own layer: a code change then does not reinstall them.
 COPY pyproject.toml README.md ./
 COPY kvobserve/__init__.py kvobserve/__init__.py
-RUN pip install . && pip uninstall -y kvobserve
+RUN pip install ".[kubernetes]" && pip uninstall -y kvobserve
 COPY kvobserve ./kvobserve
 RUN pip install --no-deps . && rm -rf /src
 

@@ -52,6 +52,7 @@ bench: venv
 	$(BIN)/python -m benchmarks.decode
 	$(BIN)/python -m benchmarks.ingest
 	$(BIN)/python -m benchmarks.e2e
+	$(BIN)/python -m benchmarks.relay
 	$(BIN)/python -m benchmarks.scale
 	$(BIN)/python -m benchmarks.memory
 

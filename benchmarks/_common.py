@@ -33,10 +33,25 @@ TOPIC = b"kv-events"
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+# Ports handed out below the kernel's ephemeral range (Linux: 32768-60999), which outgoing
+# connections draw from: a port picked there can be taken by any connect (a ZMQ reconnect, an
+# HTTP client) before the process it is meant for binds it.
+PORTS_BELOW = 32768
+_rng = random.Random()
+
+
+def free_port(host: str = "127.0.0.1", attempts: int = 200) -> int:
+    """A TCP port on `host`, below the ephemeral range, that was free a moment ago."""
+    for _ in range(attempts):
+        port = _rng.randrange(20000, PORTS_BELOW)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # a crowded range: any free port
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 

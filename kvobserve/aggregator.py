@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvobserve.aio import cancel_and_wait
+from kvobserve.analysis.conditions import Key, began
 from kvobserve.analysis.fleet import Condition, FleetState, FleetView
 from kvobserve.transport import Transport
 from kvobserve.wire.errors import WireError
@@ -29,7 +30,6 @@ log = logging.getLogger(__name__)
 SWITCH_INTERVAL_S = 0.001  # tune_runtime()
 CHECK_SHARE = 40  # the condition check takes at most 1/40 of a core (a check's CPU x 40 apart)
 
-ConditionKey = tuple[str, tuple[tuple[str, str], ...]]
 MAX_EVENTS = 256  # recent events kept for /api/v1/events and the status page
 
 
@@ -47,7 +47,7 @@ class Aggregator:
         self.snapshots_received = 0
         self.decode_errors: dict[str, int] = {}  # WireError reason -> count
         self.transitions_total: dict[str, int] = {}  # "firing" / "resolved" -> count
-        self._active: dict[ConditionKey, Condition] = {}
+        self._active: dict[Key, Condition] = {}  # each with `since` = when it began
         self._transport: Transport | None = None
         self.events: deque[dict[str, Any]] = deque(maxlen=MAX_EVENTS)  # oldest first
         # (collector, bucket) -> (start_time, last seq)
@@ -129,14 +129,29 @@ class Aggregator:
             self._event_seq = {k: v for k, v in self._event_seq.items() if k[0] in known}
 
     def view(self) -> FleetView:
-        """The fleet as of now."""
-        return self.fleet.view(self.clock())
+        """The fleet as of now; its conditions' `since` as the condition checks saw them begin."""
+        v = self.fleet.view(self.clock())
+        v.began = self.began()
+        return v
+
+    def began(self) -> dict[Key, float]:
+        """When each active condition began (FleetView.began)."""
+        return {k: c.since for k, c in self._active.items()}
 
     def transitions(self, view: FleetView | list[Condition]) -> list[dict[str, Any]]:
-        """Conditions (of a view, or as a list) that started or ended since the last call."""
+        """Conditions (of a view, or as a list) that started or ended since the last call.
+
+        Each active condition keeps the `since` it began with (analysis/conditions.py `began`):
+        the earliest of its evidence and its first check; the time of that check when it has
+        no evidence of its start.
+        """
         now = self.clock()
         conditions = view.conditions if isinstance(view, FleetView) else view
-        current = {c.key: c for c in conditions}
+        active = self._active
+        current: dict[Key, Condition] = {}
+        for c in conditions:
+            before = active.get(c.key)
+            current[c.key] = began(c, before.since if before is not None else None, now)
         out: list[dict[str, Any]] = []
         for key, c in current.items():
             if key not in self._active:
@@ -151,7 +166,7 @@ class Aggregator:
         """One tick: diff the conditions, log and publish the transitions."""
         # Every second: the conditions alone, not a whole view (docs/performance.md).
         cpu = time.thread_time()
-        events = self.transitions(self.fleet.conditions(self.clock()))
+        events = self.transitions(self.fleet.conditions(self.clock(), self.began()))
         self.check_cpu_s = time.thread_time() - cpu
         for ev in events:
             self.transitions_total[ev["state"]] = self.transitions_total.get(ev["state"], 0) + 1

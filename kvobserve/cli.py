@@ -6,12 +6,12 @@ import argparse
 import difflib
 import importlib
 import os
-import re
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from kvobserve import __version__
+from kvobserve.config.values import did_you_mean
 
 # command -> one-line help; the command's module is kvobserve.commands.<command>, defining
 #   add_arguments(parser: argparse.ArgumentParser) -> None
@@ -34,11 +34,23 @@ def module_name(command: str) -> str:
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with "did you mean" for an unknown flag or command (3.11 suggests neither)."""
+    """argparse without abbreviations (`--profil gap` is an error, never `--profile gap`), with
+    "did you mean" for an unknown flag, command or choice (3.11 suggests none of them)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{**kwargs, "allow_abbrev": False})  # sub-parsers too
 
     def error(self, message: str) -> NoReturn:
         """Print usage and `message` with a suggestion, exit 2."""
         super().error(message + _suggestion(self, message))
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        """A value of a `choices=` argument (a command, a flag's value), or the closest one."""
+        try:
+            super()._check_value(action, value)
+        except argparse.ArgumentError as exc:
+            hint = did_you_mean(value, [str(c) for c in action.choices or ()])
+            raise argparse.ArgumentError(action, exc.message + hint) from None
 
 
 def _options(parser: argparse.ArgumentParser) -> list[str]:
@@ -46,11 +58,7 @@ def _options(parser: argparse.ArgumentParser) -> list[str]:
 
 
 def _suggestion(parser: argparse.ArgumentParser, message: str) -> str:
-    """'; did you mean --timeout?' for the first unknown word that is close to a known one."""
-    m = re.search(r"invalid choice: '([^']*)'", message)
-    if m is not None:
-        close = difflib.get_close_matches(m.group(1), list(COMMANDS), n=1, cutoff=0.6)
-        return f"; did you mean {close[0]!r}?" if close else ""
+    """'; did you mean --timeout?' for the first unknown flag that is close to a known one."""
     if not message.startswith("unrecognized arguments:"):
         return ""
     known = _options(parser)

@@ -32,9 +32,17 @@ from kvobserve.sources.dynamo_plan import plan_dynamo
 from kvobserve.sources.dynamo_streams import DynamoOptions
 from kvobserve.sources.health import OK_STATES, Health
 from kvobserve.sources.ingest_options import IngestOptions
+from kvobserve.sources.kubernetes import PodWatch
 from kvobserve.sources.kv_stream import IngestLoop
 from kvobserve.sources.passthrough import relabel
-from kvobserve.sources.plan import SchedulerSpec, StreamSpec, WorkerPlan, plan_worker
+from kvobserve.sources.plan import (
+    ListenSpec,
+    SchedulerSpec,
+    StreamSpec,
+    WorkerPlan,
+    plan_pods,
+    plan_worker,
+)
 from kvobserve.sources.scheduler import SchedulerSources, SchedulerValues
 from kvobserve.sources.stream_events import RecentEvents
 from kvobserve.wire.parts import split_parts
@@ -47,6 +55,7 @@ from kvobserve.wire.snapshot import (
     Snapshot,
     SourceErrors,
     SourceState,
+    WorkerInfo,
     encode_snapshot,
 )
 
@@ -89,6 +98,7 @@ class Collector:
         clock: Callable[[], float] = time.time,
         observers: list[Callable[[Snapshot], object]] | None = None,
         rediscovery_s: float = 30.0,
+        pod_watch: dict[str, Any] | None = None,
     ) -> None:
         self.cfg = cfg
         self.observers = observers or []  # called with every published snapshot
@@ -108,7 +118,12 @@ class Collector:
         self.plans: list[WorkerPlan] = []
         self.scheduler: dict[str, SchedulerSources] = {}
         self._rediscovery: list[Rediscovery] = []
+        self._again: dict[str, Rediscovery] = {}  # by worker id
+        self._worker_health: dict[str, Health] = {}  # by worker id: its state (worker_state)
         self._found: dict[str, DiscoveredEngine] = {}
+        # [worker.kubernetes] workers: their pod watches (PodWatch options, e.g. for tests)
+        self._pod_watch_options = pod_watch or {}
+        self.pod_watches: dict[str, PodWatch] = {}
         self._sched_specs: dict[str, tuple[SchedulerSpec, ...]] = {}
         self._task: asyncio.Task[None] | None = None
         self._seq = 0
@@ -120,15 +135,20 @@ class Collector:
 
     async def start(self) -> None:
         """Discover, open the streams, start the scheduler sources and the snapshot loop."""
-        for w in self.cfg.workers:
-            if not w.urls:
-                continue
+        todo = [w for w in self.cfg.workers if w.urls]
+        # every worker at once: one engine that does not answer delays no other worker
+        got = await asyncio.gather(
+            *(discover_urls(w.urls, w.engine) for w in todo), return_exceptions=True
+        )
+        for w, found in zip(todo, got, strict=True):
             failed: DiscoveryError | None = None
-            try:
-                self._found[w.id] = await discover_urls(w.urls, w.engine)
-            except DiscoveryError as exc:  # not up yet: configured endpoints, rediscovery later
-                log.warning("%s", exc)
-                failed = exc
+            if isinstance(found, DiscoveryError):  # not up yet: configured endpoints, rediscovery
+                log.warning("%s", found)
+                failed = found
+            elif isinstance(found, BaseException):
+                raise found
+            else:
+                self._found[w.id] = found
             again = Rediscovery(
                 w.urls,
                 w.engine,
@@ -138,11 +158,25 @@ class Collector:
             )
             again.last_error = failed  # logged once: the next polls log only a different error
             self._rediscovery.append(again)
-        self.ingest = IngestLoop(self._replan(), self._ingest_options, events=self.events)
+            self._again[w.id] = again
+        specs = self._replan()
+        self.ingest = IngestLoop(specs, self._ingest_options, events=self.events,
+                                 listens=self._listens())  # fmt: skip
         self.ingest.start()
         await self._sync_scheduler()
         for r in self._rediscovery:
             await r.start()
+        for w in self.cfg.workers:  # pods come and go: their watch re-plans (sources/kubernetes.py)
+            if w.kubernetes is not None:
+                watch = PodWatch(
+                    w.id,
+                    w.kubernetes,
+                    on_change=functools.partial(self._on_pods, w.id),
+                    events=self.events,
+                    **self._pod_watch_options,
+                )
+                self.pod_watches[w.id] = watch
+                await watch.start()
         await self._start_dynamo()
         self._task = asyncio.create_task(self._loop(), name="kvobserve-snapshots")
 
@@ -170,15 +204,31 @@ class Collector:
     def _replan(self) -> list[StreamSpec]:
         """Plan every worker anew from the config and discovery; the streams to watch."""
         node = self.cfg.collector
-        self.plans = [
-            plan_worker(i, w, node, self._found.get(w.id))
-            for i, w in enumerate(self.cfg.workers)
-            if not _dyn(w)
-        ]
+        self.plans = []
+        for i, w in enumerate(self.cfg.workers):
+            if _dyn(w):
+                continue
+            watch = self.pod_watches.get(w.id)
+            if w.kubernetes is not None:  # one worker per streaming pod; none until listed
+                if watch is not None:
+                    self.plans += plan_pods(i, w, node, watch.streams, watch.namespace)
+                continue
+            self.plans.append(plan_worker(i, w, node, self._found.get(w.id)))
         return [s for p in self.plans for s in p.watched]
 
+    def _listens(self) -> list[ListenSpec]:
+        """The endpoints this collector binds (bind mode), as the last _replan() planned."""
+        return [x for p in self.plans for x in p.listens]
+
     async def _sync_scheduler(self) -> None:
-        """Start the scheduler sources of every plan; restart a worker's when its plan changed."""
+        """Start the scheduler sources of every plan; restart a worker's when its plan changed;
+        close those of workers no longer planned (a deleted pod)."""
+        planned = {p.worker.id for p in self.plans}
+        for wid in [w for w in self._sched_specs if w not in planned]:
+            del self._sched_specs[wid]
+            gone = self.scheduler.pop(wid, None)
+            if gone is not None:
+                await gone.close()
         for plan in self.plans:
             w = plan.worker
             specs = plan.scheduler if plan.dp_size else ()
@@ -207,13 +257,23 @@ class Collector:
                 continue
             self.scheduler[w.id] = src
 
+    async def _on_pods(self, worker_id: str, pods: dict[str, str]) -> None:
+        """The streaming pods of a `[worker.kubernetes]` worker changed: re-plan, as rediscovery."""
+        specs = self._replan()
+        if self.ingest is not None:
+            await asyncio.wrap_future(self.ingest.set_specs(specs))
+        await self._sync_scheduler()
+        log.info(
+            "pods of %s: %d streaming; now watching %d streams", worker_id, len(pods), len(specs)
+        )
+
     async def _on_rediscovered(
         self, worker_id: str, new: DiscoveredEngine, old: DiscoveredEngine | None
     ) -> None:
         self._found[worker_id] = new
         specs = self._replan()
         if self.ingest is not None:
-            self.ingest.set_specs(specs)
+            self.ingest.set_specs(specs, self._listens())
         await self._sync_scheduler()
         log.info("endpoints of %s changed; now watching %d streams", new.url, len(specs))
 
@@ -259,7 +319,8 @@ class Collector:
                     )
                 )
             wcfg = next(w for w in self.cfg.workers if w.id == wid)
-            if wcfg.passthrough_engine_metrics and src.scrape is not None:
+            # a failed scrape's families are its last ones: passed through only while it is up
+            if wcfg.passthrough_engine_metrics and src.scrape is not None and src.scrape.up:
                 extra = {"worker_id": wid, "node_rank": str(self.info.node_rank)}
                 fams = _families(relabel(src.scrape.families, extra))
                 room = MAX_PASSTHROUGH_SAMPLES - sum(len(f.samples) for f in passthrough)
@@ -274,7 +335,7 @@ class Collector:
                     passthrough.append(fam)
         if self._passthrough_refused:
             refused["passthrough_samples"] = self._passthrough_refused
-        streams, workers = ingest.streams, [p.info() for p in self.plans]
+        streams, workers = ingest.streams, self._worker_infos(ingest.pods)
         dynamo: dict[str, Any] = {}
         if self.dynamo is not None:
             dyn = await asyncio.wrap_future(self.dynamo.stats())
@@ -300,6 +361,7 @@ class Collector:
             passthrough=passthrough,
             refused=refused,
             placement=ingest.placement,
+            binds=ingest.binds,
             counters=CollectorCounters(
                 ingest.messages_received,
                 ingest.loop_errors,
@@ -311,9 +373,60 @@ class Collector:
             events=self.events.recent(),
         )
 
+    def _worker_infos(self, pods: dict[str, list[str]]) -> list[WorkerInfo]:
+        """Every planned worker with its state now (docs/collector.md "Worker states"); with a
+        topic template (bind mode), each of its pods that sent instead (every rank of a pod is
+        bound here; the bound endpoint's own state stands for the worker)."""
+        now = self._clock()
+        out = []
+        for p in self.plans:
+            w = p.worker
+            if p.pods:
+                for pod in pods.get(w.id, ()):
+                    ranks = list(p.watched_ranks)
+                    out.append(
+                        WorkerInfo(pod, w.engine, p.dp_size, ranks, w.leader, w.capacity_tokens)
+                    )
+                continue
+            state, reason = self._worker_state(p)
+            h = self._worker_health.get(w.id)
+            if h is None:
+                h = self._worker_health[w.id] = Health("", "", "", now, self._worker_changed(w.id))
+            h.set(state, reason, now)
+            out.append(p.info(h.state, h.reason, h.since))
+        return out
+
+    def _worker_state(self, p: WorkerPlan) -> tuple[str, str]:
+        """(state, reason) of one worker: undiscovered, layout_mismatch or watching."""
+        again = self._again.get(p.worker.id)
+        err = again.last_error if again is not None else None
+        if not p.streams and not p.listens:
+            why = err.reason if err else f"no KV-event stream advertised by {p.worker.url}"
+            return "undiscovered", why
+        if p.misplaced:
+            return "layout_mismatch", "; ".join(m.text for m in p.mismatches)
+        reason = f"{len(p.watched_ranks)} of {p.dp_size} ranks on this node"
+        return "watching", reason + (f"; discovery fails now: {err.reason}" if err else "")
+
+    def _worker_changed(self, worker_id: str) -> Callable[[Health, str], None]:
+        def changed(h: Health, before: str) -> None:
+            if h.state == "watching" and before in ("", "watching"):
+                return  # the normal start is no news
+            level = logging.INFO if h.state == "watching" else logging.WARNING
+            log.log(level, "worker %s: %s: %s", worker_id, h.state, h.reason)
+            msg = f"{before} -> {h.state}: {h.reason}" if before else f"{h.state}: {h.reason}"
+            self.events.add("worker", msg, worker_id=worker_id, at=h.since)
+
+        return changed
+
     def _source_states(self) -> list[SourceState]:
         out = []
+        for wid, watch in self.pod_watches.items():  # the selector's own state, pods or none
+            h = watch.health
+            n = watch.watch_events_total + watch.lists_total
+            out.append(SourceState(wid, "kubernetes", watch.where, h.state, h.reason, h.since, n))
         for wid, src in self.scheduler.items():
+            src.check_silence()  # a source that stopped sending is down, not "up: receiving"
             for s in src.sources:
                 h = s.health
                 where = ", ".join(s.endpoints)
@@ -357,6 +470,8 @@ class Collector:
             self._task = None
         for r in self._rediscovery:
             await r.close()
+        for watch in self.pod_watches.values():
+            await watch.close()
         for src in self.scheduler.values():
             await src.close()
         for d in self.drift:

@@ -13,6 +13,8 @@ KVEventSequenceGap KVEventsLost KVEventDuplicateStream KVEventRankMismatch
 KVEventUnexpectedStream KVEventPublisherRestarted KVEventStreamDown KVEventStreamStalled
 KVEventDecodeErrors KVCacheNearFull KVIndexIncomplete DPRankUncovered DPRankMultipleOwners
 MultipleSchedulerLeaders KVObserveCollectorDown KVEventSilentLoss KVCacheThrash KVRouterIndexDrift
+KVWorkerUndiscovered KVWorkerLayoutMismatch KVSchedulerSourceDown
+KVRelayDropping
 """.split()  # noqa: SIM905 (a compact copy of the contract)
 )
 

@@ -22,6 +22,8 @@ class SequencerLimits:
     restart_confirm_s: float = 2.0  # ... or staying unopposed this long
     quiet_s: float = 30.0  # the duplicate-stream gauge drops back after this much quiet
     other_memory_s: float = 600.0  # how long a second or retired head is remembered
+    tail_first_s: float = 2.0  # an idle stream asks for its tail this long after its last batch
+    tail_max_wait_s: float = 60.0  # ... then backs off, doubling the wait up to this
 
     def __post_init__(self) -> None:
         for name in ("hold_limit", "restart_confirm_batches"):
@@ -34,10 +36,12 @@ DEFAULT_LIMITS: Final = SequencerLimits()
 
 @dataclass(frozen=True, slots=True)
 class RequestReplay:
-    """Ask the stream's replay endpoint for every batch from `start_seq` on."""
+    """Ask the stream's replay endpoint for every batch from `start_seq` on; `tail`: an idle
+    stream's check for batches after its last one (waits behind gap replays)."""
 
     replay_id: int
     start_seq: int
+    tail: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,3 +68,7 @@ class ReplayInFlight:
     # reply did not carry is not in the ring; a later hole may simply be younger than the reply.
     covered: int = -1
     ahead: dict[int, KvBatch] = field(default_factory=dict)  # replayed seqs live had not reached
+    tail: bool = False  # an idle stream's tail check: nothing was known to be missing
+    anchor: bytes | None = None  # tail check after a reconnect: our last batch's bytes, to match
+    found: int = 0  # tail check: batches live had not delivered, applied from the reply
+    found_from: int = 0  # ... the first seq of the gap they filled

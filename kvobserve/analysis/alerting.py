@@ -58,6 +58,11 @@ _ROWS: Final = (
     Kind("silent_loss", "KVEventSilentLoss", "warning", "events lost without a gap"),
     Kind("cache_thrash", "KVCacheThrash", "warning", "evicted blocks stored again"),
     Kind("router_index_drift", "KVRouterIndexDrift", "warning", "router index drifted"),
+    # configured parts that cannot be watched (docs/collector.md "Worker states")
+    Kind("worker_undiscovered", "KVWorkerUndiscovered", "critical", "worker not discovered"),
+    Kind("layout_mismatch", "KVWorkerLayoutMismatch", "critical", "engine layout differs"),
+    Kind("scheduler_source_down", "KVSchedulerSourceDown", "warning", "scheduler source down"),
+    Kind("relay_dropping", "KVRelayDropping", "warning", "relay dropping frames"),
 )
 KINDS: Final[dict[str, Kind]] = {k.kind: k for k in _ROWS}
 BY_ALERT: Final[dict[str, Kind]] = {k.alert: k for k in _ROWS}

@@ -3,21 +3,30 @@
 One condition per row kind of analysis/alerting.py that the aggregator can see. Event kinds (gap,
 loss, restart, decode errors, rank mismatch) hold for RECENT_S after their last occurrence, as the
 alert rules' `increase(...[15m]) > 0` do. Pure: `now` is the view's.
+
+`since` is when the condition began. Each condition takes it from its evidence (a collector's
+last snapshot, a stream's state change, the first sign of a second publisher, ...); what
+happened to one collector carries that collector's time in every condition it causes (its
+collector_down, its streams' stream_down, its ranks' dp_rank_uncovered). Evidence that moves
+while a condition lasts (the latest gap, the latest scheduler value) is held still by the
+aggregator, which remembers when each condition was first active (`began`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from kvobserve.analysis.alerting import KINDS, RECENT_S
-from kvobserve.wire.snapshot import DriftStats, StreamStats
+from kvobserve.analysis.layout import ranged
+from kvobserve.wire.snapshot import BindStats, DriftStats, StreamStats
 
 if TYPE_CHECKING:
     from kvobserve.analysis.fleet import FleetView, StreamView
 
 Labels = tuple[tuple[str, str], ...]
+Key = tuple[str, Labels]  # a condition's identity across views: (kind, labels)
 NEAR_FULL = 0.95  # scheduler token usage above this: cache_near_full (the rule's threshold)
 # A stream counts as down after this long: a publisher restart's second of silence is no outage
 # (the alert waits 5 minutes; the page shows the stream's state at once either way).
@@ -30,6 +39,9 @@ TOP_MEDIA = frozenset({"GPU", "DEVICE"})
 # router_index_drift: phantom + missing above this share of the engine's blocks, and this many
 DRIFT_SHARE = 0.05
 DRIFT_MIN_BLOCKS = 10
+MISMATCH = "layout_mismatch"  # the worker state (WorkerInfo.state) of the condition
+WORKER_TROUBLE = frozenset({"undiscovered", MISMATCH})  # worker states with a condition
+SOURCE_DOWN = frozenset({"down", "undecodable"})  # scheduler-source states that deliver nothing
 
 
 def thrashing(st: StreamStats) -> tuple[int, int] | None:
@@ -69,7 +81,7 @@ class Condition:
         return cls(kind, KINDS[kind].severity, labels, description, since)
 
     @property
-    def key(self) -> tuple[str, Labels]:
+    def key(self) -> Key:
         """Identity of the condition across views (for transitions)."""
         return (self.kind, self.labels)
 
@@ -77,6 +89,14 @@ class Condition:
 def labels(**kw: object) -> Labels:
     """Label pairs in the given order, values as strings."""
     return tuple((k, str(val)) for k, val in kw.items())
+
+
+def began(c: Condition, active_since: float | None, first_seen: float = 0.0) -> Condition:
+    """`c` with `since` = when it began: the earlier of when it was first active (None: new)
+    and its own evidence; `first_seen` when neither is known (0 leaves it unknown)."""
+    known = [t for t in (active_since, c.since) if t]
+    since = min(known) if known else first_seen
+    return c if since == c.since else replace(c, since=since)
 
 
 def conditions(v: FleetView) -> Iterable[Condition]:
@@ -90,13 +110,15 @@ def conditions(v: FleetView) -> Iterable[Condition]:
                 f"{c.age_s:.0f} s",
                 c.snapshot.time,
             )
+    yield from configured(v)
+    # A worker that a live collector cannot watch as configured has one condition, not one per
+    # rank left uncovered (the shipped Alertmanager config inhibits DPRankUncovered the same way)
+    explained = {w.worker_id for w, _ in v.workers if w.state in WORKER_TROUBLE}
     for (w, r), ids in sorted(v.owners.items()):
         if not ids:
-            yield Condition.of(
-                "dp_rank_uncovered",
-                labels(worker_id=w, dp_rank=r),
-                f"{w} rank {r} is watched by no live collector",
-            )
+            if w in explained:
+                continue
+            yield _uncovered(v, w, r)
         elif len(ids) > 1:
             yield Condition.of(
                 "dp_rank_multiple_owners",
@@ -110,11 +132,13 @@ def conditions(v: FleetView) -> Iterable[Condition]:
                 labels(worker_id=w),
                 f"{w} has {len(ids)} scheduler-metrics leaders: {', '.join(ids)}",
             )
+    down = {(s.stats.worker_id, s.stats.dp_rank) for s in v.streams if not s.up}
     for c in v.collectors:
         if not c.up:
             continue
+        yield from _relays(c.snapshot.binds, c.info.collector_id, v.now)
         for d in c.snapshot.drift:
-            if drifted(d):
+            if drifted(d) and (d.worker_id, d.dp_rank) not in down:  # a down stream: unknown
                 yield Condition.of(
                     "router_index_drift",
                     labels(worker_id=d.worker_id, dp_rank=d.dp_rank, medium=d.medium),
@@ -125,7 +149,7 @@ def conditions(v: FleetView) -> Iterable[Condition]:
                 )
     running = {(s.worker_id, s.dp_rank): s.running_requests for s, _ in v.scheduler}
     for s in v.streams:
-        yield from _stream(s, v.now, running.get((s.stats.worker_id, s.stats.dp_rank)))
+        yield from _stream(s, v, running.get((s.stats.worker_id, s.stats.dp_rank)))
     for u, info in v.unexpected:
         if u.active:
             yield Condition.of(
@@ -144,25 +168,110 @@ def conditions(v: FleetView) -> Iterable[Condition]:
             )
 
 
-def _stream(s: StreamView, now: float, running: float | None) -> Iterable[Condition]:
+def configured(v: FleetView) -> Iterable[Condition]:
+    """Configured workers and scheduler sources a live collector cannot watch (docs/collector.md
+    "Worker states"): one condition per worker and collector, not one per rank."""
+    for w, info in v.workers:
+        if w.state not in WORKER_TROUBLE:
+            continue
+        where = labels(worker_id=w.worker_id, node_rank=info.node_rank, collector=info.collector_id)
+        on = f"{w.worker_id} on {info.collector_id}"
+        if w.state == "undiscovered":
+            yield Condition.of(
+                "worker_undiscovered", where, f"{on}: undiscovered: {w.reason}", w.since
+            )
+        else:
+            left = (
+                f" (ranks {ranged(w.elsewhere)} are not watched here: the engine does not run them "
+                "on this node)"
+                if w.elsewhere
+                else ""
+            )
+            yield Condition.of("layout_mismatch", where, f"{on}: {w.reason}{left}", w.since)
+    for src, info in v.sources:
+        # a failed scrape is retried at the next interval: down for DOWN_AFTER_S is an outage
+        if src.state in SOURCE_DOWN and v.now - src.since >= DOWN_AFTER_S:
+            yield Condition.of(
+                "scheduler_source_down",
+                labels(
+                    worker_id=src.worker_id,
+                    node_rank=info.node_rank,
+                    collector=info.collector_id,
+                    source=src.source,
+                ),
+                f"{src.worker_id} scheduler source {src.source} ({src.endpoint}) on "
+                f"{info.collector_id} is {src.state}: {src.reason}",
+                src.since,
+            )
+
+
+def _relays(binds: list[BindStats], collector: str, now: float) -> Iterable[Condition]:
+    """relay_dropping: a relay that did not forward frames within RECENT_S, and why."""
+    for b in binds:
+        r = b.relay
+        if r is None or not r.last_drop_time or now - r.last_drop_time > RECENT_S:
+            continue
+        drops = ", ".join(f"{k} {n}" for k, n in sorted(r.dropped.items()))
+        yield Condition.of(
+            "relay_dropping",
+            labels(collector=collector, worker_id=b.worker_id, dp_rank=b.dp_rank),
+            f"{b.worker_id} rank {b.dp_rank}: frames not forwarded to {r.target} ({drops}); "
+            f"relay {r.state}: {r.reason}",
+            r.last_drop_time,
+        )
+
+
+def _uncovered(v: FleetView, w: str, r: int) -> Condition:
+    """dp_rank_uncovered, with the collector that owned the rank last when that one is down:
+    its labels let Alertmanager inhibit the alert under that collector's KVObserveCollectorDown,
+    and its last snapshot is when the rank lost its owner."""
+    last = v.last_owner.get((w, r))
+    if last is None:
+        return Condition.of(
+            "dp_rank_uncovered",
+            labels(worker_id=w, dp_rank=r),
+            f"{w} rank {r} is watched by no live collector",
+        )
+    i = last.info
+    return Condition.of(
+        "dp_rank_uncovered",
+        labels(worker_id=w, dp_rank=r, node_rank=i.node_rank, collector=i.collector_id),
+        f"{w} rank {r} is watched by no live collector: its collector {i.collector_id} "
+        f"(node_rank {i.node_rank}) is down",
+        last.snapshot.time,
+    )
+
+
+def _down_since(s: StreamView) -> float:
+    """When a stream of a silent collector went down: with its collector (the collector's last
+    snapshot, as collector_down says), unless it was down already then (a settled outage)."""
+    st, lost = s.stats, s.collector_last_seen
+    if not st.up and st.state != "starting" and 0 < st.state_since <= lost - DOWN_AFTER_S:
+        return st.state_since
+    return lost
+
+
+def _stream(s: StreamView, v: FleetView, running: float | None) -> Iterable[Condition]:
     st = s.stats
     where = labels(worker_id=st.worker_id, node_rank=s.collector.node_rank, dp_rank=st.dp_rank)
     name = f"{st.worker_id} rank {st.dp_rank}"
     if not s.live:
         why = f"its collector {s.collector.collector_id} is silent"
-        yield Condition.of("stream_down", where, f"{name} is down: {why}", st.state_since)
+        yield Condition.of("stream_down", where, f"{name} is down: {why}", _down_since(s))
         return  # nothing newer is known
-    # its first connect under way, or it just went (a restart): not down yet
+    # its first connect under way, or it just went (a restart): not down yet; a stream that
+    # is down already stays down while its state changes (one outage, one start)
+    now = v.now
     settling = st.state == "starting" or now - st.state_since < DOWN_AFTER_S
-    if not s.up and not settling:
+    if not s.up and (not settling or ("stream_down", where) in v.began):
         why = f"{st.state or 'down'}: {st.reason}" if st.reason else st.state or "not connected"
         yield Condition.of("stream_down", where, f"{name} is down: {why}", st.state_since)
-    if st.duplicate_stream:
+    if st.duplicate_stream and s.up:  # a down stream's flag is its last value
         yield Condition.of(
             "duplicate_stream",
             where,
             f"{name}: two publishers (interleaved or mirrored)",
-            st.last_duplicate_time,
+            st.duplicate_since or st.last_duplicate_time,  # the latter from older collectors
         )
     # before any batch the index is simply empty; during a replay its outcome is not known yet
     if s.up and not st.state_complete and st.batches_total and not st.replaying:

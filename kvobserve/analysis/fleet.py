@@ -3,6 +3,12 @@
 Pure: the caller passes `now` (wall-clock seconds, the same clock as `Snapshot.time`).
 A collector silent for `stale_intervals` of its own interval is down: it owns nothing, it is
 no scheduler leader, and its streams are served as down (stale), never as live.
+
+The staleness rule (docs/metrics.md): a value is in the view only while its source is live. A
+stream that is not up (or whose collector is down) keeps its counters and health, but its
+gauges are not served (StreamView.up); a rank's scheduler values are left out of the view when
+its stream is not up or when they are older than `stale_intervals` periods of their source
+(SOURCE_PERIOD_S), so neither /metrics, the API nor a condition shows a dead rank as busy.
 """
 
 from __future__ import annotations
@@ -10,20 +16,40 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvobserve.analysis.alerting import RECENT_S
-from kvobserve.analysis.conditions import Condition, conditions, thrashing
+from kvobserve.analysis.conditions import Condition, Key, began, conditions, thrashing
 from kvobserve.analysis.placement import PlacementEstimate, merge_placement
 from kvobserve.wire.parts import merge_parts
 from kvobserve.wire.snapshot import (
     CollectorInfo,
     SchedulerStats,
     Snapshot,
+    SourceState,
     StreamStats,
     UnexpectedStream,
+    WorkerInfo,
     WorkerPlacement,
 )
 
 GPU_MEDIA = frozenset({"GPU", "DEVICE"})
 _QUIET_STATES = frozenset({"starting", "waiting", "idle"})
+# The longest a healthy scheduler source of each kind stays silent (seconds): SGLang's load PUB
+# and FPM PUB send a heartbeat every 1 s, the /metrics scrape runs every interval and may take
+# its 2 s timeout, Dynamo's kv_metrics (ActiveLoad) repeats every 10 s. A rank's values are
+# stale past `stale_intervals` x the longer of this and its collector's interval, by the
+# collector's own clock (`SchedulerStats.updated` against `Snapshot.time`; an `updated` of 0, from
+# an older collector, is not judged).
+SOURCE_PERIOD_S = {"load": 1.0, "fpm": 1.0, "metrics": 2.0, "kv_metrics": 10.0}
+_PERIODS: dict[str, float] = {}  # `+`-joined source names -> _period (a handful of values)
+
+
+def _period(source: str) -> float:
+    """The longest period among the `+`-joined sources (0 for unknown ones)."""
+    got = _PERIODS.get(source)
+    if got is None:
+        got = _PERIODS[source] = max(
+            (SOURCE_PERIOD_S.get(n, 0.0) for n in source.split("+")), default=0.0
+        )
+    return got
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,13 +106,22 @@ class FleetView:
     leaders: dict[str, list[str]] = field(default_factory=dict)
     now: float = 0.0  # the time the view is as of
     placement: dict[str, PlacementEstimate] = field(default_factory=dict)  # per worker
+    # an uncovered rank -> the down collector that owned it at its last snapshot (the latest)
+    last_owner: dict[tuple[str, int], CollectorView] = field(default_factory=dict)
+    # when each condition was first active, as the aggregator remembers it (analysis/conditions)
+    began: dict[Key, float] = field(default_factory=dict)
+    # what live collectors say about each worker they are configured with, and their scheduler
+    # sources (states and reasons; docs/collector.md)
+    workers: list[tuple[WorkerInfo, CollectorInfo]] = field(default_factory=list)
+    sources: list[tuple[SourceState, CollectorInfo]] = field(default_factory=list)
     _conditions: list[Condition] | None = field(default=None, repr=False, compare=False)
 
     @property
     def conditions(self) -> list[Condition]:
         """The active conditions, worked out on first use (/metrics never needs them)."""
         if self._conditions is None:
-            self._conditions = list(conditions(self))
+            got = self.began.get
+            self._conditions = [began(c, got(c.key)) for c in conditions(self)]
         return self._conditions
 
 
@@ -94,6 +129,35 @@ class FleetView:
 class _Entry:
     snapshot: Snapshot
     received: float
+    # its scheduler entries split into (fresh, stale), worked out once per snapshot
+    sched: tuple[list[SchedulerStats], list[SchedulerStats]] | None = None
+
+    def scheduler(
+        self, stale_intervals: float
+    ) -> tuple[list[SchedulerStats], list[SchedulerStats]]:
+        """(the entries fresh enough to serve, the stale ones) of its snapshot: updated within
+        `stale_intervals` x the longer of its interval and the source's period (SOURCE_PERIOD_S)
+        by the collector's own clock; `updated` 0 (an older collector) is not judged."""
+        if self.sched is None:
+            snap = self.snapshot
+            t, every = snap.time, snap.interval_s
+            since: dict[str, float] = {}  # source -> the oldest `updated` still fresh
+            stale = []
+            for s in snap.scheduler:
+                u = s.updated
+                if not u:
+                    continue
+                oldest = since.get(s.source)
+                if oldest is None:
+                    oldest = since[s.source] = t - stale_intervals * max(every, _period(s.source))
+                if u < oldest:
+                    stale.append(s)
+            fresh = snap.scheduler  # the usual case: all of them
+            if stale:
+                ids = {id(s) for s in stale}
+                fresh = [s for s in snap.scheduler if id(s) not in ids]
+            self.sched = (fresh, stale)
+        return self.sched
 
 
 @dataclass(slots=True)
@@ -198,17 +262,24 @@ class FleetState:
         capacity reported per (worker_id, dp_rank)."""
         ups = []
         reported: dict[tuple[str, int], list[tuple[SchedulerStats, CollectorInfo]]] = {}
+        lost: dict[tuple[str, int], CollectorView] = {}  # the ranks of down collectors
+        quiet: dict[tuple[str, int], tuple[str, float | None]] = {}  # stale: source, capacity
         for e in entries:
             snap, up = e.snapshot, self._is_up(e, now)
             ups.append(up)
             info = snap.collector
             cid = info.collector_id
-            v.collectors.append(CollectorView(info, up, max(0.0, now - e.received), snap))
+            cv = CollectorView(info, up, max(0.0, now - e.received), snap)
+            v.collectors.append(cv)
             for w in snap.workers:
                 w_id = w.worker_id
                 v.dp_size[w_id] = max(v.dp_size.get(w_id, 0), w.dp_size)
                 leaders = v.leaders.setdefault(w_id, [])
                 if not up:
+                    for r in w.ranks_owned:  # by id: the latest snapshot wins, ties the last id
+                        had = lost.get((w_id, r))
+                        if had is None or snap.time >= had.snapshot.time:
+                            lost[(w_id, r)] = cv
                     continue
                 for r in w.ranks_owned:
                     ids = v.owners.get((w_id, r))
@@ -219,15 +290,27 @@ class FleetState:
                 if w.leader:
                     leaders.append(cid)
             if up:
-                for s in snap.scheduler:
+                fresh, stale = e.scheduler(self.stale_intervals)
+                for s in fresh:
                     reported.setdefault((s.worker_id, s.dp_rank), []).append((s, info))
+                for s in stale:  # not served; still who reports the rank, and its capacity
+                    quiet[(s.worker_id, s.dp_rank)] = (s.source, s.max_total_tokens)
                 v.unexpected.extend([(u, info) for u in snap.unexpected])
+                v.workers.extend([(w, info) for w in snap.workers])
+                v.sources.extend([(src, info) for src in snap.sources])
         for w_id, size in v.dp_size.items():
             for r in range(size):
                 if (w_id, r) not in v.owners:
                     v.owners[(w_id, r)] = []
+        for key, cv in lost.items():
+            if key in v.owners and not v.owners[key]:  # no live collector owns it
+                v.last_owner[key] = cv
         capacity: dict[tuple[str, int], float] = {}
         sources = self._join_scheduler(v, reported, capacity)
+        for key, (source, cap) in quiet.items():
+            sources.setdefault(key, source)
+            if cap:  # a constant of the engine process: still the capacity
+                capacity.setdefault(key, cap)
         return ups, sources, capacity
 
     def view(self, now: float) -> FleetView:
@@ -237,12 +320,15 @@ class FleetState:
         ups, sources, capacity = self._membership(v, entries, now)
         streams = v.streams
         placements: dict[str, list[WorkerPlacement]] = {}
+        down: set[tuple[str, int]] = set()  # ranks with a stream that is not up
         for e, up in zip(entries, ups, strict=True):
             snap = e.snapshot
             info = snap.collector
             configured = {w.worker_id: w.capacity_tokens for w in snap.workers}
             for st in snap.streams:
                 key = (st.worker_id, st.dp_rank)
+                if not (up and st.up):
+                    down.add(key)
                 cap: float | None = configured.get(st.worker_id) or None
                 if cap is None:
                     cap = capacity.get(key)
@@ -256,20 +342,25 @@ class FleetState:
                     placements.setdefault(p.worker_id, []).append(p)
         streams.sort(key=lambda s: (s.stats.worker_id, s.stats.dp_rank, s.collector.collector_id))
         v.placement = {w: merge_placement(ps) for w, ps in sorted(placements.items())}
+        _drop_dead_ranks(v, entries, ups, down)
         return v
 
-    def conditions(self, now: float) -> list[Condition]:
+    def conditions(self, now: float, began: dict[Key, float] | None = None) -> list[Condition]:
         """view(now).conditions, building views only of streams that may have one (the
-        per-second check)."""
-        v = FleetView(now=now)
+        per-second check); `began` as FleetView.began."""
+        v = FleetView(now=now, began=began or {})
         entries = self._entries(now)
         ups, _, _ = self._membership(v, entries, now)
+        down: set[tuple[str, int]] = set()
         for e, up in zip(entries, ups, strict=True):
             snap = e.snapshot
             for st in snap.streams:
                 if _maybe_problem(up, st, now):
                     v.streams.append(StreamView(st, snap.collector, up, None, 0, None, snap.time))
+                    if not (up and st.up):
+                        down.add((st.worker_id, st.dp_rank))
         v.streams.sort(key=lambda s: (s.stats.worker_id, s.stats.dp_rank, s.collector.collector_id))
+        _drop_dead_ranks(v, entries, ups, down)
         return v.conditions
 
     @staticmethod
@@ -295,6 +386,24 @@ class FleetState:
                 capacity[key] = stats.max_total_tokens
             names[key] = "+".join(sorted({n for s, _ in got for n in s.source.split("+") if n}))
         return names
+
+
+def _drop_dead_ranks(
+    v: FleetView, entries: list[_Entry], ups: list[bool], down: set[tuple[str, int]]
+) -> None:
+    """Leave out the scheduler entries of ranks none of whose streams is up (a dead engine's
+    scheduler values are its last ones). A rank with no stream in the view keeps its entry."""
+    if not down:
+        return
+    workers = {w for w, _ in down}
+    for e, up in zip(entries, ups, strict=True):
+        if not up:
+            continue
+        for st in e.snapshot.streams:
+            if st.up and st.worker_id in workers:
+                down.discard((st.worker_id, st.dp_rank))  # another copy of the rank is up
+    if down:
+        v.scheduler = [(s, i) for s, i in v.scheduler if (s.worker_id, s.dp_rank) not in down]
 
 
 _STAT_FIELDS = (

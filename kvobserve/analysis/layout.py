@@ -9,6 +9,7 @@ owns the rank (`on_node`).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Final
 
 from kvobserve.config import WILDCARD_HOSTS
@@ -154,3 +155,14 @@ def bracket(host: str) -> str:
 def is_node_local(endpoint: str) -> bool:
     """A tcp endpoint with a wildcard or absent host: each node connects at its own address."""
     return endpoint_host(endpoint) in WILDCARD_HOSTS
+
+
+def ranged(ranks: Iterable[int]) -> str:
+    """`0-3`, `5`, `0-1, 4` or `none`."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return ", ".join(str(x[0]) if len(x) == 1 else f"{x[0]}-{x[-1]}" for x in runs) or "none"

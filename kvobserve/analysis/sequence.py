@@ -3,9 +3,10 @@
 One `StreamSequencer` per (worker, dp_rank) stream owns the stream's `BlockIndex` and applies
 batches to it itself, in seq order and exactly once. It returns only I/O actions: `RequestReplay`
 (replaces any replay in flight) and `CancelReplay`. Inputs: live batches (`on_batch`), replayed
-ones (`on_replay_batch`), the end marker or a failure (`on_replay_end`), and `expire(now)` about
-once a second; `now` is a monotonic receive clock, engine time is only `batch.ts`. The rules are
-in docs/stream-semantics.md.
+ones (`on_replay_batch`), the end marker or a failure (`on_replay_end`), `expire(now)` at every
+wake-up of the ingest loop and `check_tail(now, ...)` once a second (an idle stream's tail check,
+`analysis/tail.py`); `now` is a monotonic receive clock, engine time is only `batch.ts`. The
+rules are in docs/stream-semantics.md.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from kvobserve.analysis.actions import (
     SequencerLimits,
 )
 from kvobserve.analysis.blocks import BlockIndex
+from kvobserve.analysis.tail import TailWatch
 from kvobserve.wire.kv_events import KvBatch
 
 _RECENT = 8  # payloads kept (by reference) to recognise duplicate deliveries
@@ -52,7 +54,8 @@ class StreamSequencer:
         self.trust = t.Trust()  # complete / replay_filled / partial, with the reason
         self.last_seq: int | None = None
         self.last_ts: float | None = None
-        self.duplicate_stream_seen: float | None = None
+        self.duplicate_stream_seen: float | None = None  # the latest evidence of a second publisher
+        self.duplicate_stream_began: float | None = None  # the first evidence of this episode
         # rare happenings for the event log (sources/stream_events.py): (kind, seq, seq, now)
         self.notes: deque[tuple[str, int, int, float]] = deque(maxlen=32)
         self._recent: deque[tuple[int, bytes]] = deque(maxlen=_RECENT)
@@ -64,6 +67,10 @@ class StreamSequencer:
         self._other: int | None = None  # last seq of a second (or retired) head
         self._other_seen, self._other_run = 0.0, 0
         self._other_confirmed = False  # seen alternating; a retired head must go on exactly +1
+        self.tail = TailWatch(limits.tail_first_s, limits.tail_max_wait_s)
+        # payloads a tail check applied before live delivered them, to know a late live copy
+        self._tail_copies: dict[int, bytes] = {}
+        self._tail_found_at = 0.0
 
     def on_batch(self, batch: KvBatch, payload: bytes, now: float) -> Action | None:
         """A live batch and its payload bytes (kept by reference for duplicate checks)."""
@@ -90,26 +97,34 @@ class StreamSequencer:
         step = self._on_held if self._replay is not None else self._on_live
         return step(batch, payload, now)
 
-    def on_replay_batch(self, replay_id: int, batch: KvBatch) -> None:
-        """A batch of replay `replay_id`; stale replies and seqs outside the hole are ignored."""
+    def on_replay_batch(
+        self, replay_id: int, batch: KvBatch, payload: bytes = b"", now: float | None = None
+    ) -> Action | None:
+        """A batch of replay `replay_id` and its payload bytes; stale replies and seqs outside the
+        hole are ignored. An action only when a tail check finds another publisher (a restart)."""
         rp = self._replay
         if rp is None or rp.replay_id != replay_id:
-            return
+            return None
         seq = batch.seq
+        if rp.anchor is not None:
+            return self._check_anchor(rp, seq, payload, rp.started if now is None else now)
         rp.covered = max(rp.covered, seq)
         last = self.last_seq if self.last_seq is not None else -1
         if seq <= last:
-            return  # already applied
-        if seq > self._high:  # live has not got here yet; kept in case live loses it
-            if len(rp.ahead) < self.limits.hold_limit:
+            return None  # already applied
+        if seq > self._high:  # live has not got here yet
+            if rp.tail:
+                self._tail_found(rp, batch, payload, rp.started if now is None else now)
+            elif len(rp.ahead) < self.limits.hold_limit:  # kept in case live loses it
                 rp.ahead[seq] = batch
-            return
+            return None
         self._advance_to(rp, seq)
         if rp.held and rp.held[0][0].seq == seq:
             rp.held.popleft()  # live had it too: not a recovery
             self._apply(batch)
         else:
             self._recover(rp, batch)
+        return None
 
     def on_replay_end(
         self, replay_id: int, result: str = "ok", now: float | None = None
@@ -149,8 +164,54 @@ class StreamSequencer:
             action = self._confirm_restart(now) or action
         return action
 
+    def check_tail(
+        self, now: float, last_at: float, reconnected: bool = False
+    ) -> RequestReplay | None:
+        """Ask the replay ring for batches after the last seq of a stream gone idle (`last_at`:
+        when its last batch arrived), on the schedule of `analysis/tail.py`. After a reconnect
+        the publisher may be another process: the check then asks from the last seq itself and
+        goes on only if the ring holds that very batch (`_check_anchor`)."""
+        if self._tail_copies and now - self._tail_found_at >= self.limits.replay_timeout_s:
+            self._tail_copies.clear()  # a live copy of those would have come long ago
+        if (
+            not self.replay_enabled
+            or self._replay is not None
+            or self._pending
+            or self.duplicate_stream(now)  # the ring answers for one of two publishers
+        ):
+            return None
+        last = self.last_seq
+        if last is None or not self.tail.due(now, last, last_at):
+            return None
+        anchor = None
+        if reconnected:
+            anchor = next((p for q, p in self._recent if q == last), None)
+            if anchor is None:
+                self.tail.settle(False)  # nothing to recognise our publisher by
+                return None
+        self._replay_ids += 1
+        self._replay = ReplayInFlight(
+            self._replay_ids, last + 1, now, False, covered=last, tail=True, anchor=anchor
+        )
+        start = last if anchor is not None else last + 1
+        return RequestReplay(self._replay_ids, start, tail=True)
+
+    def trust_reason(self, now: float, last_at: float | None, connected: bool) -> str:
+        """The trust reason to report: `tail_unverified` while the stream is idle and nothing
+        confirmed that its last batch was its publisher's last (docs/cache-analytics.md)."""
+        askable = self.replay_enabled and connected
+        if (
+            self.trust.trusted
+            and last_at is not None
+            and self.tail.unverified(now, self.last_seq, last_at, askable)
+        ):
+            return t.TAIL_UNVERIFIED
+        return self.trust.reason
+
     def mark_duplicate_stream(self, now: float) -> None:
         """Evidence of a second publisher on this stream (interleaving or a mirror)."""
+        if not self.duplicate_stream(now):  # a new episode, not more evidence of this one
+            self.duplicate_stream_began = now
         self.duplicate_stream_seen = now
 
     def duplicate_stream(self, now: float) -> bool:
@@ -266,7 +327,7 @@ class StreamSequencer:
             self._pending.clear()
             self._other, self._other_seen = cand, now
             self._other_confirmed, self._other_run = True, 0
-            self.duplicate_stream_seen = now
+            self.mark_duplicate_stream(now)
             self.trust.lose(t.SECOND_PUBLISHER)
             return self._route(batch, payload, now)
         if d_cand > 0:
@@ -287,22 +348,73 @@ class StreamSequencer:
             self._finish_replay("aborted")
         self.restarts += 1
         self.notes.append(("restart", self._high, pending[0][0].seq if pending else 0, now))
-        self.trust.lose(t.WAITING)  # the new publisher's first batch decides
         self._other = self.last_seq  # the retired head; if it goes on, it was interleaving
         self._other_seen, self._other_confirmed, self._other_run = now, False, 0
-        self.index.reset()
-        self._recent.clear()
-        self.last_seq, self._high = None, -1
+        self._reset()
         for batch, payload in pending:
             action = self._route(batch, payload, now) or action
         return action
+
+    def _reset(self) -> None:
+        """A new publisher: its cache starts empty and its first batch decides the trust."""
+        self.trust.lose(t.WAITING)
+        self.index.reset()
+        self._recent.clear()
+        self._tail_copies.clear()
+        self.last_seq, self._high = None, -1
 
     def _is_duplicate(self, seq: int, payload: bytes) -> bool:
         for s, p in self._recent:
             if s == seq and (p is payload or p == payload):
                 self.duplicate_batches += 1
                 return True
+        if self._tail_copies.get(seq) == payload:  # live delivered what a tail check applied
+            self.duplicate_batches += 1
+            return True
         return False
+
+    def _check_anchor(
+        self, rp: ReplayInFlight, seq: int, payload: bytes, now: float
+    ) -> Action | None:
+        """The first reply of a tail check after a reconnect must be our last batch, byte for
+        byte: then the ring is our publisher's and what follows continues our stream."""
+        if seq == self.last_seq and payload == rp.anchor:
+            rp.anchor, rp.covered = None, seq
+            return None
+        if seq == self.last_seq:  # another batch under our last seq: the publisher restarted
+            return self._publisher_replaced(rp, now)
+        self._finish_replay("aborted")  # the ring no longer holds our last seq: it cannot vouch
+        return None
+
+    def _publisher_replaced(self, rp: ReplayInFlight, now: float) -> Action | None:
+        """The publisher restarted while the stream was away: reset as for a restart (nothing of
+        the reply is applied); live batches held meanwhile are the new publisher's."""
+        self._replay = None
+        self.restarts += 1
+        self.notes.append(("replaced", rp.missed_from - 1, 0, now))
+        self._other = None  # the old publisher is gone, not a second head
+        self._reset()
+        action: Action | None = None
+        for batch, payload in rp.held:
+            action = self._route(batch, payload, now) or action
+        return action
+
+    def _tail_found(self, rp: ReplayInFlight, batch: KvBatch, payload: bytes, now: float) -> None:
+        """A tail check's reply carries a batch live never delivered: lost at the end of a burst."""
+        seq = batch.seq
+        if not rp.found:
+            self.gaps += 1
+            rp.found_from = self._high + 1
+        self.missed += seq - self._high
+        self._advance_to(rp, seq)  # held live batches first; seqs the ring skipped are lost
+        rp.found += 1
+        self.recovered += 1
+        self._high = seq
+        self._recent.append((seq, payload))
+        if payload and len(self._tail_copies) < self.limits.hold_limit:
+            self._tail_copies[seq] = payload
+            self._tail_found_at = now
+        self._apply(batch)
 
     def _is_other_head(self, batch: KvBatch, payload: bytes, head: int, now: float) -> bool:
         """Whether `batch` continues the remembered second head (then it is consumed here)."""
@@ -322,7 +434,7 @@ class StreamSequencer:
         self._other, self._other_seen, self._other_confirmed = seq, now, True
         self.interleaved_batches += 1
         # two publishers' events in one index: it is not trustworthy any more
-        self.duplicate_stream_seen = now
+        self.mark_duplicate_stream(now)
         self.trust.lose(t.SECOND_PUBLISHER)
         return True
 
@@ -389,6 +501,13 @@ class StreamSequencer:
         rp = self._replay
         assert rp is not None
         self._advance_to(rp, self._high + 1 if upto is None else upto)
+        if rp.tail and not rp.found and not rp.lost:
+            # nothing was missing after the last seq (or nobody could say): nothing to count
+            self.tail.settle(result == "ok" and rp.anchor is None)
+            self._replay = None
+            return
+        if rp.found:
+            self.notes.append(("gap", rp.found_from, rp.covered, rp.started))
         if result == "ok" and rp.lost:
             result = "partial"
         elif result == "ok" and rp.join:

@@ -9,6 +9,12 @@ them) is counted separately by `analysis/analytics.py` while the state is not `p
 - `replay_filled`: as complete, but at least one gap was filled by replay since then.
 - `partial`: batches are missing (joined mid-stream, lost for good, a second publisher): the
   resident set may lack blocks and may keep blocks whose removal was lost.
+
+An unverified tail is a reason, not a state: while a `complete` or `replay_filled` stream is idle
+and nothing confirmed that its last batch was its publisher's last (no replay endpoint to ask, or
+the ask failed), the reason reads `tail_unverified` (`StreamSequencer.trust_reason`). Nothing is
+known to be missing, so the state, `state_complete` and the silent-loss evidence stay as they are;
+the next batch in order, or a tail check that comes back empty, gives the state's own reason back.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ WAITING: Final = "waiting"  # partial: no batch yet
 JOINED_MIDSTREAM: Final = "joined_midstream"  # partial: history before the first batch unknown
 LOST_BATCHES: Final = "lost_batches"  # partial: a gap that no replay filled
 SECOND_PUBLISHER: Final = "second_publisher"  # partial: two publishers' batches met in one index
+TAIL_UNVERIFIED: Final = "tail_unverified"  # complete / replay_filled, idle: tail unchecked
 
 
 class Trust:

@@ -12,12 +12,21 @@ import json
 import sys
 from typing import Any
 
+from kvobserve.analysis.layout import ranged
 from kvobserve.commands.check_probe import Found, probe_all
 from kvobserve.commands.common import fail, load
-from kvobserve.config import SECTIONS, Config, ConfigError, add_config_flags
+from kvobserve.config import (
+    COLLECT_DEFAULTS,
+    SECTIONS,
+    Config,
+    ConfigError,
+    WorkerConfig,
+    add_config_flags,
+)
 from kvobserve.sources.discovery import DiscoveredEngine, DiscoveryError, discover_urls
 from kvobserve.sources.dynamo_plan import DynamoPlan, plan_dynamo
-from kvobserve.sources.plan import WorkerPlan, plan_worker
+from kvobserve.sources.kubernetes import PodWatch
+from kvobserve.sources.plan import WorkerPlan, plan_pods, plan_worker
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,17 +69,60 @@ async def _discover_all(
     return found, failed
 
 
-def _ranged(ranks: list[int]) -> str:
-    """`0-3`, `5`, `0-1, 4` or `none`."""
-    if not ranks:
-        return "none"
-    runs: list[list[int]] = []
-    for r in sorted(ranks):
-        if runs and r == runs[-1][-1] + 1:
-            runs[-1].append(r)
-        else:
-            runs.append([r])
-    return ", ".join(str(x[0]) if len(x) == 1 else f"{x[0]}-{x[-1]}" for x in runs)
+async def _list_pods(i: int, w: WorkerConfig, timeout_s: float) -> PodWatch:
+    """The pods of a `[worker.kubernetes]` worker, listed once; ConfigError when that fails."""
+    assert w.kubernetes is not None
+    watch = PodWatch(w.id, w.kubernetes)
+    try:
+        await watch.list_once(timeout_s)
+    except Exception as exc:  # the reason, as the collector would report it
+        _, reason = watch.describe(exc)
+        raise ConfigError(f"worker[{i}].kubernetes: cannot list pods: {reason}") from None
+    return watch
+
+
+def pods_json(w: WorkerConfig, watch: PodWatch | None) -> dict[str, Any]:
+    """A `[worker.kubernetes]` worker as `check --json` prints it; its pods' plans follow it."""
+    k = w.kubernetes
+    assert k is not None
+    return {
+        "worker_id": w.id,
+        "engine": w.engine,
+        "dp_size": w.dp_size,
+        "kubernetes": {
+            "server": watch.server if watch else None,
+            "namespace": (watch.namespace if watch else k.namespace) or None,
+            "selector": k.selector,
+            "port": k.port,
+            "replay_port": k.replay_port or None,
+            "topic": k.topic,
+        },
+        "stream_worker_id": f"{w.id}/<pod>",
+        "pods": watch.summary() if watch else None,
+    }
+
+
+def _print_pods(p: dict[str, Any]) -> None:
+    k = p["kubernetes"]
+    where = f"namespace {k['namespace'] or '(the client context)'} -l {k['selector']}"
+    server = f" at {k['server']}" if k["server"] else ""
+    print(f"\nworker {p['worker_id']} ({p['engine']}, pods of {where}{server})")
+    replay = f", replay port {k['replay_port']} + r" if k["replay_port"] else ", no replay"
+    print(
+        f"  each Running and Ready pod is worker {p['stream_worker_id']}: dp_size "
+        f"{p['dp_size']}, rank r at the pod IP port {k['port']} + r{replay}, topic {k['topic']!r}"
+    )
+    pods = p["pods"]
+    if pods is None:
+        print("  pods: listed at run time (--no-discovery)")
+        return
+    streaming = sum(1 for x in pods if x["stream"])
+    print(f"  pods now: {len(pods)} selected, {streaming} streaming")
+    for x in pods:
+        ready = "Ready" if x["ready"] else "not Ready"
+        state = f"{x['phase']}, {ready}" + (", terminating" if x["terminating"] else "")
+        mark = "*" if x["stream"] else " "
+        print(f"   {mark}{x['name']:<40} {x['ip'] or '-':<16} {state}")
 
 
 _STREAM_KEYS = ("dp_rank", "endpoint", "replay_endpoint", "topic")
@@ -102,7 +154,22 @@ def plan_json(p: WorkerPlan) -> dict[str, Any]:
             for s in p.streams
         ],
         "watched_ranks": list(p.watched_ranks),
+        # ranks the config gives this node that the engine runs elsewhere (or not at all)
+        "elsewhere": list(p.elsewhere),
         "probe_endpoints": [s.endpoint for s in p.probes],
+        "bind": w.bind,
+        "topic": w.topic,
+        "listens": [
+            {
+                "dp_rank": x.dp_rank,
+                "endpoint": x.endpoint,
+                "replay_endpoint": x.replay_endpoint,
+                "relay_to": x.relay_to,
+            }
+            for x in p.listens
+        ],
+        "streams_from_topic": p.pods,
+        "relay_queue": w.relay_queue if w.relay_to else None,
         "scheduler_sources": [
             {
                 "source": s.source,
@@ -123,6 +190,15 @@ def probe_targets(p: WorkerPlan) -> list[Found]:
     Only the ranks this node owns: other nodes' ranks are reached by their own collectors.
     """
     wid = p.worker.id
+    if p.worker.bind is not None:  # publishers connect to us: only what we connect to is probed
+        replays = [x for x in p.listens if x.replay_endpoint and "{" not in x.replay_endpoint]
+        out = [Found("replay", wid, x.dp_rank, x.replay_endpoint or "") for x in replays]
+        return out + [
+            Found("metrics", wid, None, e)
+            for sp in p.scheduler
+            if sp.source == "metrics"
+            for e in sp.endpoints
+        ]
     mine = [s for s in p.streams if s.dp_rank in set(p.watched_ranks)]
     out = [Found("stream", wid, s.dp_rank, s.endpoint, s.topic) for s in mine]
     out += [Found("replay", wid, s.dp_rank, s.replay_endpoint) for s in mine if s.replay_endpoint]
@@ -176,7 +252,51 @@ def _print_dynamo(p: dict[str, Any]) -> None:
     print(f"  drift against: {p['indexer_url'] or 'none'}")
 
 
-def _print_text(cfg: Config, plans: list[dict[str, Any]]) -> None:
+def _print_bind(p: dict[str, Any]) -> None:
+    """A bind-mode worker: what this node binds, how streams are named, where frames go."""
+    wid, topic = p["worker_id"], p["topic"]
+    if not p["listens"]:
+        print(f"  bind mode: the worker's leader binds {p['bind']}; this node binds nothing")
+        return
+    print("  bind mode: the engines connect here (rank r to port + r); this node binds:")
+    print(f"  {'dp_rank':<8} {'bind':<28} {'replay':<28} relay to")
+    for x in p["listens"]:
+        replay, relay = x["replay_endpoint"] or "-", x["relay_to"] or "-"
+        print(f" *{x['dp_rank']:<8} {x['endpoint']:<28} {replay:<28} {relay}")
+    if p["streams_from_topic"]:
+        print(f"  streams: one per pod, worker_id {wid}/{{pod}} from the topic (e.g. "
+              f"'kv@10.0.0.7:8000@llama' is {wid}/10.0.0.7:8000), as pods send")  # fmt: skip
+    else:
+        print(f"  streams: one per rank, worker_id {wid}, topic prefix {topic!r}; a second "
+              "publisher on a rank's port is a duplicate stream")  # fmt: skip
+    if p["relay_queue"]:
+        print(f"  relay: every frame forwarded unchanged first, at most {p['relay_queue']} "
+              "waiting for the target (more are dropped and counted)")  # fmt: skip
+    _print_sources(p)
+
+
+def _print_sources(p: dict[str, Any]) -> None:
+    """A worker's scheduler sources, and what --probe found."""
+    sched = p["scheduler_sources"]
+    print("  scheduler sources:" + ("" if sched else " none"))
+    for x in sched:
+        rank = f"rank {x['dp_rank']}" if x["dp_rank"] is not None else _SCOPES[x["scope"]]
+        print(f"    {x['source']:<10} {x['endpoint']:<40} ({rank})")
+    if "probe" in p:
+        print(f"  probed for {p['probe_seconds']:g} s:")
+        _print_probe(p["probe_found"])
+
+
+def http_listens(cfg: Config, collect: Config | None) -> dict[str, str]:
+    """Where each command this config is for serves HTTP ("off": nowhere), first the one this
+    node runs: `run` without [nats]; with it `collect` (`collect`: the config as `collect` loads
+    it, with its own default port) and `aggregate`."""
+    if cfg.nats is None or collect is None:
+        return {"run": cfg.http.listen or "off"}
+    return {"collect": collect.http.listen or "off", "aggregate": cfg.http.listen or "off"}
+
+
+def _print_text(cfg: Config, plans: list[dict[str, Any]], listens: dict[str, str]) -> None:
     """The plan as a human-readable table; `*` marks the ranks this node watches."""
     c = cfg.collector
     print(f"config {cfg.path or '(flags/env only)'}: valid")
@@ -184,10 +304,16 @@ def _print_text(cfg: Config, plans: list[dict[str, Any]]) -> None:
         f"cluster {cfg.cluster}  collector {c.id}  node_rank {c.node_rank} of {c.nnodes}"
         f"  host {c.host}"
     )
-    print(f"http {cfg.http.listen or 'off'}  nats {cfg.nats.url if cfg.nats else 'embedded'}")
+    (command, listen), *rest = listens.items()
+    also = "".join(f"; {other} {where}" for other, where in rest)
+    nats = cfg.nats.url if cfg.nats else "embedded"
+    print(f"http {listen} ({command}{also})  nats {nats}")
     for p in plans:
         if p["engine"] == "dynamo":
             _print_dynamo(p)
+            continue
+        if "kubernetes" in p:
+            _print_pods(p)
             continue
         src = f"  discovered from {p['discovered_from']}" if p["discovered_from"] else ""
         lead = "leader" if p["leader"] else "not leader"
@@ -198,9 +324,14 @@ def _print_text(cfg: Config, plans: list[dict[str, Any]]) -> None:
         )
         for note in p["notes"]:
             print(f"  note: {note}")
+        if p["bind"] is not None:
+            _print_bind(p)
+            continue
         print(f"  {'dp_rank':<8} {'node':<5} {'endpoint':<32} {'replay':<32} topic")
         others: dict[int, list[int]] = {}
         for s in p["streams"]:
+            if s["dp_rank"] in p["elsewhere"]:
+                continue
             if not s["watched"]:
                 others.setdefault(s["node_rank"], []).append(s["dp_rank"])
                 continue
@@ -210,17 +341,15 @@ def _print_text(cfg: Config, plans: list[dict[str, Any]]) -> None:
                 f" {s['topic']!r}"
             )
         for node, ranks in sorted(others.items()):
-            print(f"  {_ranged(ranks):<8} {node:<5} (node {node}'s collector connects to these)")
-        print(f"  ranks watched by this node (*): {_ranged(p['watched_ranks'])}")
+            print(f"  {ranged(ranks):<8} {node:<5} (node {node}'s collector connects to these)")
+        if p["elsewhere"]:
+            print(
+                f"  {ranged(p['elsewhere']):<8} {'-':<5} (not watched: the engine does not run "
+                "them on this node)"
+            )
+        print(f"  ranks watched by this node (*): {ranged(p['watched_ranks'])}")
         print(f"  probe endpoints: {', '.join(p['probe_endpoints']) or 'none'}")
-        sched = p["scheduler_sources"]
-        print("  scheduler sources:" + ("" if sched else " none"))
-        for x in sched:
-            rank = f"rank {x['dp_rank']}" if x["dp_rank"] is not None else _SCOPES[x["scope"]]
-            print(f"    {x['source']:<10} {x['endpoint']:<40} ({rank})")
-        if "probe" in p:
-            print(f"  probed for {p['probe_seconds']:g} s:")
-            _print_probe(p["probe_found"])
+        _print_sources(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -230,6 +359,7 @@ def run(args: argparse.Namespace) -> int:
         return fail("check", f"--probe-seconds {args.probe_seconds}: must be > 0")
     try:
         cfg = load(args)
+        listens = http_listens(cfg, load(args, defaults=COLLECT_DEFAULTS) if cfg.nats else None)
         found, failed = (
             ({}, {}) if args.no_discovery else asyncio.run(_discover_all(cfg, args.timeout))
         )
@@ -240,8 +370,16 @@ def run(args: argparse.Namespace) -> int:
             if w.engine == "dynamo":
                 plans.append(dynamo_json(plan_dynamo(i, w, node)))
                 continue
+            if w.kubernetes is not None:  # the selector, then a plan per streaming pod
+                watch = None if args.no_discovery else asyncio.run(_list_pods(i, w, args.timeout))
+                plans.append(pods_json(w, watch))
+                streams = watch.streams if watch else {}
+                for wp in plan_pods(i, w, node, streams, watch.namespace if watch else ""):
+                    plans.append(plan_json(wp))
+                    sglang_vllm.append((plans[-1], wp))
+                continue
             err = failed.get(w.id)
-            if err is not None and not w.kv_endpoint:
+            if err is not None and not (w.kv_endpoint or w.bind):
                 raise err  # nothing to watch without it
             wp = plan_worker(i, w, node, found.get(w.id))
             plan = plan_json(wp)
@@ -265,6 +403,7 @@ def run(args: argparse.Namespace) -> int:
             "config": cfg.path,
             "cluster": cfg.cluster,
             "collector": {"id": c.id, "node_rank": c.node_rank, "nnodes": c.nnodes, "host": c.host},
+            "http": listens,
             "workers": plans,
         }
         for pj in plans:
@@ -273,7 +412,7 @@ def run(args: argparse.Namespace) -> int:
         json.dump(doc, sys.stdout, indent=2)
         print()
     else:
-        _print_text(cfg, plans)
+        _print_text(cfg, plans, listens)
         if not args.probe:
             print("\nendpoints not contacted: `kvobserve check --probe` connects to each")
         elif bad:

@@ -10,11 +10,10 @@ from kvobserve.aggregator import Aggregator
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.collector import Collector
 from kvobserve.commands.common import Stop, fail, load, setup_logging, start_http, stop_event
-from kvobserve.config import Config, ConfigError, add_config_flags
+from kvobserve.config import COLLECT_DEFAULTS, Config, ConfigError, add_config_flags
 from kvobserve.transport import Transport
 
 log = logging.getLogger(__name__)
-LOCAL_LISTEN = "127.0.0.1:9478"  # the collector's own HTTP; the aggregator has 9477
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """`kvobserve collect -c FILE --nats URL`: 2 on a bad setting, 1 when NATS is unreachable."""
     try:
-        cfg = load(args, defaults={"http.listen": LOCAL_LISTEN})
+        cfg = load(args, defaults=COLLECT_DEFAULTS)
         if cfg.nats is None:
             raise ConfigError("nats.url: required by `collect` (--nats URL or [nats] url)")
     except ConfigError as exc:

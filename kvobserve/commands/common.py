@@ -43,6 +43,8 @@ def setup_logging() -> None:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # the Kubernetes client's HTTP library logs every request (each watch) at INFO
+    logging.getLogger("httpx2").setLevel(logging.WARNING)
 
 
 def stop_event() -> asyncio.Event:

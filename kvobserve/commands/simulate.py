@@ -11,7 +11,13 @@ import time
 import tomllib
 from typing import Any
 
-from kvobserve.simulate.config import SimConfig, worker_from_dict
+from kvobserve.simulate.config import (
+    DP_LB_MODES,
+    EVENT_PLANES,
+    INDEXER_MODES,
+    SimConfig,
+    worker_from_dict,
+)
 from kvobserve.simulate.encoders import FORMATS
 from kvobserve.simulate.faults import parse_int_list, parse_pairs
 from kvobserve.simulate.group import SimulatorGroup, nodes_of
@@ -27,6 +33,12 @@ _WORKER_FLAGS: dict[str, tuple[str, type, str]] = {
     "node_rank": ("--node-rank", int, "which node this process is (default 0)"),
     "host": ("--host", str, "bind host (default 127.0.0.1)"),
     "kv_port": ("--kv-port", int, "KV PUB base port, rank r on base+r (0 = free range)"),
+    "kv_connect": (
+        "--connect",
+        str,
+        "the KV PUBs connect to this endpoint (rank r: port + r) instead of binding --kv-port, "
+        "as vLLM does with a concrete host and llm-d's central mode",
+    ),
     "replay_port": ("--replay-port", int, "replay ROUTER base port (0 = free range)"),
     "http_port": ("--http-port", int, "HTTP /metrics + discovery port (0 = free)"),
     "dp_lb": (
@@ -129,11 +141,22 @@ _FAULT_FLAGS: dict[str, tuple[str, str]] = {
 }
 
 
+# the flags whose value is one of a few names (argparse checks them and suggests the closest)
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "format": tuple(FORMATS),
+    "dp_lb": DP_LB_MODES,
+    "event_plane": EVENT_PLANES,
+    "indexer_mode": INDEXER_MODES,
+}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `simulate` flags."""
     parser.add_argument("-c", "--config", help="TOML file with [[worker]] tables")
     for dest, (flag, typ, help_text) in _WORKER_FLAGS.items():
-        parser.add_argument(flag, dest=dest, type=typ, default=None, help=help_text)
+        choices = _CHOICES.get(dest)
+        parser.add_argument(flag, dest=dest, type=typ, default=None, help=help_text,
+                            choices=choices, metavar=dest.upper() if choices else None)  # fmt: skip
     parser.add_argument("--no-dp-attention", dest="dp_attention", action="store_false", default=None,
                         help="SGLang pure DP: every rank on the leader node (old versions collide)")  # fmt: skip
     parser.add_argument("--no-replay", action="store_true", help="no replay ROUTER")
@@ -155,7 +178,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--truth", help="write the ground truth here (JSON) on shutdown")
     parser.add_argument("--truth-interval", type=float, default=0.0, help="also every S seconds")
     g = parser.add_argument_group("faults")
-    g.add_argument("--profile", help=f"a named fault profile ({', '.join(PROFILES)}); "
+    g.add_argument("--profile", choices=tuple(PROFILES), metavar="PROFILE",
+                   help=f"a named fault profile ({', '.join(PROFILES)}); "
                    "the fault flags below override it")  # fmt: skip
     g.add_argument("--fault-period", type=float, default=None,
                    help="repeat the seq-based faults and the stall every S seconds at --rate "
@@ -222,8 +246,6 @@ def build_configs(args: argparse.Namespace) -> list[SimConfig]:
     if args.no_http:
         flags["http_port"] = None
     faults = _fault_overrides(args)
-    if args.profile:
-        profile(args.profile)  # an unknown name fails before anything else
     period_s = args.fault_period
     out: list[SimConfig] = []
     for i, table in enumerate(tables):

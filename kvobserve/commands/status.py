@@ -80,9 +80,11 @@ def _hms(t: float | None) -> str:
     return time.strftime("%H:%M:%S", time.gmtime(t)) if t else "-"
 
 
+# USAGE: cache usage (kvobserve_kv_cache_usage_ratio); TOKEN_USAGE: the scheduler's token usage
+# (kvobserve_scheduler_token_usage_ratio). Both "-" while unknown (a down stream: docs/metrics.md).
 _HEAD = (
     "WORKER", "RANK", "NODE", "COLLECTOR", "STATE", "BATCHES", "GAPS", "LOST", "RESTARTS",
-    "DUP", "LAG", "AGE", "USAGE", "SCHED", "REASON",
+    "DUP", "LAG", "AGE", "USAGE", "TOKEN_USAGE", "REASON",
 )  # fmt: skip
 _NUMERIC = {1, 2, 5, 6, 7, 8, 10, 11, 12, 13}
 
@@ -103,8 +105,8 @@ def _row(s: dict[str, Any]) -> tuple[str, ...]:
         "-" if dup is None else "yes" if dup else "no",
         _secs(s.get("lag_seconds")),
         _secs(s.get("last_message_age_s")),
-        _pct(s.get("usage_ratio")),
-        _pct(s.get("scheduler_usage_ratio")),
+        _pct(s.get("cache_usage_ratio")),
+        _pct(s.get("token_usage_ratio")),
         str(s.get("reason") or ""),
     )
 
@@ -142,6 +144,18 @@ def render(
                 f"{c['collector']} {'up' if c['up'] else 'DOWN'} ({c['age_s']:.1f}s)" for c in cols
             )
         )
+    for w in fleet.get("workers", []):  # a worker without streams is in no row above
+        for st in w.get("states", []):
+            if st["state"] != "watching":
+                out.append(
+                    f"worker {w['worker_id']} on {st['collector']}: {st['state']}: {st['reason']}"
+                )
+    for src in fleet.get("scheduler_sources", []):
+        if src["state"] in ("down", "undecodable"):
+            out.append(
+                f"scheduler source {src['source']} of {src['worker_id']} on {src['collector']}: "
+                f"{src['state']}: {src['reason']}"
+            )
     strays = [u for u in fleet.get("unexpected", []) if u["active"]]
     for u in strays:
         out.append(

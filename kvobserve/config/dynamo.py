@@ -6,7 +6,13 @@ from dataclasses import fields
 from typing import Any
 
 from kvobserve.config.model import ConfigError, WorkerConfig
-from kvobserve.config.values import at_least, check_pair, check_url, check_zmq_endpoint
+from kvobserve.config.values import (
+    at_least,
+    check_choice,
+    check_pair,
+    check_url,
+    check_zmq_endpoint,
+)
 
 EVENT_PLANES = ("nats", "zmq")
 KEEP_RANKS = ("all", "node")
@@ -27,6 +33,9 @@ ENGINE_STREAM_KEYS = (
     "probe_extra_ports",
     "dp_attention",
     "version",
+    "bind",
+    "relay_to",
+    "relay_queue",
 )
 
 
@@ -49,9 +58,7 @@ def build_dynamo_worker(where: str, w: dict[str, Any], node_rank: int) -> Worker
                 f"{where}.{key}: does not apply to engine = 'dynamo' (got {w[key]!r}); "
                 "Dynamo workers are found on the event plane"
             )
-    plane = w.get("event_plane", "nats")
-    if plane not in EVENT_PLANES:
-        raise ConfigError(f"{where}.event_plane: must be 'nats' or 'zmq', got {plane!r}")
+    plane = check_choice(w.get("event_plane", "nats"), EVENT_PLANES, f"{where}.event_plane")
     if plane == "nats":
         url = w.get("event_plane_url")
         if not url:
@@ -79,8 +86,8 @@ def build_dynamo_worker(where: str, w: dict[str, Any], node_rank: int) -> Worker
     if ns is not None and not ns.strip():
         raise ConfigError(f"{where}.namespace: must not be empty, got {ns!r} (omit it for all)")
     for key, allowed in (("keep_ranks", KEEP_RANKS), ("indexer_api", INDEXER_APIS)):
-        if key in w and w[key] not in allowed:
-            raise ConfigError(f"{where}.{key}: must be one of {', '.join(allowed)}, got {w[key]!r}")
+        if key in w:
+            check_choice(w[key], allowed, f"{where}.{key}")
     if w.get("keep_ranks") == "node" and not w.get("dp_size"):
         raise ConfigError(
             f"{where}.keep_ranks: 'node' needs dp_size (the ranks of one Dynamo worker) to know "

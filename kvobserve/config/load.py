@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import re
 import socket
 import ssl
@@ -16,7 +15,9 @@ import tomllib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from kvobserve.config.bind import check_bind_worker
 from kvobserve.config.dynamo import build_dynamo_worker, reject_dynamo_keys
+from kvobserve.config.kubernetes import build_kubernetes_worker
 from kvobserve.config.model import (
     MAX_SHARDS,
     SECTIONS,
@@ -30,6 +31,7 @@ from kvobserve.config.model import (
 )
 from kvobserve.config.values import (
     at_least,
+    check_choice,
     check_host,
     check_pair,
     check_subject_token,
@@ -37,8 +39,11 @@ from kvobserve.config.values import (
     check_url,
     check_zmq_endpoint,
     convert,
+    did_you_mean,
     split_host_port,
 )
+
+ENGINES = ("sglang", "vllm", "dynamo")  # [[worker]] engine
 
 # Settings whose flag is not --<key-with-dashes> (--nats-<key> in [nats]); None: file/env only.
 # Several spellings: the first is shown in --help, the others are accepted too.
@@ -92,6 +97,8 @@ def add_config_flags(parser: argparse.ArgumentParser, sections: Iterable[str]) -
     parser.add_argument("-c", "--config", metavar="FILE", help="kvobserve.toml")
     g = parser.add_argument_group("configuration (flags > KVOBSERVE_* env > file > defaults)")
     for section in sections:
+        if "." in section:
+            continue  # a nested table (`[worker.kubernetes]`): file only
         for key, typ in SECTIONS[section].items():
             dotted = f"{section}.{key}" if section else key
             names = _flags(dotted)
@@ -122,8 +129,7 @@ def _hint(dotted: str, key: str, known: Iterable[str]) -> str:
     moved = _MOVED.get(re.sub(r"\[\d+\]", "", dotted))
     if moved:
         return f"; it moved to {moved}"
-    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.7)
-    return f"; did you mean {close[0]!r}?" if close else ""
+    return did_you_mean(key, known, cutoff=0.7)
 
 
 def _unknown(key: str, value: Any, where: str, known: Iterable[str]) -> ConfigError:
@@ -170,6 +176,16 @@ def _table(table: Any, section: str, where: str) -> dict[str, Any]:
             value = ",".join(value)
         out[key] = check_type(value, spec[key], f"{where}.{key}")
     return out
+
+
+def _worker_table(i: int, t: Any) -> dict[str, Any]:
+    """One [[worker]] table, with its nested `[worker.kubernetes]` table checked too."""
+    where = f"worker[{i}]"
+    nested = t.pop("kubernetes", None) if isinstance(t, dict) else None
+    w = _table(t, "worker", where)
+    if nested is not None:
+        w["kubernetes"] = _table(nested, "worker.kubernetes", f"{where}.kubernetes")
+    return w
 
 
 def _apply_overrides(
@@ -225,11 +241,11 @@ def _build_collector(c: dict[str, Any]) -> CollectorConfig:
 def _build_worker(i: int, w: dict[str, Any], node_rank: int) -> WorkerConfig:
     """Validate one [[worker]] table."""
     where = f"worker[{i}]"
-    engine = w.get("engine")
+    if "kubernetes" in w:  # pods found by a label selector (its own engine check)
+        return build_kubernetes_worker(where, w, node_rank)
+    engine = check_choice(w.get("engine"), ENGINES, f"{where}.engine")
     if engine == "dynamo":
         return build_dynamo_worker(where, w, node_rank)
-    if engine not in ("sglang", "vllm"):
-        raise ConfigError(f"{where}.engine: must be 'sglang', 'vllm' or 'dynamo', got {engine!r}")
     reject_dynamo_keys(where, w, engine)
     urls = [u.strip() for u in str(w.get("url", "")).split(",")]
     if "url" in w:
@@ -243,9 +259,11 @@ def _build_worker(i: int, w: dict[str, Any], node_rank: int) -> WorkerConfig:
         w["url"] = ",".join(urls)
     if "metrics_url" in w:
         check_url(w["metrics_url"], f"{where}.metrics_url")
-    url, kv = w.get("url"), w.get("kv_endpoint")
+    url, kv = w.get("url"), w.get("kv_endpoint") or w.get("bind")
     if kv is None and url is None:
-        raise ConfigError(f"{where}: needs kv_endpoint or url (discovery), has neither")
+        raise ConfigError(
+            f"{where}: needs kv_endpoint, bind (publishers connect) or url (discovery), has none"
+        )
     for key, schemes in (
         ("kv_endpoint", ("tcp", "ipc", "inproc")),
         ("replay_endpoint", ("tcp", "ipc", "inproc")),
@@ -266,6 +284,7 @@ def _build_worker(i: int, w: dict[str, Any], node_rank: int) -> WorkerConfig:
     at_least(cfg.probe_extra_ports, 0, f"{where}.probe_extra_ports")
     if not cfg.id.strip():
         raise ConfigError(f"{where}.id: must not be empty, got {cfg.id!r}")
+    check_bind_worker(where, cfg)
     return cfg
 
 
@@ -355,7 +374,7 @@ def _build(raw: dict[str, Any], path: str | None) -> Config:
     if not isinstance(workers_raw, list):
         raise ConfigError(f"worker: expected [[worker]] tables, got {workers_raw!r}")
     workers = tuple(
-        _build_worker(i, _table(t, "worker", f"worker[{i}]"), collector.node_rank)
+        _build_worker(i, _worker_table(i, t), collector.node_rank)
         for i, t in enumerate(workers_raw)
     )
     seen: dict[str, int] = {}

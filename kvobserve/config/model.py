@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 __all__ = [
+    "COLLECT_DEFAULTS",
     "MAX_SHARDS",
     "SECTIONS",
     "AggregatorConfig",
@@ -12,6 +13,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "HttpConfig",
+    "KubernetesConfig",
     "NatsConfig",
     "WorkerConfig",
 ]
@@ -37,11 +39,27 @@ class CollectorConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class KubernetesConfig:
+    """`[worker.kubernetes]`: the worker's pods, found by a label selector and followed (list +
+    watch, docs/kubernetes.md); each Ready pod is a worker `{id}/{pod name}` whose rank r
+    publishes on `port` + r at the pod's IP."""
+
+    selector: str = ""  # required: a label selector, as `kubectl get pods -l` takes it
+    namespace: str = ""  # "": the client's (in a pod: its own, from its service account)
+    port: int = 5557  # rank 0's KV-event PUB on every pod (llm-d's guides)
+    replay_port: int = 0  # rank 0's replay ROUTER on every pod; 0: no replay
+    topic: str = ""  # the subscription prefix; {pod}, {pod_ip} and {namespace} are the pod's
+    kubeconfig: str = ""  # "": in a pod its service account, else $KUBECONFIG or ~/.kube/config
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerConfig:
     """One engine deployment (all its DP ranks); `dp_size` None = take it from discovery.
 
     `url`: one engine HTTP server, or several comma-separated (vLLM API servers that each list
-    their own ranks); `dp_attention` None = from discovery, else false.
+    their own ranks); `dp_attention` None = from discovery, else false. With `bind` the worker's
+    leader binds one endpoint per rank and the engines connect; `topic` may then be a template
+    that names each publisher (config/topic.py).
     """
 
     id: str
@@ -78,6 +96,11 @@ class WorkerConfig:
     indexer_model: str = ""  # the model of the dump groups / the /query model_name; "": all
     drift_interval_s: float = 30.0
     drift_lag_s: float = 1.0  # how far the router may trail (or lead) our index
+    kubernetes: KubernetesConfig | None = None  # [worker.kubernetes]: pods found by a selector
+    # bind mode (docs/deployment.md): this collector binds, the engines' publishers connect
+    bind: str | None = None  # the endpoint bound for rank 0 (rank r: port + r); None: connect
+    relay_to: str | None = None  # bind mode: every frame forwarded here first (rank r: port + r)
+    relay_queue: int = 10_000  # frames waiting for the relay target; more are dropped (counted)
 
     @property
     def urls(self) -> tuple[str, ...]:
@@ -124,6 +147,11 @@ class HttpConfig:
         return (self.tls_cert, self.tls_key) if self.tls_cert and self.tls_key else None
 
 
+# `kvobserve collect` serves its node's own view on another port than the aggregator's (`run`,
+# `aggregate`, `demo`: HttpConfig.listen), so both fit on one machine; [http] listen overrides it.
+COLLECT_DEFAULTS = {"http.listen": "127.0.0.1:9478"}
+
+
 @dataclass(frozen=True, slots=True)
 class AggregatorConfig:
     """The fleet aggregator (`aggregate`, and the one inside `run` and `demo`)."""
@@ -153,15 +181,25 @@ class Config:
 
 
 def _spec(cls: type) -> dict[str, type]:
-    """Key -> value type, read from a config dataclass (`int | None` -> int)."""
+    """Key -> value type, read from a config dataclass (`int | None` -> int); a field holding
+    another section's dataclass is a nested table, listed as its own section."""
     names = {"bool": bool, "int": int, "float": float, "tuple[str,": list}
-    return {f.name: names.get(str(f.type).split(" ")[0], str) for f in fields(cls)}
+    types = (str(f.type).split(" ")[0] for f in fields(cls))
+    return {
+        f.name: names.get(t, str)
+        for f, t in zip(fields(cls), types, strict=True)
+        if t not in _NESTED
+    }
+
+
+_NESTED = {"KubernetesConfig"}  # tables inside a section: `[worker.kubernetes]`
 
 
 SECTIONS: dict[str, dict[str, type]] = {
     "": {"cluster": str},
     "collector": _spec(CollectorConfig),
     "worker": _spec(WorkerConfig),
+    "worker.kubernetes": _spec(KubernetesConfig),  # a nested table: file only, no flags or env
     "aggregator": {**_spec(AggregatorConfig), "nats": str},  # nats: the [nats] url shorthand
     "http": _spec(HttpConfig),
     "nats": _spec(NatsConfig),

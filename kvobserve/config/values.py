@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -51,6 +52,20 @@ def convert(value: Any, typ: type, field: str) -> Any:
         return _BOOLS[text] if typ is bool else typ(text)
     except (KeyError, ValueError):
         raise ConfigError(f"{field}: expected {typ.__name__}, got {value!r}") from None
+
+
+def did_you_mean(word: object, known: Iterable[str], cutoff: float = 0.6) -> str:
+    """The hint "; did you mean 'x'?" for the known word closest to `word` ("": none is close)."""
+    close = difflib.get_close_matches(str(word), list(known), n=1, cutoff=cutoff)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def check_choice(value: Any, allowed: Sequence[str], field: str) -> Any:
+    """`value` when it is one of `allowed`; else an error naming them and the closest one."""
+    if value in allowed:
+        return value
+    hint = did_you_mean(value, allowed)
+    raise ConfigError(f"{field}: must be one of {', '.join(allowed)}, got {value!r}{hint}")
 
 
 def at_least(value: Any, low: float, field: str, *, strict: bool = False) -> Any:

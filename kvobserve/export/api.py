@@ -9,6 +9,7 @@ from kvobserve.analysis.alerting import DEFAULT_RUNBOOK_URL, KINDS, severity_ran
 from kvobserve.analysis.fleet import Condition, FleetView, StreamView
 from kvobserve.analysis.hot import merge_top
 from kvobserve.analysis.placement import PlacementEstimate
+from kvobserve.wire.snapshot import RelayStats
 
 Json = dict[str, Any]
 
@@ -22,8 +23,9 @@ def _age(now: float, t: float) -> float | None:
     return round(max(0.0, now - t), 3) if t else None
 
 
-def stream_json(s: StreamView, now: float = 0.0, sched_usage: float | None = None) -> Json:
-    """One stream: labels, state and reason, counters and usage (gauges null when not up)."""
+def stream_json(s: StreamView, now: float = 0.0, token_usage: float | None = None) -> Json:
+    """One stream: labels, state and reason, counters, and its gauges (null while it is not up:
+    the staleness rule, docs/metrics.md)."""
     st = s.stats
     live = s.live
     if live:
@@ -31,6 +33,7 @@ def stream_json(s: StreamView, now: float = 0.0, sched_usage: float | None = Non
     else:
         state, since = "stale", s.collector_last_seen
         reason = f"collector {s.collector.collector_id} silent; last known: {st.state or '?'}"
+    up = s.up
     return {
         "worker_id": st.worker_id,
         "node_rank": s.collector.node_rank,
@@ -39,7 +42,7 @@ def stream_json(s: StreamView, now: float = 0.0, sched_usage: float | None = Non
         "engine": st.engine,
         "endpoint": st.endpoint,
         "topic": st.topic,
-        "up": s.up,
+        "up": up,
         "live": live,
         "batches": st.batches_total,
         "events": dict(st.events),
@@ -50,23 +53,23 @@ def stream_json(s: StreamView, now: float = 0.0, sched_usage: float | None = Non
         "replay_requests": dict(st.replay_requests),
         "restarts": st.restarts,
         "duplicate_batches": st.duplicate_batches,
-        "duplicate_stream": st.duplicate_stream if live else None,
+        "duplicate_stream": st.duplicate_stream if up else None,
         "rank_mismatch_batches": st.rank_mismatch_batches,
         "decode_errors": dict(st.decode_errors),
-        "state_complete": st.state_complete if live else None,
-        "blocks": {m.medium: m.blocks for m in st.media} if live else {},
-        "tokens": {m.medium: m.tokens for m in st.media} if live else {},
-        "capacity_tokens": s.capacity_tokens if live else None,
-        "usage_ratio": s.usage_ratio if s.up else None,  # resident tokens / capacity
-        "scheduler_usage_ratio": sched_usage if live else None,  # tokens of running requests
+        "state_complete": st.state_complete if up else None,
+        "blocks": {m.medium: m.blocks for m in st.media} if up else {},
+        "tokens": {m.medium: m.tokens for m in st.media} if up else {},
+        "capacity_tokens": s.capacity_tokens if up else None,
+        "cache_usage_ratio": s.usage_ratio if up else None,  # GPU-tier resident tokens / capacity
+        "token_usage_ratio": token_usage if up else None,  # the scheduler's: running requests
         # which scheduler sources report this rank (load, metrics, ...); "none": no source does
         "scheduler_source": (s.scheduler_source or "none") if live else None,
         "last_batch_ts": st.last_batch_ts or None,
-        "lag_seconds": st.lag_seconds if s.up else None,
+        "lag_seconds": st.lag_seconds if up else None,
         "state": state,
         "reason": reason,
         "state_since": _t(since),
-        "events_per_s": st.events_per_s if s.up else None,
+        "events_per_s": st.events_per_s if up else None,
         "last_message_time": _t(st.last_message_time),
         "last_message_age_s": _age(now, st.last_message_time),
         "last_gap_time": _t(st.last_gap_time),
@@ -75,18 +78,18 @@ def stream_json(s: StreamView, now: float = 0.0, sched_usage: float | None = Non
         "last_duplicate_time": _t(st.last_duplicate_time),
         "last_decode_error_time": _t(st.last_decode_error_time),
         "last_rank_mismatch_time": _t(st.last_rank_mismatch_time),
-        "incomplete_reason": (st.incomplete_reason or None) if live else None,
+        "incomplete_reason": (st.incomplete_reason or None) if up else None,
         # docs/cache-analytics.md
-        "trust": st.trust or None,
-        "trust_reason": st.trust_reason or None,
+        "trust": (st.trust or None) if up else None,
+        "trust_reason": (st.trust_reason or None) if up else None,
         "silent_loss": dict(st.silent_loss),
-        "over_capacity": s.over_capacity if live else None,
+        "over_capacity": s.over_capacity if up else None,
     }
 
 
 def streams_json(v: FleetView) -> list[Json]:
     """GET /api/v1/streams."""
-    usage = {(s.worker_id, s.dp_rank): s.token_usage_ratio for s, _ in v.scheduler}
+    usage = {(s.worker_id, s.dp_rank): s.token_usage_ratio for s, _ in v.scheduler}  # live ranks
     return [
         stream_json(s, v.now, usage.get((s.stats.worker_id, s.stats.dp_rank))) for s in v.streams
     ]
@@ -119,7 +122,8 @@ def events_json(events: Iterable[Json], limit: int = 100) -> list[Json]:
 
 
 def fleet_json(v: FleetView) -> Json:
-    """GET /api/v1/fleet: collectors, workers with rank owners and leaders, unexpected streams."""
+    """GET /api/v1/fleet: collectors, workers with rank owners and leaders, unexpected streams,
+    scheduler sources, bound endpoints (bind mode) and their relays."""
     collectors = [
         {
             "collector": c.info.collector_id,
@@ -132,6 +136,19 @@ def fleet_json(v: FleetView) -> Json:
         }
         for c in v.collectors
     ]
+    states: dict[str, list[Json]] = {}  # what each live collector says about the worker
+    for wi, info in v.workers:
+        if wi.state:  # "": an older collector
+            states.setdefault(wi.worker_id, []).append(
+                {
+                    "collector": info.collector_id,
+                    "node_rank": info.node_rank,
+                    "state": wi.state,
+                    "reason": wi.reason,
+                    "since": _t(wi.since),
+                    "elsewhere": list(wi.elsewhere),
+                }
+            )
     workers = []
     for w_id in sorted(v.dp_size.keys() | v.leaders.keys()):
         size = v.dp_size.get(w_id, 0)
@@ -142,6 +159,7 @@ def fleet_json(v: FleetView) -> Json:
                 "dp_size": size,
                 "leaders": list(v.leaders.get(w_id, [])),
                 "owners": {str(r): list(v.owners[(w_id, r)]) for r in ranks},
+                "states": states.get(w_id, []),
             }
         )
     sources = [
@@ -170,11 +188,48 @@ def fleet_json(v: FleetView) -> Json:
         }
         for u, info in v.unexpected
     ]
+    binds = [
+        {
+            "collector": c.info.collector_id,
+            "node_rank": c.info.node_rank,
+            "worker_id": b.worker_id,
+            "dp_rank": b.dp_rank,
+            "endpoint": b.endpoint,
+            "topic": b.topic,
+            "state": b.state if c.up else "stale",
+            "reason": b.reason,
+            "since": _t(b.since),
+            "publishers": b.publishers,
+            "messages": b.messages_total,
+            "skipped": dict(b.skipped),
+            "skip_reason": b.skip_reason,
+            "streams": b.streams,
+            "relay": None if b.relay is None else _relay_json(b.relay, c.up),
+        }
+        for c in v.collectors
+        for b in c.snapshot.binds
+    ]
     return {
         "collectors": collectors,
         "workers": workers,
         "unexpected": unexpected,
         "scheduler_sources": sources,
+        "binds": binds,
+    }
+
+
+def _relay_json(r: RelayStats, up: bool) -> Json:
+    """A bound endpoint's relay, as /api/v1/fleet gives it."""
+    return {
+        "target": r.target,
+        "state": r.state if up else "stale",
+        "reason": r.reason,
+        "since": _t(r.since),
+        "forwarded": r.forwarded,
+        "filtered": r.filtered,
+        "dropped": dict(r.dropped),
+        "last_drop": _t(r.last_drop_time),
+        "queue": r.queue,
     }
 
 
@@ -205,7 +260,7 @@ def hot_json(v: FleetView, top: int = HOT_TOP) -> Json:
     tokens) with store counts and the ranks holding them now, and the worker's placement."""
     by_worker: dict[str, list[StreamView]] = {}
     for s in v.streams:
-        if s.live:
+        if s.up:  # "holding now": a down stream's residency is unknown
             by_worker.setdefault(s.stats.worker_id, []).append(s)
     workers = []
     for w_id in sorted(by_worker.keys() | v.placement.keys()):

@@ -84,10 +84,11 @@ class CacheSums:
 
 
 def _fold(s: StreamView, sums: CacheSums, detail: bool) -> None:
-    """One stream's share of the per-worker sums (gauges only while its collector is up)."""
+    """One stream's share of the per-worker sums (gauges only while it is up)."""
     st = s.stats
     w = st.worker_id
-    if s.live and st.trust:
+    up = s.live and st.up  # StreamView.up, without a property call per stream
+    if up and st.trust:
         sums.add(TRUST, w, (st.trust,), 1)
     if st.restore_refused:
         sums.add("kvobserve_kv_restore_untracked_total", w, (), st.restore_refused)
@@ -103,9 +104,9 @@ def _fold(s: StreamView, sums: CacheSums, detail: bool) -> None:
             sums.add(
                 "kvobserve_kv_tier_unread_removed_total", w, (m.medium,), m.unread_removed_total
             )
-            if s.live:
+            if up:
                 sums.add("kvobserve_kv_tier_unread_blocks", w, (m.medium,), m.unread_blocks)
-        if s.live:
+        if up:
             for name, n in sorted(m.lora_blocks.items()):
                 sums.add("kvobserve_kv_lora_blocks", w, (m.medium, name), n)
 
@@ -128,13 +129,17 @@ def collector_samples(
         for reason, n in sorted(st.silent_loss.items()):
             if n:
                 f.add("kvobserve_kv_silent_loss_evidence_total", {**lb, "reason": reason}, n)
-        if s.live and s.over_capacity:
+        if s.live and st.up and s.over_capacity:
             f.add("kvobserve_kv_resident_over_capacity", lb, 1)
         if f.fresh((FOLD, st.worker_id, node, lb["dp_rank"])):
             _fold(s, sums.cache, detail)
     if not c.up:
         return
-    for d in c.snapshot.drift:
+    drift = c.snapshot.drift
+    down = {(s.stats.worker_id, s.stats.dp_rank) for s in streams if not s.up} if drift else ()
+    for d in drift:
+        if (d.worker_id, d.dp_rank) in down:
+            continue  # a down stream's index no longer follows the engine: nothing to compare
         lb = {
             "worker_id": d.worker_id,
             "node_rank": node,

@@ -8,7 +8,11 @@ STREAM = ("worker_id", "node_rank", "dp_rank")
 BLOCK = (*STREAM, "medium")
 WORKER_MEDIUM = ("worker_id", "medium")
 DRIFT = (*STREAM, "medium", "method")
+BOUND = ("collector", "worker_id", "dp_rank")  # an endpoint a collector binds (bind mode)
 CACHE_DETAIL = "per_stream_counters"  # the create_app flag ([aggregator] per_stream_detail)
+# The "while down" cells of families whose rule `stale` alone does not tell (docs/metrics.md)
+UP_RANKS = "up ranks only"
+SCHEDULER = "absent, also when stale"
 
 # The reference stream of the series budget (docs/metrics.md): two storage tiers, one replay
 # result and one decode-error reason seen, a worker of 16 ranks, 8 streams per collector.
@@ -24,12 +28,22 @@ class MetricDef:
     type: str  # counter, gauge, histogram
     labels: tuple[str, ...]
     help: str
-    stale: bool | None = None  # served for streams of a down collector; None: not per stream
+    # The staleness rule (docs/metrics.md): True: served while the stream is down or its
+    # collector gone (counters, health); False: served only while it is up; None: not per stream
+    stale: bool | None = None
     timely: bool = False  # value depends on the wall clock (masked in the golden scrape)
     per: str = "fleet"  # what one series stands for: see PER (the series budget)
     n: int = 1  # series per `per`
     detail: str = ""  # the FleetCollector flag that serves it per stream instead (labels STREAM+)
     optin: str = ""  # the FleetCollector flag without which it is not served at all
+    down: str = ""  # the docs' "while down" cell when `stale` alone does not say it
+
+    @property
+    def while_down(self) -> str:
+        """What /metrics serves of this family while its source is down (docs/metrics.md)."""
+        if self.down:
+            return self.down
+        return "-" if self.stale is None else "kept" if self.stale else "absent"
 
     @property
     def detail_labels(self) -> tuple[str, ...]:
@@ -73,6 +87,7 @@ PER = {
     "worker_type": "per worker and event type, shared by its ranks",
     "histogram": "(buckets + 3) per worker and storage tier, shared by its ranks",
     "collector": "per collector, shared by its streams",
+    "bind": "per endpoint a collector binds (bind mode: one per rank of the worker)",
     "fleet": "not per stream",
 }
 
@@ -89,13 +104,14 @@ def _d(
     n: int = 1,
     detail: str = "",
     optin: str = "",
+    down: str = "",
 ) -> MetricDef:
     if stale is None and (labels[:3] == STREAM or detail):
         # Counters and histograms are cumulative, so a stale value is still true: serve them.
         stale = typ != "gauge"
     if per is None:
         per = "stream" if labels[:3] == STREAM else "fleet"
-    return MetricDef(name, typ, labels, text, stale, timely, per, n, detail, optin)
+    return MetricDef(name, typ, labels, text, stale, timely, per, n, detail, optin, down)
 
 
 CATALOG: tuple[MetricDef, ...] = (
@@ -112,8 +128,11 @@ CATALOG: tuple[MetricDef, ...] = (
     # per stream and medium: the block index
     _d("kvobserve_kv_blocks", "gauge", BLOCK, "Resident blocks in the stream's block index.",
        per="medium"),
-    _d("kvobserve_kv_tokens", "gauge", BLOCK, "Resident tokens (blocks x block size).",
-       per="medium"),
+    _d("kvobserve_kv_tokens", "gauge", BLOCK,
+       "Resident tokens: each resident block counts the tokens its BlockStored event gave it "
+       "(the event's block_size; SGLang's last page of a request holds fewer than the page "
+       "size; Dynamo events carry none: the worker's block_size), so at most blocks x block "
+       "size.", per="medium"),
     _d("kvobserve_kv_blocks_stored_total", "counter", WORKER_MEDIUM,
        "Blocks stored (BlockStored hashes); summed over the worker's ranks.",
        per="worker_medium", detail="per_stream_counters"),
@@ -128,7 +147,8 @@ CATALOG: tuple[MetricDef, ...] = (
     _d("kvobserve_kv_capacity_tokens", "gauge", STREAM,
        "KV capacity in tokens, from the worker config or the rank's scheduler metrics."),
     _d("kvobserve_kv_cache_usage_ratio", "gauge", STREAM,
-       "GPU-tier resident tokens / capacity; absent while the capacity is unknown."),
+       "Cache usage: GPU-tier resident tokens / capacity (about 1 on any warm prefix cache); "
+       "absent while the capacity is unknown. Not token usage."),
     _d("kvobserve_kv_block_lifetime_seconds", "histogram", WORKER_MEDIUM,
        "Block lifetime: removal time - store time (engine timestamps), over the worker's ranks.",
        per="histogram", detail="per_stream_histograms"),
@@ -158,13 +178,14 @@ CATALOG: tuple[MetricDef, ...] = (
     _d("kvobserve_kv_state_complete", "gauge", STREAM,
        "1 when the block index is known complete; 0 = usage is a lower bound."),
     _d("kvobserve_kv_last_batch_timestamp_seconds", "gauge", STREAM,
-       "Engine timestamp of the last applied batch (Unix seconds).", timely=True),
+       "Engine timestamp of the last applied batch (Unix seconds).", timely=True, stale=True),
     _d("kvobserve_kv_event_lag_seconds", "gauge", STREAM,
        "Receive time - engine timestamp of the last batch.", timely=True),
     # cache analytics (docs/cache-analytics.md): trust, silent loss, thrash, placement
     _d("kvobserve_kv_view_trust_ranks", "gauge", ("worker_id", "trust"),
-       "Live ranks of the worker whose block-index view is in each trust state: complete, "
-       "replay_filled, partial (a state no rank is in is not served).", per="worker"),
+       "Ranks of the worker that are up whose block-index view is in each trust state: "
+       "complete, replay_filled, partial (a state no rank is in is not served).", per="worker",
+       down=UP_RANKS),
     _d("kvobserve_kv_silent_loss_evidence_total", "counter", (*STREAM, "reason"),
        "Evidence of KV events lost without a sequence gap, by reason: remove_unknown (blocks "
        "removed that were not resident), parent_unknown (stores whose parent is not resident); "
@@ -193,13 +214,13 @@ CATALOG: tuple[MetricDef, ...] = (
        per="worker", n=2, optin=CACHE_DETAIL),
     _d("kvobserve_kv_tier_unread_blocks", "gauge", WORKER_MEDIUM,
        "Lower-tier resident blocks not read back to the top tier so far, summed over the "
-       "worker's ranks.", per="worker", optin=CACHE_DETAIL),
+       "worker's ranks.", per="worker", optin=CACHE_DETAIL, down=UP_RANKS),
     _d("kvobserve_kv_tier_unread_removed_total", "counter", WORKER_MEDIUM,
        "Lower-tier blocks removed without having been read back, summed over the worker's "
        "ranks.", per="worker", optin=CACHE_DETAIL),
     _d("kvobserve_kv_lora_blocks", "gauge", ("worker_id", "medium", "lora_name"),
        "Resident blocks per LoRA adapter (names capped per stream; later ones as _other), "
-       "summed over the worker's ranks.", per="worker", optin=CACHE_DETAIL),
+       "summed over the worker's ranks.", per="worker", optin=CACHE_DETAIL, down=UP_RANKS),
     _d("kvobserve_worker_kv_blocks_distinct", "gauge", ("worker_id",),
        "Distinct top-tier resident blocks over the worker's ranks (a sketch estimate across "
        "collectors).", per="worker", optin=CACHE_DETAIL),
@@ -234,10 +255,25 @@ CATALOG: tuple[MetricDef, ...] = (
     # fleet: ownership and workers
     _d("kvobserve_dp_rank_owners", "gauge", ("worker_id", "dp_rank"),
        "Live collectors owning the rank (0 = uncovered, >1 = duplicated).", per="stream"),
+    _d("kvobserve_dp_rank_last_owner_info", "gauge",
+       ("worker_id", "dp_rank", "collector", "node_rank"),
+       "Always 1, while no live collector owns the rank: the down collector that owned it "
+       "last (DPRankUncovered carries its labels for the inhibition, docs/alerts.md).",
+       per="fault"),
     _d("kvobserve_worker_dp_size", "gauge", ("worker_id",), "Declared data-parallel size.",
        per="worker"),
     _d("kvobserve_worker_leaders", "gauge", ("worker_id",),
        "Live collectors reading the worker's scheduler metrics (should be 1).", per="worker"),
+    _d("kvobserve_worker_state", "gauge", ("worker_id", "node_rank", "collector", "state"),
+       "1 while a live collector cannot watch a configured worker, by state: undiscovered (no "
+       "KV-event stream known: discovery failed or answered nothing usable), layout_mismatch "
+       "(the engine's own layout contradicts the config); served only then, the reason is in "
+       "/api/v1/fleet.", stale=False, per="fault"),
+    _d("kvobserve_scheduler_source_state", "gauge",
+       ("worker_id", "node_rank", "collector", "source", "state"),
+       "1 while a scheduler source of a live collector delivers nothing, by state: down (it "
+       "failed, or a heartbeat source sent nothing for 10 intervals), undecodable; served only "
+       "then, the reason is in /api/v1/fleet.", stale=False, per="fault"),
     # collectors
     _d("kvobserve_collector_up", "gauge", ("collector", "node_rank", "hostname"),
        "1 while the collector's snapshots arrive; 0 after 3 silent intervals.", per="collector"),
@@ -256,14 +292,36 @@ CATALOG: tuple[MetricDef, ...] = (
     _d("kvobserve_collector_publish_dropped_total", "counter", ("collector", "reason"),
        "Snapshots the collector could not publish, by reason (closed, buffer_full, too_large, "
        "error); reported with its next snapshot that arrives.", per="fault"),
+    # bind mode (docs/deployment.md): the endpoints a collector binds, per rank, and their relays
+    _d("kvobserve_bind_publishers", "gauge", (*BOUND, "endpoint"),
+       "Connections open on an endpoint the collector binds for publishers to connect to.",
+       per="bind"),
+    _d("kvobserve_bind_messages_total", "counter", BOUND,
+       "Messages received on the bound endpoint.", per="bind"),
+    _d("kvobserve_bind_skipped_total", "counter", (*BOUND, "reason"),
+       "Messages of the bound endpoint that no stream took, by reason: topic_mismatch (the "
+       "topic does not fit the worker's topic), refused (a new publisher past max_streams), "
+       "analysis_behind (relayed, but the analysis was behind: its stream sees a gap); served "
+       "once nonzero.", per="bind"),
+    _d("kvobserve_relay_up", "gauge", (*BOUND, "target"),
+       "1 while the relay target of the bound endpoint is connected and subscribed.", per="bind"),
+    _d("kvobserve_relay_forwarded_total", "counter", BOUND,
+       "Frames forwarded unchanged to the relay target.", per="bind"),
+    _d("kvobserve_relay_dropped_total", "counter", (*BOUND, "reason"),
+       "Frames not forwarded to the relay target, by reason: no_target (none connected and "
+       "subscribed), queue_full (relay_queue frames already waiting for it).", per="bind"),
     # scheduler metrics per rank, joined across collectors, under the node that owns the rank
-    _d("kvobserve_scheduler_running_requests", "gauge", STREAM, "Running requests of the rank."),
-    _d("kvobserve_scheduler_queued_requests", "gauge", STREAM, "Queued requests of the rank."),
+    _d("kvobserve_scheduler_running_requests", "gauge", STREAM, "Running requests of the rank.",
+       down=SCHEDULER),
+    _d("kvobserve_scheduler_queued_requests", "gauge", STREAM, "Queued requests of the rank.",
+       down=SCHEDULER),
     _d("kvobserve_scheduler_token_usage_ratio", "gauge", STREAM,
-       "KV token usage as the scheduler reports it (0-1)."),
-    _d("kvobserve_scheduler_cache_hit_ratio", "gauge", STREAM, "Prefix cache hit ratio (0-1)."),
+       "Token usage: KV held by the rank's running requests / capacity, as its scheduler "
+       "reports it (0-1). Not cache usage.", down=SCHEDULER),
+    _d("kvobserve_scheduler_cache_hit_ratio", "gauge", STREAM, "Prefix cache hit ratio (0-1).",
+       down=SCHEDULER),
     _d("kvobserve_scheduler_max_total_tokens", "gauge", STREAM,
-       "KV capacity in tokens as the scheduler reports it."),
+       "KV capacity in tokens as the scheduler reports it.", down=SCHEDULER),
     _d("kvobserve_scheduler_source_errors_total", "counter",
        ("worker_id", "node_rank", "source", "reason"),
        "Scheduler-source messages a collector could not use (e.g. reason pickle_refused), by "
@@ -306,13 +364,35 @@ Every series the aggregator serves on `/metrics` (and the collector on its local
 Stream series carry `worker_id`, `node_rank` (of the collector that watches the stream) and
 `dp_rank`; block series add `medium` (storage tier: `GPU`, `CPU`, ...).
 
-**Stale streams.** When a collector stops reporting for 3 of its intervals it is down
-(`kvobserve_collector_up` 0). Its streams keep `kvobserve_stream_info`, `kvobserve_stream_up` = 0
-and every counter and histogram (column *stale*: yes), so nothing collected is lost and `rate()`
-does not reset; its gauges (blocks, tokens, usage, lag, scheduler metrics, unexpected streams) are
-no longer served, because they would claim a live value that nobody measures. Fleet-level series
-(column *stale*: -) are always served; rank owners and scheduler leaders count live collectors
-only. A collector that stays silent for an hour is forgotten altogether.
+**The staleness rule.** A gauge is served only while its source is live, as Prometheus itself
+treats the series of a dead target: a value nobody measures any more is absent, never its last
+value, so no dashboard shows a dead rank as busy and no alert fires on it. Column *while down*:
+- `kept`: served while the stream is down (not in an up state, docs/collector.md "Stream
+  states") or its collector is gone: every counter and histogram (nothing collected is lost and
+  `rate()` does not reset) and the health series that say it is down (`kvobserve_stream_info`,
+  `kvobserve_stream_up` 0, the last batch's time).
+- `absent`: a gauge of the stream's cache (blocks, tokens, capacity, cache usage, trust, lag,
+  duplicate-stream, index complete, over capacity, router-index drift), served only while the
+  stream is up and its collector reports. `/api/v1/streams`, the status page and `kvobserve
+  status` show them as unknown (`null`, `-`).
+- `absent, also when stale`: a rank's scheduler gauges, absent while its stream is down or its
+  collector gone, and also once the rank's values are older than `stale_intervals` (3) times the
+  longer of its collector's interval and its source's own period (the load and FPM PUBs' 1 s
+  heartbeat, the `/metrics` scrape's 2 s timeout, Dynamo's 10 s `kv_metrics` heartbeat), by the
+  collector's clock. The capacity a scheduler reported is kept for cache usage (a constant of
+  the engine process).
+- `up ranks only`: a per-worker gauge summed over the worker's ranks that are up.
+- `-`: fleet-level, always served; rank owners and scheduler leaders count live collectors only.
+
+A collector is down after 3 of its intervals without a snapshot (`kvobserve_collector_up` 0;
+`[aggregator] stale_intervals`) and forgotten altogether after an hour.
+
+**Two usages.** *Cache usage* (`kvobserve_kv_cache_usage_ratio`; `USAGE` in `kvobserve status`,
+"cache usage" on the status page) is the GPU-tier tokens resident in the stream's block index
+over the capacity: a prefix cache evicts only when it must, so it is about 100% on any warm
+cache, and that is healthy. *Token usage* (`kvobserve_scheduler_token_usage_ratio`;
+`TOKEN_USAGE`, "token usage") is what the engine's scheduler reports: KV held by running
+requests, evictable cached blocks left out. `KVCacheNearFull` watches token usage.
 
 **Endpoints.** `/metrics` (text format 0.0.4, or OpenMetrics when the `Accept` header asks for
 `application/openmetrics-text`), `/healthz`, `/readyz` (503 until the first snapshot),
@@ -336,7 +416,7 @@ histogram and passthrough families are left out of OTLP.
 **Golden scrape.** `tests/fixtures/golden/metrics.txt` is a deterministic scrape of a fixed fleet;
 regenerate it with `KVOBSERVE_UPDATE_GOLDEN=1 .venv/bin/pytest tests/unit/test_export_golden.py`.
 
-| name | type | labels | stale | meaning |
+| name | type | labels | while down | meaning |
 |---|---|---|---|---|
 """
 
@@ -387,8 +467,7 @@ def render_docs() -> str:
             )
         if m.optin:
             labels += f" (only with `{m.optin}`)"
-        stale = "-" if m.stale is None else "yes" if m.stale else "no"
-        rows.append(f"| `{m.name}` | {m.type} | {labels} | {stale} | {m.help} |\n")
+        rows.append(f"| `{m.name}` | {m.type} | {labels} | {m.while_down} | {m.help} |\n")
     budget = [_BUDGET.format(budget=BUDGET, **REFERENCE)]
     for m in CATALOG:
         if m.per == "fleet":

@@ -14,11 +14,11 @@ from prometheus_client.utils import floatToGoString
 
 from kvobserve import __version__
 from kvobserve.analysis.fleet import CollectorView, FleetView, StreamView
-from kvobserve.export import cache
+from kvobserve.export import binds, cache
 from kvobserve.export import templates as templates_mod
 from kvobserve.export.exposition import TextFamilies, _escape, format_value
 from kvobserve.export.rollup import COUNTER_LABEL, LIFETIME, WorkerSums
-from kvobserve.export.samples import EVENT_TYPES, SCHEDULER_FIELDS, Detail, Group
+from kvobserve.export.samples import EVENT_TYPES, SCHEDULER_FIELDS, Detail, Group, configured
 
 Claims = frozenset[tuple[str, ...]]
 
@@ -151,6 +151,8 @@ def render(
         text[LIFETIME] = "".join(hist.lines[LIFETIME]).encode()
     own = TextFamilies()  # few lines: the reference writer's own, so the bytes agree
     cache.collector_samples(own, c, g.streams, sums, detail.counters, detail.shard)
+    configured(own, c)
+    binds.collector_samples(own, c)
     text.update(own.chunks())
     return Chunk(text, sums, cl)
 
@@ -308,8 +310,13 @@ def _stream(
         stored,
         removed,
     )
-    if not sv.live:
-        return (*head, "", "", "", "", "", "", "", "")
+    ts = (
+        f"kvobserve_kv_last_batch_timestamp_seconds{ls}{fv(st.last_batch_ts)}\n"
+        if st.last_batch_ts > 0
+        else ""
+    )
+    if not sv.up:
+        return (*head, "", "", "", "", "", "", ts, "")
     usage = sv.usage_ratio
     return (
         *head,
@@ -319,9 +326,7 @@ def _stream(
         f"kvobserve_kv_cache_usage_ratio{ls}{fv(usage)}\n" if usage is not None else "",
         f"kvobserve_kv_duplicate_stream{ls}{'1.0' if st.duplicate_stream else '0.0'}\n",
         f"kvobserve_kv_state_complete{ls}{'1.0' if st.state_complete else '0.0'}\n",
-        f"kvobserve_kv_last_batch_timestamp_seconds{ls}{fv(st.last_batch_ts)}\n"
-        if st.last_batch_ts > 0
-        else "",
+        ts,
         f"kvobserve_kv_event_lag_seconds{ls}{fv(st.lag_seconds)}\n"
         if st.lag_seconds is not None
         else "",
@@ -374,6 +379,11 @@ def fleet_level(
                 _OWNERS.clear()
             _OWNERS[key] = text
         owners.append(text)
+    for (w_id, rank), c in sorted(v.last_owner.items()):
+        i = c.info
+        owner = (f'{{collector="{_e(i.collector_id)}",dp_rank="{rank}",'
+                 f'node_rank="{i.node_rank}",worker_id="{_e(w_id)}"}} ')  # fmt: skip
+        add("kvobserve_dp_rank_last_owner_info", owner, "1.0")
     for (name, w_id, lv), n in sorted(sums.counters.items()):
         add(name, f'{{{COUNTER_LABEL[name]}="{_e(lv)}",worker_id="{_e(w_id)}"}} ', fv(n))
     out = {name: "".join(lines).encode() for name, lines in add.out.items()}

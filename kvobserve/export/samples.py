@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvobserve import __version__
+from kvobserve.analysis.conditions import SOURCE_DOWN, WORKER_TROUBLE
 from kvobserve.analysis.fleet import CollectorView, FleetView, StreamView
-from kvobserve.export import cache
+from kvobserve.export import binds, cache
 from kvobserve.export.exposition import Sink
 from kvobserve.export.rollup import COUNTER_LABEL, LIFETIME, WorkerSums
 from kvobserve.wire.snapshot import SchedulerStats, UnexpectedStream
@@ -105,6 +106,10 @@ def fleet_level(
         f.add("kvobserve_worker_leaders", {"worker_id": w_id}, len(ids))
     for (w_id, rank), ids in sorted(v.owners.items()):
         f.add("kvobserve_dp_rank_owners", {"worker_id": w_id, "dp_rank": str(rank)}, len(ids))
+    for (w_id, rank), c in sorted(v.last_owner.items()):
+        labels = {"worker_id": w_id, "dp_rank": str(rank), "collector": c.info.collector_id,
+                  "node_rank": str(c.info.node_rank)}  # fmt: skip
+        f.add("kvobserve_dp_rank_last_owner_info", labels, 1)
     for name, labels, value in sums.counter_samples():
         f.add(name, labels, value)
     for labels, h in sums.histogram_samples():
@@ -152,6 +157,25 @@ def collector(f: Sink, c: CollectorView, g: Group, sums: WorkerSums, detail: Det
             if val is not None:
                 f.add(name, lb, val)
     cache.collector_samples(f, c, g.streams, sums, detail.counters, detail.shard)
+    configured(f, c)
+    binds.collector_samples(f, c)
+
+
+def configured(f: Sink, c: CollectorView) -> None:
+    """The workers and scheduler sources a live collector cannot watch (served only then)."""
+    if not c.up:
+        return  # a gone collector's gauges leave with it
+    cid, node = c.info.collector_id, str(c.info.node_rank)
+    for w in c.snapshot.workers:
+        if w.state in WORKER_TROUBLE:
+            lb = {"worker_id": w.worker_id, "node_rank": node, "collector": cid, "state": w.state}
+            f.add("kvobserve_worker_state", lb, 1)
+    for s in c.snapshot.sources:
+        if s.state in SOURCE_DOWN:
+            lb = {"worker_id": s.worker_id, "node_rank": node, "collector": cid}
+            f.add(
+                "kvobserve_scheduler_source_state", {**lb, "source": s.source, "state": s.state}, 1
+            )
 
 
 def _counter(
@@ -166,7 +190,7 @@ def _counter(
 
 
 def stream(f: Sink, s: StreamView, sums: WorkerSums, detail: Detail) -> None:
-    """One stream's samples (gauges only while its collector is up)."""
+    """One stream's samples (its gauges only while it is up and its collector too)."""
     st = s.stats
     lb = {
         "worker_id": st.worker_id,
@@ -216,7 +240,9 @@ def stream(f: Sink, s: StreamView, sums: WorkerSums, detail: Detail) -> None:
             f.histogram(LIFETIME, {**lb, "medium": med}, m.lifetime)
         elif f.fresh((FOLD, LIFETIME, st.worker_id, lb["node_rank"], lb["dp_rank"], med)):
             sums.histogram(st.worker_id, med, m.lifetime)
-    if not s.live:
+    if st.last_batch_ts > 0:  # health: when it last delivered, down or not
+        f.add("kvobserve_kv_last_batch_timestamp_seconds", lb, st.last_batch_ts)
+    if not s.up:  # the staleness rule: a down stream's gauges would be its last values
         return
     for m in st.media:
         ml = {**lb, "medium": m.medium}
@@ -229,7 +255,5 @@ def stream(f: Sink, s: StreamView, sums: WorkerSums, detail: Detail) -> None:
         f.add("kvobserve_kv_cache_usage_ratio", lb, usage)
     f.add("kvobserve_kv_duplicate_stream", lb, 1 if st.duplicate_stream else 0)
     f.add("kvobserve_kv_state_complete", lb, 1 if st.state_complete else 0)
-    if st.last_batch_ts > 0:
-        f.add("kvobserve_kv_last_batch_timestamp_seconds", lb, st.last_batch_ts)
     if st.lag_seconds is not None:
         f.add("kvobserve_kv_event_lag_seconds", lb, st.lag_seconds)

@@ -47,6 +47,12 @@ _CELL = {
     "cache_near_full": "sched",
 }
 _UP_STATES = {"up", "waiting", "idle", "duplicate"}
+# Which worker or scheduler-source row a condition kind tints: keyed by its labels.
+_ROW = {
+    "worker_undiscovered": ("worker_id", "collector"),
+    "layout_mismatch": ("worker_id", "collector"),
+    "scheduler_source_down": ("worker_id", "collector", "source"),
+}
 
 
 def _e(value: object) -> str:
@@ -165,11 +171,11 @@ def _stream_row(s: Json, cond: dict[str, str], clock: _Clock) -> str:
         )
     if s["duplicate_stream"]:
         dup = f'yes<br><span class="small">{_e(clock.hms(s.get("last_duplicate_time")))}</span>'
-    elif s.get("last_duplicate_time"):
-        dup = f'no<br><span class="small muted">last {_e(clock.hms(s["last_duplicate_time"]))}'
-        dup += "</span>"
-    else:
+    else:  # None: the stream is not up, so it is not known now
         dup = "-" if s["duplicate_stream"] is None else "no"
+        if s.get("last_duplicate_time"):
+            last = _e(clock.hms(s["last_duplicate_time"]))
+            dup += f'<br><span class="small muted">last {last}</span>'
     complete = s["state_complete"] if s["batches"] else None  # no batch yet: nothing to judge
     if not s["batches"] and not s["duplicate_stream"]:
         dup = "-"
@@ -200,8 +206,8 @@ def _stream_row(s: Json, cond: dict[str, str], clock: _Clock) -> str:
         f"<td class=n>{_secs(s.get('last_message_age_s'))}</td>"
         f"{td('gaps', gaps, True)}{td('restarts', restarts, True)}{td('dup', dup)}"
         f"{td('index', index)}{td('errors', errors, True)}"
-        f"<td class=n>{_pct(s.get('usage_ratio'))}</td>"
-        f"{td('sched', _pct(s.get('scheduler_usage_ratio')) + _via(s), True)}"
+        f"<td class=n>{_pct(s.get('cache_usage_ratio'))}</td>"
+        f"{td('sched', _pct(s.get('token_usage_ratio')) + _via(s), True)}"
         f'<td class="small">{_e(s["endpoint"])}<br>{_e(s["collector"])}</td></tr>'
     )
 
@@ -225,7 +231,7 @@ def _streams(streams: list[Json], alerts: list[Json], clock: _Clock) -> str:
     head = (
         "worker", "rank", "node", "state", "reason", "batches", "events/s", "lag",
         "last batch", "gaps", "restarts", "duplicate", "index", "errors",
-        "resident", "scheduler", "endpoint · collector",
+        "cache usage", "token usage", "endpoint · collector",
     )  # fmt: skip
     return _table(head, rows, "No streams.", "streams-table")
 
@@ -262,19 +268,68 @@ def _strays(items: list[Json]) -> str:
     return out
 
 
-def _sources(sources: list[Json], clock: _Clock) -> str:
+def _row_conditions(alerts: list[Json]) -> dict[tuple[str, ...], str]:
+    """(kind's row keys: worker, collector[, source]) -> the severity tinting that row."""
+    out: dict[tuple[str, ...], str] = {}
+    for a in alerts:
+        keys = _ROW.get(a["kind"])
+        if keys is not None:
+            out[tuple(str(a["labels"].get(k)) for k in keys)] = a["severity"]
+    return out
+
+
+def _tint(severity: str | None) -> str:
+    return f' class="c-{_e(severity)}"' if severity else ""
+
+
+def _sources(sources: list[Json], clock: _Clock, alerts: list[Json]) -> str:
+    conds = _row_conditions(alerts)
     rows = [
         f"<tr><td>{_e(s['worker_id'])}</td><td>{_e(s['source'])}</td>"
         f'<td class="small">{_e(s["endpoint"])}</td><td>{_e(s["collector"])}</td>'
-        f'<td class="{"ok" if s["state"] == "up" else "st"}">{_e(s["state"])}</td>'
+        f"<td{_tint(conds.get((str(s['worker_id']), str(s['collector']), str(s['source']))))}>"
+        f'<span class="{"ok" if s["state"] == "up" else "st"}">{_e(s["state"])}</span></td>'
         f"<td>{_e(s['reason'])}</td><td class=nw>{_e(clock.ago(s.get('since')))}</td>"
         f"<td class=n>{_e(s['messages'])}</td></tr>"
         for s in sources
     ]
     head = ("worker", "source", "endpoint", "collector", "state", "reason", "since", "messages")
     return _table(
-        head, rows, "No scheduler sources (no leader with metrics_url, url or a side channel)."
+        head,
+        rows,
+        "No scheduler or discovery sources (no leader with metrics_url, url or a side channel, "
+        "no [worker.kubernetes]).",
     )
+
+
+def _binds(binds: list[Json], clock: _Clock) -> str:
+    """Bind mode: each bound endpoint, who is connected, and its relay (when it has one)."""
+    rows = []
+    for b in binds:
+        r = b["relay"]
+        skipped = ", ".join(f"{k} {n}" for k, n in sorted(b["skipped"].items()))
+        relay = "-"
+        if r is not None:
+            dropped = ", ".join(f"{k} {n}" for k, n in sorted(r["dropped"].items()))
+            relay = (
+                f'<span class="{"ok" if r["state"] == "up" else "st"}">{_e(r["state"])}</span> '
+                f"{_e(r['target'])}: {_e(r['reason'])} ({_e(clock.ago(r['since']))}); "
+                f"{_e(r['forwarded'])} forwarded" + (f", dropped {_e(dropped)}" if dropped else "")
+            )
+        cls = "" if r is None or not r["dropped"] else ' class="c-warning"'
+        rows.append(
+            f"<tr{cls}><td>{_e(b['worker_id'])}</td><td class=n>{_e(b['dp_rank'])}</td>"
+            f"<td>{_e(b['endpoint'])}</td><td>{_e(b['topic'])}</td>"
+            f'<td class="{"ok" if b["state"] == "connected" else "st"}">{_e(b["state"])}</td>'
+            f"<td>{_e(b['reason'])}</td><td class=n>{_e(b['streams'])}</td>"
+            f"<td class=n>{_e(b['messages'])}</td>"
+            f'<td class="small">{_e(skipped or "-")}'
+            + (f"<br>{_e(b['skip_reason'])}" if skipped and b["skip_reason"] else "")
+            + f'</td><td class="small">{relay}</td></tr>'
+        )
+    head = ("worker", "rank", "bound", "topic", "state", "reason", "streams", "messages",
+            "skipped", "relay")  # fmt: skip
+    return _table(head, rows, "No bound endpoint.", "binds-table")
 
 
 def _collectors(collectors: list[Json]) -> str:
@@ -323,7 +378,8 @@ def _hot(hot: Json | None) -> str:
     return "".join(out) or '<p class="muted">No cache analytics.</p>'
 
 
-def _workers(workers: list[Json]) -> str:
+def _workers(workers: list[Json], alerts: list[Json], clock: _Clock) -> str:
+    conds = _row_conditions(alerts)
     out = []
     for w in workers:
         cells = []
@@ -332,10 +388,25 @@ def _workers(workers: list[Json]) -> str:
             who = "<br>".join(_e(o) for o in owners) or "uncovered"
             cells.append(f'<td class="{cls}"><b>rank {_e(rank)}</b><br>{who}</td>')
         leaders = ", ".join(w["leaders"]) or "none"
+        grid = (
+            f'<table class="grid"><tr>{"".join(cells)}</tr></table>'
+            if cells
+            else '<p class="small muted">No rank known.</p>'
+        )
+        # each live collector's word on the worker: why it watches nothing, or other ranks
+        states = [
+            f"<tr{_tint(conds.get((str(w['worker_id']), str(st['collector']))))} "
+            f'data-state="{_e(st["state"])}"><td>{_e(st["collector"])}</td>'
+            f'<td><span class="{"ok" if st["state"] == "watching" else "st"}">'
+            f"{_e(st['state'])}</span></td><td>{_e(st['reason'])}</td>"
+            f"<td class=nw>{_e(clock.ago(st.get('since')))}</td></tr>"
+            for st in w.get("states", [])
+        ]
         out.append(
             f'<h3 class="small">{_e(w["worker_id"])} &middot; dp_size {_e(w["dp_size"])} '
             f"&middot; scheduler leader: {_e(leaders)}</h3>"
-            f'<table class="grid"><tr>{"".join(cells)}</tr></table>'
+            + (_table(("collector", "state", "reason", "since"), states, "") if states else "")
+            + grid
         )
     return "".join(out) or '<p class="muted">No workers declared.</p>'
 
@@ -376,10 +447,16 @@ def render(
         f'<h2>Recent events</h2><div id="events">{_events((events or [])[:25], clock)}</div>'
         f'<h2>Publishers past the last rank</h2><div id="unexpected">'
         f"{_strays(fleet['unexpected'])}</div>"
-        f'<h2>Scheduler sources</h2><div id="sources">'
-        f"{_sources(fleet.get('scheduler_sources', []), clock)}</div>"
-        f'<h2>Hot prefixes</h2><div id="hot">{_hot(hot)}</div>'
+        f'<h2>Scheduler and discovery sources</h2><div id="sources">'
+        f"{_sources(fleet.get('scheduler_sources', []), clock, alerts)}</div>"
+        + (
+            f'<h2>Bound endpoints</h2><div id="binds">{_binds(fleet["binds"], clock)}</div>'
+            if fleet.get("binds")
+            else ""
+        )
+        + f'<h2>Hot prefixes</h2><div id="hot">{_hot(hot)}</div>'
         f'<h2>Nodes</h2><div id="collectors">{_collectors(fleet["collectors"])}</div>'
-        f'<h2>Workers and DP-rank owners</h2><div id="workers">{_workers(fleet["workers"])}</div>'
+        f'<h2>Workers and DP-rank owners</h2><div id="workers">'
+        f"{_workers(fleet['workers'], alerts, clock)}</div>"
         "</body></html>"
     )

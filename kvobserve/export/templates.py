@@ -1,7 +1,7 @@
 """A collector's stream and scheduler lines from cached templates: only the values are formatted.
 
 With the default series budget a stream's lines differ from one snapshot to the next only in
-their values; their names, labels and which lines exist (the stream's "shape": live or stale,
+their values; their names, labels and which lines exist (the stream's "shape": up or not,
 its media, replay results, decode-error reasons, ...) almost never change. So each collector
 keeps, per shape of all its streams and scheduler ranks, one template per family with a
 `%(n)s` placeholder per value; rendering is then one pass that lists the values, one
@@ -110,8 +110,8 @@ def stream_values(sv: StreamView, out: list[Any]) -> tuple[object, ...]:
     """Append one stream's values to `out` (in template order); return its shape (what its
     lines depend on besides the values)."""
     st = sv.stats
-    live = sv.live
-    out.append(1 if live and st.up else 0)
+    live = sv.live and st.up  # gauges are served only then (the staleness rule)
+    out.append(1 if live else 0)
     out.extend(_SCALARS(st))
     interleaved = st.interleaved_batches
     if interleaved:
@@ -130,8 +130,11 @@ def stream_values(sv: StreamView, out: list[Any]) -> tuple[object, ...]:
     media = st.media
     # the media are part of the shape even while stale: the collector's claims depend on them
     names = (media[0].medium,) if len(media) == 1 else tuple([m.medium for m in media])
-    if not live:
-        return (ident, False, interleaved > 0, rk, dk, names)
+    ts = st.last_batch_ts > 0
+    if not live:  # counters and health only
+        if ts:
+            out.append(st.last_batch_ts)
+        return (ident, False, interleaved > 0, rk, dk, names, ts)
     if len(media) == 1:
         m = media[0]
         out.append(m.blocks)
@@ -145,7 +148,6 @@ def stream_values(sv: StreamView, out: list[Any]) -> tuple[object, ...]:
         out.append(sv.gpu_tokens / cap)
     out.append(1 if st.duplicate_stream else 0)
     out.append(1 if st.state_complete else 0)
-    ts = st.last_batch_ts > 0
     if ts:
         out.append(st.last_batch_ts)
     lag = st.lag_seconds
@@ -233,6 +235,9 @@ def stream_template(t: Template, shape: tuple[Any, ...], node: str, slot: int) -
         t.line("kvobserve_kv_decode_errors_total", labels, slot)
         slot += 1
     if not live:
+        if shape[6]:  # its last batch's time: health, served while down
+            t.line("kvobserve_kv_last_batch_timestamp_seconds", ls, slot)
+            slot += 1
         return slot
     names, cap, ts, lag = shape[5:]
     media = [

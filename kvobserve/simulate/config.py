@@ -12,6 +12,8 @@ from kvobserve.simulate.replay import ROUTES
 from kvobserve.simulate.trace import TRACE_BLOCK_TOKENS
 
 INDEXER_MODES = ("faithful", "lag", "lose_removals", "miss_worker")
+DP_LB_MODES = ("internal", "hybrid")
+EVENT_PLANES = ("nats", "zmq")
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,9 @@ class SimConfig:
     host: str = "127.0.0.1"  # this node's address: its publishers and HTTP bind here only
     node_hosts: tuple[str, ...] = ()  # nodes_of: node k on node_hosts[k]; () = all on `host`
     kv_port: int = 0  # base KV PUB port, rank r on kv_port + r; 0 = a free range
+    # the KV PUBs connect here instead of binding kv_port (rank r: port + r), as vLLM does with
+    # a concrete host (`tcp://collector:5557`) and llm-d's central mode; None: they bind
+    kv_connect: str | None = None
     replay_port: int | None = 0  # base replay ROUTER port; None = no replay; 0 = a free range
     http_port: int | None = 0  # /metrics and discovery; None = no HTTP; 0 = a free port
     # vLLM DP load balancing: "internal" (node 0's API server manages every rank, other nodes
@@ -103,6 +108,13 @@ class SimConfig:
             v = getattr(self, name)
             if v is not None and not 0 <= v <= 65535:
                 raise ValueError(f"{name}: {v!r} is not a port")
+        if self.kv_connect is not None:
+            scheme, _, rest = self.kv_connect.partition("://")
+            port = rest.rpartition(":")[2]
+            if scheme != "tcp" or not port.isdigit() or not 0 < int(port) <= 65535 - self.dp_size:
+                raise ValueError(f"kv_connect: {self.kv_connect!r} is not tcp://host:port")
+            if self.kv_port:
+                raise ValueError(f"kv_port: {self.kv_port} with kv_connect: the PUBs connect")
         if self.kv_port and self.kv_port + self.dp_size > 65535:
             raise ValueError(f"kv_port: {self.kv_port} + dp_size {self.dp_size} passes 65535")
         for name in ("max_batches", "flush_every", "output_tokens", "cpu_tier_tokens"):
@@ -122,7 +134,7 @@ class SimConfig:
             )
         if self.grpc_port is not None and self.wire.engine != "sglang":
             raise ValueError(f"grpc_port: format {self.format} has no gRPC mode (SGLang only)")
-        if self.dp_lb not in ("internal", "hybrid"):
+        if self.dp_lb not in DP_LB_MODES:
             raise ValueError(f"dp_lb: {self.dp_lb!r} is not internal or hybrid")
         if self.node_hosts and len(self.node_hosts) != self.nnodes:
             raise ValueError(
@@ -153,7 +165,7 @@ class SimConfig:
             )
 
     def _validate_dynamo(self) -> None:
-        if self.event_plane not in (None, "nats", "zmq"):
+        if self.event_plane is not None and self.event_plane not in EVENT_PLANES:
             raise ValueError(f"event_plane: {self.event_plane!r} is not nats or zmq")
         if self.event_plane is None:
             if self.indexer_port is not None or self.faults.drop_event_ids:

@@ -28,7 +28,8 @@ def free_port_range(
     """
     hosts = [host] if isinstance(host, str) else list(host)
     for _ in range(attempts):
-        base = _rng.randrange(20000, 60000 - count)
+        # below the kernel's ephemeral range (32768-60999), which outgoing connections take
+        base = _rng.randrange(20000, 32768 - count)
         if any(abs(base - other) < count for other in avoid):
             continue
         socks: list[socket.socket] = []
@@ -69,7 +70,8 @@ def nodes_of(cfg: SimConfig, hosts: Sequence[str] | None = None) -> list[SimConf
             taken.append(port)
         return port
 
-    kv, replay, load = resolve(cfg.kv_port), resolve(cfg.replay_port), resolve(cfg.load_port)
+    kv = resolve(cfg.kv_port) if cfg.kv_connect is None else 0  # connecting PUBs: no port
+    replay, load = resolve(cfg.replay_port), resolve(cfg.load_port)
     follower_http = cfg.follower_http if cfg.wire.engine == "sglang" else cfg.dp_lb == "hybrid"
     return [
         dataclasses.replace(

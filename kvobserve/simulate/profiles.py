@@ -28,6 +28,9 @@ PROFILES: dict[str, FaultConfig] = {
     "stray": FaultConfig(stray_publisher=True),
     "malformed": FaultConfig(ranks=(0,), malformed_seqs=frozenset({15, 45})),
     "stall": FaultConfig(ranks=(0,), stall_after=40, stall_s=3.0),
+    # rank 1 loses the last batch of a burst on the wire (still in the ring), then idles 6 s with
+    # its publisher up: no later batch shows the gap, the collector's tail check finds it
+    "tail": FaultConfig(ranks=(1,), drop_seqs=frozenset({39}), stall_after=40, stall_s=6.0),
     # rank 1 drops batches before numbering them: no seq gap; the content shows the loss
     "silent": FaultConfig(ranks=(1,), unnumbered_drops=frozenset({20, 21, 22, 40, 41})),
     # the compose stack: a recovered gap on rank 1 and a second publisher on rank 0

@@ -48,6 +48,8 @@ class RankState:
         self.load_seq = 0
         self.push: zmq.Socket[Any] | None = None
         self.side_dropped = 0
+        self.replay_requests = 0  # replay requests answered
+        self.replay_batches = 0  # batches sent in those answers (end markers not counted)
 
     @property
     def ring(self) -> deque[tuple[int, bytes, bytes]]:

@@ -62,6 +62,8 @@ def _rank_truth(st: RankState) -> dict[str, Any]:
         "replay_port": st.replay_port,
         "mirror_of": st.mirror_of,
         "restarts": st.restarts,
+        "replay_requests": st.replay_requests,  # answered, with `replay_batches` batches in all
+        "replay_batches": st.replay_batches,
         "instances": [stream_truth(s) for s in (*st.past, *st.streams)],
     }
 

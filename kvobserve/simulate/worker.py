@@ -126,9 +126,13 @@ class SimulatedWorker:
             offsets[r] = off
         stray = c.faults.stray_publisher and (c.dp_size - 1 in hosted)
         pub_offsets = list(offsets.values()) + ([c.dp_size] if stray else [])
-        self.kv_base, pubs = self._bind_group(
-            c.kv_port, pub_offsets, zmq.PUB, lambda s: s.setsockopt(zmq.SNDHWM, c.hwm)
-        )
+        if c.kv_connect is not None:  # vLLM with a concrete host, llm-d's central mode
+            self.kv_base = int(c.kv_connect.rpartition(":")[2])
+            pubs = [self._connect_pub(self.kv_base + off) for off in pub_offsets]
+        else:
+            self.kv_base, pubs = self._bind_group(
+                c.kv_port, pub_offsets, zmq.PUB, lambda s: s.setsockopt(zmq.SNDHWM, c.hwm)
+            )
         routers: list[zmq.Socket[Any]] = []
         if c.replay_port is not None:
             # vLLM 0.33 sets SNDHWM 2*(buffer_steps+1) so a full replay is never cut short
@@ -281,10 +285,30 @@ class SimulatedWorker:
             if sock is None or port is None:
                 continue
             sock.close(0)
-            new = self._rebind(zmq.PUB if attr == "pub" else zmq.ROUTER, port)
+            if attr == "pub" and self.cfg.kv_connect is not None:
+                new = self._connect_pub(port)  # a new process connects anew
+            else:
+                new = self._rebind(zmq.PUB if attr == "pub" else zmq.ROUTER, port)
             setattr(st, attr, new)
         st.paused_until = now + self.cfg.faults.restart_pause_s
         self._sockets_changed = True
+
+    def kv_url(self, port: int) -> str:
+        """Where the KV PUB of `port` is: bound on this node, or the endpoint it connects to."""
+        c = self.cfg
+        if c.kv_connect is not None:
+            return f"{c.kv_connect.rpartition(':')[0]}:{port}"
+        return f"tcp://{c.host}:{port}"
+
+    def _connect_pub(self, port: int) -> zmq.Socket[Any]:
+        """A KV PUB that connects to kv_connect's host at `port`, from this node's address."""
+        assert self._ctx is not None
+        sock = self._ctx.socket(zmq.PUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, self.cfg.hwm)
+        target = self.kv_url(port).removeprefix("tcp://")
+        sock.connect(f"tcp://{self.cfg.host}:0;{target}")  # source address: a pod's own IP
+        return sock
 
     def _rebind(self, kind: int, port: int) -> zmq.Socket[Any]:
         assert self._ctx is not None
@@ -317,9 +341,11 @@ class SimulatedWorker:
                 continue  # the engines log and ignore malformed requests
             ident = frames[0]
             start = int.from_bytes(frames[2], "big")
+            st.replay_requests += 1
             for seq, seq_b, payload in list(st.ring):
                 if seq >= start:
                     router.send_multipart([ident, *replay_frames(fmt, self._topic, seq_b, payload)])
+                    st.replay_batches += 1
             router.send_multipart([ident, *replay_end(fmt)])
 
     # --- public -------------------------------------------------------------------------------
@@ -329,7 +355,7 @@ class SimulatedWorker:
         h, w = self.cfg.host, self.cfg.worker_id
         out: list[Endpoint] = []
         for st in self.ranks:
-            out.append(Endpoint(w, "kv", st.rank, f"tcp://{h}:{st.port}"))
+            out.append(Endpoint(w, "kv", st.rank, self.kv_url(st.port)))
             if st.replay_port is not None:
                 out.append(Endpoint(w, "replay", st.rank, f"tcp://{h}:{st.replay_port}"))
             if st.load is not None and self.load_base is not None:
@@ -341,7 +367,7 @@ class SimulatedWorker:
         if self.cfg.kv_metrics_endpoint:
             out.append(Endpoint(w, "kv_metrics", None, self.cfg.kv_metrics_endpoint))
         if self.stray is not None:
-            out.append(Endpoint(w, "stray", self.stray.rank, f"tcp://{h}:{self.stray.port}"))
+            out.append(Endpoint(w, "stray", self.stray.rank, self.kv_url(self.stray.port)))
         if self.http_port is not None:
             out.append(Endpoint(w, "http", None, f"http://{h}:{self.http_port}"))
         out.extend(

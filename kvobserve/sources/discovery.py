@@ -27,7 +27,7 @@ from kvobserve.sources.discovery_parse import (
     vllm_block_sizes,
     with_block_sizes,
 )
-from kvobserve.sources.periodic import PeriodicPoll
+from kvobserve.sources.periodic import PeriodicPoll, connect_reason, http_failure_reason
 
 __all__ = [
     "DiscoveredEngine",
@@ -56,8 +56,10 @@ async def _get_text(
             if resp.status != 200:
                 return resp.status, None
             return 200, await resp.text()
+    except aiohttp.ClientConnectorError as exc:
+        raise DiscoveryError(url, "connection", connect_reason(exc.os_error)) from None
     except (aiohttp.ClientError, TimeoutError, OSError, UnicodeDecodeError) as exc:
-        raise DiscoveryError(url, "connection", str(exc) or type(exc).__name__) from None
+        raise DiscoveryError(url, "connection", http_failure_reason(exc, timeout_s)) from None
 
 
 async def _get_json(session: aiohttp.ClientSession, url: str, timeout_s: float) -> tuple[int, Any]:

@@ -32,6 +32,12 @@ class DiscoveryError(Exception):
         super().__init__(f"discovery {url}: {field}: {detail}")
         self.url, self.field, self.detail = url, field, detail
 
+    @property
+    def reason(self) -> str:
+        """One line for a person: `connection refused at http://10.0.0.5:30000/server_info`."""
+        plain = self.field in ("connection", "status")  # else the field of the answer
+        return f"{'' if plain else self.field + ': '}{self.detail} at {self.url}"
+
 
 @dataclass(frozen=True, slots=True)
 class DiscoveredSource:
@@ -59,6 +65,7 @@ class DiscoveredEngine:
     dp_attention: bool | None = None  # SGLang: attention DP (ranks split over the nodes)
     nnodes: int | None = None  # SGLang: nodes the engine runs on
     notes: tuple[str, ...] = ()
+    node_rank: int | None = None  # SGLang: the node whose HTTP server answered (node 0's)
 
 
 def advertised(endpoint: str) -> str:
@@ -161,7 +168,7 @@ def parse_sglang_server_info(url: str, body: Any) -> DiscoveredEngine:
     sources = tuple(by_rank[r] for r in sorted(by_rank))
     return DiscoveredEngine(
         "sglang", url, dp_size, sources, block_size, load_base, load_topic, version,
-        dp_attention, nnodes, tuple(notes),
+        dp_attention, nnodes, tuple(notes), _get(body, "node_rank", int, url, "", required=False),
     )  # fmt: skip
 
 

@@ -16,7 +16,7 @@ log = logging.getLogger("kvobserve.health")
 UP_STATES = frozenset({"waiting", "up", "idle", "duplicate"})
 # Fine states (logged at INFO; others at WARNING): `starting` is a stream's first connect, under
 # way for at most LinkTimes.no_answer_s; it is not up, but not down either.
-OK_STATES = UP_STATES | {"starting"}
+OK_STATES = UP_STATES | {"starting", "connected"}  # connected: a bound endpoint's publishers
 
 OnChange = Callable[["Health", str], None]  # (health, previous state)
 

@@ -8,7 +8,7 @@ from kvobserve.analysis.analytics import DEFAULT_ANALYTICS, AnalyticsOptions
 from kvobserve.analysis.sequence import DEFAULT_LIMITS, SequencerLimits
 from kvobserve.sources.link import DEFAULT_LINK_TIMES, LinkTimes
 from kvobserve.wire.kv_events import DEFAULT_MAX_PAYLOAD
-from kvobserve.wire.snapshot import StreamStats, UnexpectedStream, WorkerPlacement
+from kvobserve.wire.snapshot import BindStats, StreamStats, UnexpectedStream, WorkerPlacement
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,9 @@ class IngestOptions:
     tick_s: float = 0.05
     limits: SequencerLimits = DEFAULT_LIMITS
     max_streams: int = 4096  # streams (incl. probes) per collector: a label cardinality cap
+    forget_after_s: float = 300.0  # bind mode: a pod (topic template) silent this long is forgotten
+    rebind_s: float = 10.0  # bind mode: an endpoint that could not be bound is tried this often
+    relay_wait_s: float = 5.0  # a relayed endpoint is bound once its target subscribed, or then
     link: LinkTimes = DEFAULT_LINK_TIMES
     # docs/cache-analytics.md; None = residency and sequence only (benchmarks compare both)
     analytics: AnalyticsOptions | None = DEFAULT_ANALYTICS
@@ -39,3 +42,5 @@ class IngestStats:
     messages_received: int = 0
     loop_errors: int = 0
     placement: list[WorkerPlacement] = field(default_factory=list)
+    binds: list[BindStats] = field(default_factory=list)  # bind mode: the endpoints bound
+    pods: dict[str, list[str]] = field(default_factory=dict)  # [[worker]] id -> its pods' ids

@@ -6,6 +6,8 @@ sequencer. Other threads talk to it only through `call()`, which runs a function
 ingest thread at its next wake-up (at most `tick_s` later) and returns a Future.
 ZMQ reconnects by itself with backoff (RECONNECT_IVL .. RECONNECT_IVL_MAX), so an engine that is
 not up yet is simply `up 0` until it is; each SUB's socket monitor says why (sources/link.py).
+In bind mode the loop also drains the endpoints it binds (sources/bind.py), routing each message
+to its stream by topic; a relayed endpoint is read by the relay process first (sources/relay.py).
 """
 
 from __future__ import annotations
@@ -26,16 +28,18 @@ from kvobserve.analysis.sequence import (
     StreamSequencer,
 )
 from kvobserve.sources import cache_stats
+from kvobserve.sources.bind import Listener
 from kvobserve.sources.ingest_options import IngestOptions, IngestStats
 from kvobserve.sources.link import MONITOR_EVENTS, Link
-from kvobserve.sources.plan import StreamSpec
+from kvobserve.sources.plan import ListenSpec, StreamSpec
+from kvobserve.sources.relay import Relay
 from kvobserve.sources.replays import DRAIN_LIMIT, ReplayClient
 from kvobserve.sources.stream_events import RecentEvents, StreamHistory
 from kvobserve.sources.stream_state import WatchedStream, count_bad, new_link, stream_stats
 from kvobserve.sources.topic_probe import TopicProbes
 from kvobserve.wire.errors import WireError
 from kvobserve.wire.kv_events import decode_message
-from kvobserve.wire.snapshot import StreamStats, UnexpectedStream, WorkerPlacement
+from kvobserve.wire.snapshot import BindStats, StreamStats, UnexpectedStream, WorkerPlacement
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -54,6 +58,7 @@ class IngestLoop:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         events: RecentEvents | None = None,
+        listens: Sequence[ListenSpec] = (),
     ) -> None:
         self.options = options or IngestOptions()
         self._clock, self._wall = clock, wall
@@ -74,6 +79,15 @@ class IngestLoop:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvobserve-ingest", daemon=True)
         self._initial = list(specs)
+        self._initial_listens = list(listens)
+        self._listeners: dict[tuple[str, int], Listener] = {}
+        self._by_inbox: dict[zmq.Socket[bytes], Listener] = {}
+        self._by_lmon: dict[zmq.Socket[bytes], Listener] = {}
+        self._pods: dict[tuple[str, int], Listener] = {}  # streams named by a topic template
+        self._refused_pods: set[tuple[str, int]] = set()
+        self._relay: Relay | None = None  # the relay process, from the first relay_to on
+        self._by_lane: dict[int, Listener] = {}
+        self._registered: set[zmq.Socket[bytes]] = set()  # relay control sockets polled
         self._refused_streams: set[tuple[str, int]] = set()  # refused by the last plan
         self.refused_streams_total = 0
         self._warned_refused = False
@@ -110,9 +124,12 @@ class IngestLoop:
         whose every rank this collector watches (their placement needs no sketch)."""
         return self.call(lambda: self._build_stats(whole))
 
-    def set_specs(self, specs: Sequence[StreamSpec]) -> concurrent.futures.Future[None]:
-        """Watch exactly `specs` from now on (rediscovery); unchanged streams keep their state."""
-        return self.call(lambda: self._apply_specs(specs))
+    def set_specs(
+        self, specs: Sequence[StreamSpec], listens: Sequence[ListenSpec] | None = None
+    ) -> concurrent.futures.Future[None]:
+        """Watch exactly `specs` (and bind exactly `listens`, None: as now) from now on
+        (rediscovery); unchanged streams keep their state."""
+        return self.call(lambda: self._apply_specs(specs, listens))
 
     def sequencer(self, worker_id: str, dp_rank: int) -> StreamSequencer | None:
         """The sequencer of a stream (read it only via `call`, or after `stop`)."""
@@ -122,7 +139,7 @@ class IngestLoop:
     # --- the ingest thread --------------------------------------------------------------------
 
     def _run(self) -> None:
-        self._apply_specs(self._initial)
+        self._apply_specs(self._initial, self._initial_listens)
         tick_ms = int(self.options.tick_s * 1000)
         while not self._stop.is_set():
             try:
@@ -132,6 +149,12 @@ class IngestLoop:
                     st = self._by_sock.get(sock)
                     if st is not None:
                         self._drain(st, sock, now)
+                    elif (lst := self._by_inbox.get(sock)) is not None:
+                        self._drain_bound(lst, sock, now)
+                    elif (lst := self._by_lmon.get(sock)) is not None:
+                        self._on_listener_monitor(lst, sock, now)
+                    elif self._relay is not None and sock is self._relay.control:
+                        self._on_relay_status(now)
                     elif (st := self.replays.by_sock.get(sock)) is not None:
                         self.replays.drain(st, sock)
                     elif (st := self._by_monitor.get(sock)) is not None:
@@ -167,11 +190,19 @@ class IngestLoop:
     def _tick_links(self, now: float) -> None:
         wall = self._wall()
         self.topic_probes.expire(now, wall)
+        self._tick_listeners(now, wall)
         for st in self._streams.values():
             link = st.link
             if link is None:
                 continue
             link.tick(now, wall)
+            last, connected = link.last_data, link.zmq_at
+            if st.seq is not None and last is not None and connected is not None:
+                # an idle stream asks for batches after its last one (a lost tail shows no gap);
+                # a SUB that connected again since may face another publisher process
+                ask = st.seq.check_tail(now, last, reconnected=connected > last)
+                if ask is not None:
+                    self.replays.act(st, ask)
             if link.wants_probe(now):
                 self.topic_probes.open(link, now)
             elif link.wants_park(now) and st.sock is not None:
@@ -182,11 +213,10 @@ class IngestLoop:
                 self._open(st)
 
     def _drain(self, st: WatchedStream, sock: zmq.Socket[bytes], now: float) -> None:
-        seq, opts = st.seq, self.options
         wall = self._wall()
         # recv_multipart() spends ~20% of its time converting RCVMORE to an Enum per frame:
         # the same loop with the plain int option
-        recv, more = sock.recv, sock.get
+        recv, more, take = sock.recv, sock.get, self._take
         good = bad = 0
         bad_reason, bad_frames = "", []
         for _ in range(DRAIN_LIMIT):
@@ -197,36 +227,117 @@ class IngestLoop:
             while more(_RCVMORE):
                 frames.append(recv(zmq.NOBLOCK))
             self.received_total += 1
-            st.last_seen = now
-            try:
-                batch = decode_message(frames, opts.max_payload)
-            except WireError as exc:
-                seq_frame = frames[1] if len(frames) == 3 else b""
-                count_bad(st, exc.reason, seq_frame)
-                bad, bad_reason, bad_frames = bad + 1, exc.reason, frames
-                continue
-            good += 1
-            if batch.unknown_events:
-                st.decode_errors["unknown_event"] = (
-                    st.decode_errors.get("unknown_event", 0) + batch.unknown_events
-                )
-            if seq is None:  # a probe port: anything that decodes is an unexpected stream
-                st.batches += 1
-                continue
-            st.last_lag = wall - batch.ts
-            payload = frames[2]
-            if st.mirror is not None:
-                # a mirror carries identical bytes; lockstep ranks (same seq and ts, events
-                # alike, even the same rank label when one is mislabelled) do not
-                fingerprint = (batch.seq, batch.ts, hash(payload))
-                other = st.mirror.observe(seq, fingerprint, now)
-                if other is not None:
-                    log.debug("mirrored stream on %s", st.spec.endpoint)
-            action = seq.on_batch(batch, payload, now)
-            if action is not None:
-                self.replays.act(st, action)
+            reason = take(st, frames, now, wall)
+            if reason:
+                bad, bad_reason, bad_frames = bad + 1, reason, frames
+            else:
+                good += 1
         if st.link is not None and (good or bad):
             st.link.on_data(good, bad, bad_reason, bad_frames, now, wall)
+
+    def _take(self, st: WatchedStream, frames: list[bytes], now: float, wall: float) -> str:
+        """Decode one message of `st` and hand it to its sequencer; "" or why it did not decode."""
+        st.last_seen = now
+        try:
+            batch = decode_message(frames, self.options.max_payload)
+        except WireError as exc:
+            seq_frame = frames[1] if len(frames) == 3 else b""
+            count_bad(st, exc.reason, seq_frame)
+            return exc.reason
+        if batch.unknown_events:
+            st.decode_errors["unknown_event"] = (
+                st.decode_errors.get("unknown_event", 0) + batch.unknown_events
+            )
+        seq = st.seq
+        if seq is None:  # a probe port: anything that decodes is an unexpected stream
+            st.batches += 1
+            return ""
+        st.last_lag = wall - batch.ts
+        payload = frames[2]
+        if st.mirror is not None:
+            # a mirror carries identical bytes; lockstep ranks (same seq and ts, events
+            # alike, even the same rank label when one is mislabelled) do not
+            fingerprint = (batch.seq, batch.ts, hash(payload))
+            other = st.mirror.observe(seq, fingerprint, now)
+            if other is not None:
+                log.debug("mirrored stream on %s", st.spec.endpoint)
+        action = seq.on_batch(batch, payload, now)
+        if action is not None:
+            self.replays.act(st, action)
+        return ""
+
+    def _drain_bound(self, lst: Listener, sock: zmq.Socket[bytes], now: float) -> None:
+        """What waits on a bound endpoint (or its relay's inbox), each message to its stream."""
+        wall = self._wall()
+        recv, more, take, routes = sock.recv, sock.get, self._take, lst.routes
+        n = 0
+        for _ in range(DRAIN_LIMIT):
+            try:
+                frames = [recv(zmq.NOBLOCK)]
+            except zmq.Again:
+                break
+            while more(_RCVMORE):
+                frames.append(recv(zmq.NOBLOCK))
+            n += 1
+            st = routes.get(frames[0])
+            if st is None:
+                st = self._route(lst, frames[0])
+                if st is None:
+                    continue
+            reason = take(st, frames, now, wall)
+            link = st.link
+            if link is not None:
+                if reason:
+                    link.on_data(0, 1, reason, frames, now, wall)
+                else:
+                    link.on_data(1, 0, "", (), now, wall)
+        self.received_total += n
+        lst.messages += n
+
+    def _route(self, lst: Listener, topic: bytes) -> WatchedStream | None:
+        """The stream a new topic frame feeds (created for a new pod), or None: skipped."""
+        reason = lst.skips.get(topic)
+        if reason is None:
+            text = topic.decode("utf-8", "replace")
+            st: WatchedStream | None = None
+            why = ""
+            if not lst.template.templated:
+                if text.startswith(lst.spec.topic):
+                    st = lst.stream
+                if st is None:
+                    reason, why = (
+                        "topic_mismatch",
+                        f"topic {text!r} is not under {lst.spec.topic!r}",
+                    )
+            else:
+                spec = lst.pod_spec(text)
+                if isinstance(spec, str):
+                    reason, why = "topic_mismatch", spec
+                else:
+                    st = self._streams.get(spec.key) or self._new_pod(lst, spec)
+                    if st is None:
+                        reason, why = "refused", f"{spec.worker_id}: past max_streams"
+            if st is not None:
+                lst.route(topic, st)
+                return st
+            assert reason is not None
+            lst.skip(topic, reason, why)
+        lst.skipped[reason] = lst.skipped.get(reason, 0) + 1
+        return None
+
+    def _new_pod(self, lst: Listener, spec: StreamSpec) -> WatchedStream | None:
+        """A stream for a pod seen for the first time (None: refused by max_streams)."""
+        key = spec.key
+        if len(self._streams) >= self.options.max_streams:
+            if key not in self._refused_pods and len(self._refused_pods) < 1 << 16:
+                self._refused_pods.add(key)
+                self.refused_streams_total += 1
+            return None
+        st = self._streams[key] = self._new_stream(spec)
+        self._pods[key] = lst
+        lst.pods.add(key)
+        self._link_peers()
+        return st
 
     # --- sockets ------------------------------------------------------------------------------
 
@@ -269,9 +380,11 @@ class IngestLoop:
             st.monitor.close(linger=0)
         st.sock = st.monitor = None
 
-    def _apply_specs(self, specs: Sequence[StreamSpec]) -> None:
+    def _apply_specs(
+        self, specs: Sequence[StreamSpec], listens: Sequence[ListenSpec] | None = None
+    ) -> None:
         wanted = {s.key: s for s in specs}
-        for key in [k for k in self._streams if k not in wanted]:
+        for key in [k for k in self._streams if k not in wanted and k not in self._pods]:
             self._close(self._streams.pop(key))
         live_links = {id(st.link) for st in self._streams.values()}
         self.topic_probes.close_for(lambda link: id(link) in live_links)
@@ -290,23 +403,14 @@ class IngestLoop:
                     st.seq.replay_enabled = spec.replay_endpoint is not None
                 if st.link is not None:
                     health = st.link.health
-                    st.link = Link(spec.endpoint, spec.topic, health, self.options.link)
+                    st.link = Link(
+                        spec.endpoint, spec.topic, health, self.options.link, bound=spec.bound
+                    )
                     health.set("connecting", f"endpoint changed to {spec.endpoint}", self._wall())
             else:
-                seq = None
-                if not spec.probe:
-                    seq = StreamSequencer(
-                        spec.dp_rank,
-                        replay=spec.replay_endpoint is not None,
-                        limits=self.options.limits,
-                    )
-                st = self._streams[key] = WatchedStream(spec, seq)
-                if seq is not None:
-                    st.mirror = self._mirrors.setdefault(spec.worker_id, MirrorDetector())
-                    st.link = new_link(spec, self.options.link, self.events, self._wall())
-                    st.history = StreamHistory(*key, self.events)
-                    if self.options.analytics is not None:
-                        cache_stats.attach(seq, self.options.analytics)
+                st = self._streams[key] = self._new_stream(spec)
+            if spec.bound:
+                continue  # fed by its bound endpoint
             try:
                 self._open(st)
             except zmq.ZMQError as exc:  # a bad endpoint must not take the others down
@@ -314,11 +418,12 @@ class IngestLoop:
                 log.warning("cannot connect %s: %s", spec.endpoint, exc)
                 if st.link is not None:
                     st.link.health.set("connecting", f"cannot connect: {exc}", self._wall())
+        for gone in self._mirrors.keys() - {k[0] for k in self._streams}:
+            del self._mirrors[gone]  # a worker with no stream left (a deleted pod)
         self.refused_streams_total += len(self._refused_streams - before)  # newly refused
-        if self.options.analytics is not None:
-            cache_stats.link_peers(
-                (k[0], st.seq) for k, st in self._streams.items() if st.seq is not None
-            )
+        if listens is not None:
+            self._apply_listens(listens)
+        self._link_peers()
         if self._refused_streams and not self._warned_refused:
             self._warned_refused = True  # once: the count is in kvobserve_collector_refused_total
             log.warning(
@@ -327,9 +432,155 @@ class IngestLoop:
                 len(self._refused_streams),
             )
 
+    def _new_stream(self, spec: StreamSpec) -> WatchedStream:
+        """The state of a stream seen for the first time (its socket is opened by the caller)."""
+        seq = None
+        if not spec.probe:
+            seq = StreamSequencer(
+                spec.dp_rank, replay=spec.replay_endpoint is not None, limits=self.options.limits
+            )
+        st = WatchedStream(spec, seq)
+        if seq is not None:
+            st.mirror = self._mirrors.setdefault(spec.worker_id, MirrorDetector())
+            st.link = new_link(spec, self.options.link, self.events, self._wall())
+            st.history = StreamHistory(spec.worker_id, spec.dp_rank, self.events)
+            if self.options.analytics is not None:
+                cache_stats.attach(seq, self.options.analytics)
+        return st
+
+    def _link_peers(self) -> None:
+        if self.options.analytics is not None:
+            cache_stats.link_peers(
+                (k[0], st.seq) for k, st in self._streams.items() if st.seq is not None
+            )
+
+    # --- bound endpoints (bind mode) ------------------------------------------------------------
+
+    def _apply_listens(self, listens: Sequence[ListenSpec]) -> None:
+        """Bind exactly `listens`; an endpoint whose spec changed is bound anew."""
+        wanted = {x.key: x for x in listens}
+        for key, lst in list(self._listeners.items()):
+            if wanted.get(key) != lst.spec:
+                self._drop_listener(self._listeners.pop(key))
+        now, wall = self._clock(), self._wall()
+        for key, spec in wanted.items():
+            if key in self._listeners:
+                continue
+            lst = self._listeners[key] = Listener(spec, self.events, wall)
+            if not spec.template.templated:
+                lst.stream = self._streams.get(key)  # planned with the listener
+            self._bind(lst, now, wall)
+
+    def _bind(self, lst: Listener, now: float, wall: float) -> None:
+        if lst.spec.relay_to is not None:  # the relay process binds
+            relay = self._relay
+            if relay is None:
+                relay = self._relay = Relay(self._ctx)
+            try:
+                lst.open_relayed(self._ctx, self.options, relay)
+            except Exception as exc:  # no relay process: say so, try again later
+                log.exception("cannot start the relay process")
+                lst.close(None)
+                lst.retry_at = now + self.options.rebind_s
+                lst.health.set("bind_failed", f"cannot start the relay process: {exc}", wall)
+                return
+            self._by_lane[lst.lane or 0] = lst
+            if relay.control is not None and relay.control not in self._registered:
+                self._registered.add(relay.control)
+                self._poller.register(relay.control, zmq.POLLIN)
+        elif not lst.open(self._ctx, self.options, now, wall):
+            return
+        if lst.monitor is not None:
+            self._by_lmon[lst.monitor] = lst
+            self._poller.register(lst.monitor, zmq.POLLIN)
+        assert lst.inbox is not None
+        self._by_inbox[lst.inbox] = lst
+        self._poller.register(lst.inbox, zmq.POLLIN)
+
+    def _on_relay_status(self, now: float) -> None:
+        assert self._relay is not None
+        wall = self._wall()
+        for lane in self._relay.drain():
+            lst = self._by_lane.get(lane)
+            st = self._relay.status.get(lane)
+            if lst is not None and st is not None:
+                lst.on_relay_status(st, now, wall)
+
+    def _unbind(self, lst: Listener) -> None:
+        for sock, table in ((lst.inbox, self._by_inbox), (lst.monitor, self._by_lmon)):
+            if sock is not None and table.pop(sock, None) is not None:
+                self._poller.unregister(sock)
+        if lst.lane is not None:
+            self._by_lane.pop(lst.lane, None)
+        lst.close(self._relay)
+
+    def _forget_relay(self) -> None:
+        relay, self._relay = self._relay, None
+        if relay is None:
+            return
+        if relay.control is not None and relay.control in self._registered:
+            self._registered.discard(relay.control)
+            self._poller.unregister(relay.control)
+        relay.stop()
+
+    def _drop_listener(self, lst: Listener) -> None:
+        """Unbind, and forget the streams its topics named."""
+        self._unbind(lst)
+        for key in lst.pods:
+            self._forget_pod(key)
+        lst.pods.clear()
+
+    def _forget_pod(self, key: tuple[str, int]) -> None:
+        st = self._streams.pop(key, None)
+        lst = self._pods.pop(key, None)
+        if st is not None:
+            self.replays.close(st)
+        if lst is not None:
+            lst.pods.discard(key)
+            lst.forget_routes()
+        if not any(k[0] == key[0] for k in self._streams):
+            self._mirrors.pop(key[0], None)
+
+    def _on_listener_monitor(self, lst: Listener, mon: zmq.Socket[bytes], now: float) -> None:
+        wall = self._wall()
+        while True:
+            try:
+                msg = parse_monitor_message(mon.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            lst.on_monitor(int(msg["event"]), int(msg["value"]), now, wall)
+
+    def _tick_listeners(self, now: float, wall: float) -> None:
+        """Bind again what failed, name wrong topics, forget pods silent for forget_after_s."""
+        forget = self.options.forget_after_s
+        relay = self._relay
+        if relay is not None and self._by_lane and not relay.alive:  # it died: start it again
+            why = f"the relay process ended ({relay.exit_status}); starting it again"
+            log.error("%s", why)
+            for lst in list(self._by_lane.values()):
+                self._unbind(lst)
+                lst.health.set("starting", why, wall)
+                if lst.relay_health is not None:
+                    lst.relay_health.set("connecting", why, wall)
+            self._forget_relay()
+        for lst in self._listeners.values():
+            if lst.inbox is None and now >= lst.retry_at:
+                self._bind(lst, now, wall)
+            if lst.wrong_topics:
+                if lst.stream is not None and lst.stream.link is not None:
+                    lst.stream.link.on_probe(lst.wrong_topics, None, now, wall)
+                lst.wrong_topics = {}
+            for key in [k for k in lst.pods if now - self._streams[k].last_seen > forget]:
+                log.info("forgetting %s rank %d: no message for %.0f s", *key, forget)
+                self._forget_pod(key)
+                self._link_peers()
+
     def _close_all(self) -> None:
         for st in self._streams.values():
             self._close(st)
+        for lst in self._listeners.values():
+            self._unbind(lst)
+        self._forget_relay()
         self.topic_probes.close_all()
         self.replays.clear()
         while self._calls:
@@ -364,8 +615,15 @@ class IngestLoop:
                 st.history.update(st.seq, st.decode_errors, now, wall)
             s = stream_stats(st, st.seq, now, wall)
             cache_stats.fill_stream(s, st.seq, [q.index for q in siblings[spec.worker_id]], wall)
+            if st.link is not None:
+                link = st.link
+                s.trust_reason = st.seq.trust_reason(now, link.last_data, link.zmq_at is not None)
             streams.append(s)
             refused["medium_events"] += st.seq.index.media_refused_events
+        pods: dict[str, list[str]] = {}
+        for key, lst in self._pods.items():  # every rank of a pod comes to this collector
+            pods.setdefault(lst.spec.worker_id, []).append(key[0])
+        whole = whole | {w for ws in pods.values() for w in ws}
         placement: list[WorkerPlacement] = []
         if self._placements is not None:
             placement = self._placements.build(
@@ -378,6 +636,8 @@ class IngestLoop:
                 now,
             )
         refused = {k: v for k, v in refused.items() if v}
+        binds: list[BindStats] = [lst.stats() for lst in self._listeners.values()]
         return IngestStats(
-            streams, unexpected, refused, self.received_total, self.loop_errors, placement
-        )
+            streams, unexpected, refused, self.received_total, self.loop_errors, placement,
+            binds, {w: sorted(set(ids)) for w, ids in pods.items()},
+        )  # fmt: skip

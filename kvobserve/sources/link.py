@@ -10,6 +10,10 @@ prefix never sees other topics, so a silent connected stream with a topic is che
 A peer that is not a publisher is not hammered with reconnects (libzmq retries every 100 ms after
 a failed handshake, each one a bad request in an HTTP server's log): the ingest loop closes the
 socket (`wants_park`) and opens it again after `reopen_s`, doubling up to `reopen_max_s`.
+A stream received on an endpoint this collector binds (bind mode, sources/bind.py) is `bound`:
+no probe, no park, and `listening` (bound, no publisher connected) or `bind_failed` stand where
+a connecting SUB would say `connecting`; the bound SUB takes every topic, so a topic mismatch is
+seen directly.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from kvobserve.sources.health import Health
+from kvobserve.sources.health import UP_STATES, Health
 
 _HTTP = re.compile(rb"HTTP/1\.[01] \d{3}|\r\n(Server|Content-Length|Content-Type|Date): ", re.I)
 
@@ -77,6 +81,7 @@ class Link:
         "_reached",
         "_tcp_at",
         "bad_run",
+        "bound",
         "endpoint",
         "health",
         "http_like",
@@ -88,8 +93,11 @@ class Link:
         "zmq_at",
     )
 
-    def __init__(self, endpoint: str, topic: str, health: Health, times: LinkTimes) -> None:
+    def __init__(
+        self, endpoint: str, topic: str, health: Health, times: LinkTimes, *, bound: bool = False
+    ) -> None:
         self.endpoint, self.topic, self.health, self.times = endpoint, topic, health, times
+        self.bound = bound  # bind mode: publishers connect to `endpoint`
         self._attempt_at: float | None = None  # a connect in progress since (no TCP yet)
         self._reached = False  # this attempt reached TCP
         self._failed = False  # this attempt's handshake failed (a reason is set)
@@ -174,6 +182,18 @@ class Link:
         elif h.state == "wrong_topic":
             h.set("waiting", "connected, nothing published (engine idle?)", wall)
 
+    def on_publishers(self, n: int, now: float, wall: float) -> None:
+        """Bind mode: `n` publishers are connected to the bound endpoint now."""
+        h = self.health
+        if n and self.zmq_at is None:
+            self.zmq_at = now
+            if h.state not in ("up", "duplicate", "idle"):
+                h.set("waiting", f"{n} publisher(s) connected, no batch yet", wall)
+        elif not n:
+            self.zmq_at = None
+            gone = "the publisher disconnected (engine stopped?); " if h.state in UP_STATES else ""
+            h.set("listening", f"{gone}listening on {self.endpoint}, no publisher connected", wall)
+
     def observe_duplicate(self, duplicate: bool, wall: float) -> None:
         """The sequencer's verdict on a second publisher, at each snapshot."""
         h = self.health
@@ -201,7 +221,7 @@ class Link:
         """A topic set, no probe lately, and either connected but silent since connecting (a
         topic mismatch?) or refused by the peer (an HTTP server, whose answer the prefix hides)."""
         t = self.times
-        if self.probing or not self.topic or self.parked_at is not None:
+        if self.probing or self.bound or not self.topic or self.parked_at is not None:
             return False
         if self._probed_at is not None and now - self._probed_at < t.reprobe_s:
             return False

@@ -4,6 +4,7 @@ poll failed, in one line."""
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Awaitable, Callable
 
 import aiohttp
@@ -58,5 +59,12 @@ def http_failure_reason(exc: BaseException, timeout_s: float) -> str:
     if isinstance(exc, UnicodeDecodeError):
         return "the answer is not text"
     if isinstance(exc, aiohttp.ClientConnectorError):
-        return f"cannot connect: {exc.os_error.strerror or exc.os_error}"
+        return f"cannot connect: {connect_reason(exc.os_error)}"
     return f"request failed: {exc.__class__.__name__}: {exc}".rstrip(": ")
+
+
+def connect_reason(err: OSError) -> str:
+    """Why a connect failed, in lower case: `connection refused`, `name or service not known`."""
+    # aiohttp's ConnectionRefusedError has the strerror "Connect call failed (host, port)"
+    text = os.strerror(err.errno) if err.errno and err.errno > 0 else err.strerror or str(err)
+    return text[:1].lower() + text[1:]

@@ -1,4 +1,9 @@
-"""Replay requests of one collector: at most N DEALERs in flight, the rest queued (ingest thread)."""
+"""Replay requests of one collector: at most N DEALERs in flight, the rest queued (ingest thread).
+
+Gap replays go first: an idle stream's tail check waits while a gap replay is queued and takes at
+most N - 1 of the slots, so tail checks against replay ports that do not answer (each one waits
+out the timeout) cannot hold up the replay of a gap whose live batches are being held.
+"""
 
 from __future__ import annotations
 
@@ -28,21 +33,30 @@ class ReplayClient:
     ) -> None:
         self._ctx, self._poller, self._clock = ctx, poller, clock
         self._max_concurrent, self._max_payload = max_concurrent, max_payload
-        self._queue: deque[tuple[WatchedStream, RequestReplay]] = deque()
+        self._queue: deque[tuple[WatchedStream, RequestReplay]] = deque()  # gap replays
+        self._tails: deque[tuple[WatchedStream, RequestReplay]] = deque()  # tail checks
+        self._tail_slots = max(1, max_concurrent - 1)
+        self._tails_in_flight = 0
         self.by_sock: dict[zmq.Socket[bytes], WatchedStream] = {}
 
     def act(self, st: WatchedStream, action: RequestReplay | CancelReplay) -> None:
         """A sequencer's action: end the stream's replay, and ask anew for a RequestReplay."""
         self.close(st)
         self._queue = deque((s, a) for s, a in self._queue if s is not st)
+        self._tails = deque((s, a) for s, a in self._tails if s is not st)
         if isinstance(action, RequestReplay):
-            self._queue.append((st, action))
+            (self._tails if action.tail else self._queue).append((st, action))
             self.start_queued()
 
     def start_queued(self) -> None:
-        """Send queued requests while fewer than the maximum are in flight."""
-        while self._queue and len(self.by_sock) < self._max_concurrent:
-            st, req = self._queue.popleft()
+        """Send queued requests while fewer than the maximum are in flight (gap replays first)."""
+        while len(self.by_sock) < self._max_concurrent:
+            if self._queue:
+                st, req = self._queue.popleft()
+            elif self._tails and self._tails_in_flight < self._tail_slots:
+                st, req = self._tails.popleft()
+            else:
+                return
             if st.seq is None or st.seq.replay_in_flight != req.replay_id:
                 continue  # superseded or timed out while queued
             endpoint = st.spec.replay_endpoint
@@ -59,7 +73,8 @@ class ReplayClient:
                 sock.close(linger=0)
                 st.seq.on_replay_end(req.replay_id, "error")
                 continue
-            st.replay = (req.replay_id, sock)
+            st.replay = (req.replay_id, sock, req.tail)
+            self._tails_in_flight += req.tail
             self.by_sock[sock] = st
             self._poller.register(sock, zmq.POLLIN)
 
@@ -67,7 +82,7 @@ class ReplayClient:
         """Feed the replies waiting on `sock` to the stream's sequencer."""
         if st.replay is None or st.seq is None:
             return
-        replay_id = st.replay[0]
+        replay_id, now = st.replay[0], self._clock()
         for _ in range(DRAIN_LIMIT):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -80,11 +95,14 @@ class ReplayClient:
                 continue
             if batch is None:  # end marker; holes younger than the reply are asked for anew
                 self.close(st)
-                action = st.seq.on_replay_end(replay_id, "ok", self._clock())
-                if action is not None:
-                    self.act(st, action)
+                again = st.seq.on_replay_end(replay_id, "ok", now)
+                if again is not None:
+                    self.act(st, again)
                 return
-            st.seq.on_replay_batch(replay_id, batch)
+            action = st.seq.on_replay_batch(replay_id, batch, frames[-1], now)
+            if action is not None:  # a tail check found a restarted publisher
+                self.act(st, action)
+                return
             if st.seq.replay_in_flight != replay_id:  # hole filled, or given up
                 self.close(st)
                 return
@@ -93,8 +111,9 @@ class ReplayClient:
         """Close the stream's replay socket, if any."""
         if st.replay is None:
             return
-        sock = st.replay[1]
+        _, sock, tail = st.replay
         st.replay = None
+        self._tails_in_flight -= tail
         self.by_sock.pop(sock, None)
         self._poller.unregister(sock)
         sock.close(linger=0)
@@ -102,3 +121,4 @@ class ReplayClient:
     def clear(self) -> None:
         """Forget the queued requests (shutdown)."""
         self._queue.clear()
+        self._tails.clear()

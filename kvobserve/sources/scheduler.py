@@ -31,6 +31,12 @@ from kvobserve.wire.scheduler import (
 )
 
 Clock = Callable[[], float]
+# A side channel silent for this many snapshot intervals (at least MIN_SILENT_S) is down: the
+# load and FPM publishers send at least once a second while their engine runs, idle or not, so
+# ten missed in a row is no jitter (a long prefill delays a heartbeat by a second or two) and a
+# dead engine still shows within 10 s by default. (The scrape needs none: each poll says.)
+SILENT_INTERVALS = 10
+MIN_SILENT_S = 3.0  # short intervals (tests) must not call a 1 s heartbeat silent
 
 
 @dataclass(slots=True)
@@ -53,6 +59,9 @@ class _Source:
     """Latest values per dp_rank plus counters; subclasses feed `_set`."""
 
     name = ""
+    # What silence means (check_silence): "down" for a source that heartbeats, "idle" for one
+    # that sends only when its engine works, "" for the scrape (each poll says how it went).
+    silence = ""
 
     def __init__(self, clock: Clock = time.time) -> None:
         self._clock = clock
@@ -60,7 +69,26 @@ class _Source:
         self.endpoints: list[str] = []  # what this source connects to, binds or scrapes
         self.messages_total = 0
         self.errors: Counter[str] = Counter()  # by reason
+        self.created = clock()
+        self.last_message = 0.0  # wall-clock time of the last message; 0 = none yet
         self.health = Health("", "waiting", "no message yet", clock())  # named by SchedulerSources
+
+    def check_silence(self, after_s: float) -> None:
+        """Down (or idle) after `after_s` without a message; a message makes it up again."""
+        now = self._clock()
+        if not self.silence or now - (self.last_message or self.created) < after_s:
+            return
+        if self.silence == "down" and self.health.state != "down":
+            what = "no message" if self.last_message else "nothing received"
+            self.health.set(
+                "down",
+                f"{what} for {after_s:g} s (it sends every second while its engine runs)",
+                now,
+            )
+        elif self.silence == "idle" and self.health.state == "up":
+            self.health.set(
+                "idle", f"no message for {after_s:g} s (none is sent while the engine idles)", now
+            )
 
     def _set(self, rank: int, now: float, **vals: float | None) -> None:
         v = self._values.get(rank)
@@ -181,7 +209,7 @@ class _ZmqSource(_Source):
             except zmq.ZMQError:
                 return  # socket closed under us
             self.messages_total += 1
-            now = self._clock()
+            now = self.last_message = self._clock()
             try:
                 self._handle(frames, rank, now)
             except WireError as exc:
@@ -239,9 +267,9 @@ class _SubPerRank(_ZmqSource):
 
 
 class LoadSubscriber(_SubPerRank):
-    """SGLang load PUB per rank (`base + r`), topic `load`: LoadStat."""
+    """SGLang load PUB per rank (`base + r`), topic `load`: LoadStat (1 s heartbeat)."""
 
-    name, topic = "load", b"load"
+    name, topic, silence = "load", b"load", "down"
 
     def _handle(self, frames: Sequence[bytes], rank: int, now: float) -> None:
         _, st = decode_load_message(frames)
@@ -259,7 +287,7 @@ class LoadSubscriber(_SubPerRank):
 class KvMetricsPull(_ZmqSource):
     """SGLang KvMetrics: we BIND a PULL the schedulers PUSH to; rank from the message."""
 
-    name = "kv_metrics"
+    name, silence = "kv_metrics", "idle"  # pushed at the scheduler's refresh points only
 
     def __init__(
         self,
@@ -293,9 +321,10 @@ class KvMetricsPull(_ZmqSource):
 
 
 class FpmSubscriber(_SubPerRank):
-    """SGLang forward-pass metrics PUB per rank (`{base}.{r}` ipc, port + r tcp)."""
+    """SGLang forward-pass metrics PUB per rank (`{base}.{r}` ipc, port + r tcp); an idle
+    scheduler sends a heartbeat every second."""
 
-    name = "fpm"
+    name, silence = "fpm", "down"
 
     def _handle(self, frames: Sequence[bytes], rank: int, now: float) -> None:
         _, m = decode_forward_pass_message(frames)
@@ -348,6 +377,7 @@ class SchedulerSources:
     ) -> None:
         self.sources: list[_Source] = []
         self.scrape: MetricsScrape | None = None
+        self.silent_after_s = max(SILENT_INTERVALS * interval_s, MIN_SILENT_S)
         # A context of our own (not the process-wide instance), so close() ends its I/O threads.
         self._own_ctx = None
         if ctx is None and any(s.source != "metrics" for s in specs):
@@ -372,6 +402,11 @@ class SchedulerSources:
         for src in self.sources:  # named: their changes are logged
             where = ", ".join(src.endpoints[:2]) + (", ..." if len(src.endpoints) > 2 else "")
             src.health.name = f"worker {worker_id} scheduler source {src.name} ({where})"
+
+    def check_silence(self) -> None:
+        """Mark the sources that stopped sending (call every interval)."""
+        for s in self.sources:
+            s.check_silence(self.silent_after_s)
 
     def errors(self) -> dict[tuple[str, str], int]:
         """(source, reason) -> count."""

@@ -105,6 +105,10 @@ class StreamHistory:
                 self.last["restart"] = at
                 msg = f"publisher restarted: seq fell back from {a} to {b}; block index reset"
                 self._add("restart", msg, at)
+            elif kind == "replaced":  # a tail check after a reconnect: another batch under seq a
+                self.last["restart"] = at
+                msg = f"publisher restarted while away: its seq {a} is another batch; index reset"
+                self._add("restart", msg, at)
         if sq.replay_in_flight is None:
             self._settle(sq, wall)
         self._bursts(sq, errors, wall)

@@ -26,6 +26,7 @@ class WatchedStream:
         "batches",
         "connected",
         "decode_errors",
+        "duplicate_wall",
         "history",
         "last_lag",
         "last_seen",
@@ -45,7 +46,7 @@ class WatchedStream:
         self.seq = seq  # None for probe ports
         self.sock: zmq.Socket[bytes] | None = None
         self.monitor: zmq.Socket[bytes] | None = None
-        self.replay: tuple[int, zmq.Socket[bytes]] | None = None
+        self.replay: tuple[int, zmq.Socket[bytes], bool] | None = None  # (id, DEALER, tail check)
         self.mirror: MirrorDetector | None = None
         self.decode_errors: dict[str, int] = {}
         self.bad_seqs: deque[int] = deque(maxlen=64)  # seqs that did not decode, live or replay
@@ -57,6 +58,9 @@ class WatchedStream:
         self.history: StreamHistory | None = None
         self.rate_prev: tuple[float, int] | None = None  # (now, events) when `rate` was taken
         self.rate: float | None = None  # events/s over the last RATE_WINDOW_S or more
+        # (monotonic, wall) start of the current duplicate-stream episode: the wall time is
+        # taken once, so every snapshot carries the same `duplicate_since`
+        self.duplicate_wall: tuple[float, float] | None = None
 
 
 def new_link(spec: StreamSpec, times: LinkTimes, events: RecentEvents, wall: float) -> Link:
@@ -73,7 +77,7 @@ def new_link(spec: StreamSpec, times: LinkTimes, events: RecentEvents, wall: flo
 
     name = f"stream {spec.worker_id} rank {spec.dp_rank} ({spec.endpoint})"
     health = Health(name, "starting", "connecting", wall, changed)
-    return Link(spec.endpoint, spec.topic, health, times)
+    return Link(spec.endpoint, spec.topic, health, times, bound=spec.bound)
 
 
 def count_bad(st: WatchedStream, reason: str, seq_frame: bytes) -> None:
@@ -120,6 +124,11 @@ def stream_stats(
         st.rate_prev = (now, events_total)
     link, hist = st.link, st.history
     last = hist.last if hist is not None else {}
+    dup, began = sq.duplicate_stream(now), sq.duplicate_stream_began
+    if not dup or began is None:
+        st.duplicate_wall = None
+    elif st.duplicate_wall is None or st.duplicate_wall[0] != began:
+        st.duplicate_wall = (began, wall - (now - began))
     return StreamStats(
         spec.worker_id,
         spec.dp_rank,
@@ -137,7 +146,7 @@ def stream_stats(
         replay_requests={k: v for k, v in sq.replay_requests.items() if v},
         restarts=sq.restarts,
         duplicate_batches=sq.duplicate_batches,
-        duplicate_stream=sq.duplicate_stream(now),
+        duplicate_stream=dup,
         rank_mismatch_batches=sq.rank_mismatch_batches,
         decode_errors=dict(st.decode_errors),
         interleaved_batches=sq.interleaved_batches,
@@ -155,6 +164,7 @@ def stream_stats(
         last_loss_time=last.get("loss", 0.0),
         last_restart_time=last.get("restart", 0.0),
         last_duplicate_time=last.get("duplicate", 0.0),
+        duplicate_since=st.duplicate_wall[1] if st.duplicate_wall is not None else 0.0,
         last_decode_error_time=last.get("decode_error", 0.0),
         last_rank_mismatch_time=last.get("rank_mismatch", 0.0),
         incomplete_reason=hist.incomplete_reason if hist is not None else "",

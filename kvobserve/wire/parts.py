@@ -30,7 +30,8 @@ def split_parts(snap: Snapshot) -> list[Snapshot]:
     drift sources (collector-level, like the counters); the first part also the events not about
     one worker; and
     only its workers' streams, unexpected streams, scheduler stats, errors, scheduler sources'
-    states, placement, passthrough families, Dynamo stream stats, drift results and events.
+    states, placement, passthrough families, Dynamo stream stats, drift results, bound
+    endpoints and events.
     """
     by: dict[int, list[str]] = {}
     for w in snap.workers:
@@ -62,6 +63,7 @@ def split_parts(snap: Snapshot) -> list[Snapshot]:
                 drift=[x for x in snap.drift if mine(x.worker_id)],
                 sources=[x for x in snap.sources if mine(x.worker_id)],
                 placement=[x for x in snap.placement if mine(x.worker_id)],
+                binds=[x for x in snap.binds if mine(x.worker_id)],
                 events=[
                     x
                     for x in snap.events
@@ -99,6 +101,7 @@ def merge_parts(parts: list[Snapshot]) -> Snapshot:
         drift=[x for p in parts for x in p.drift],
         sources=[x for p in parts for x in p.sources],
         placement=[x for p in parts for x in p.placement],
+        binds=[x for p in parts for x in p.binds],
         events=sorted({x.seq: x for p in parts for x in p.events}.values(), key=lambda x: x.seq),
         bucket=WHOLE,
     )
@@ -108,5 +111,5 @@ def _per_worker(snap: Snapshot) -> tuple[list[Any], ...]:
     """The snapshot's lists whose items belong to one worker (`worker_id`) each."""
     return (
         snap.streams, snap.unexpected, snap.scheduler, snap.scheduler_errors, snap.dynamo,
-        snap.drift, snap.sources, snap.placement,
+        snap.drift, snap.sources, snap.placement, snap.binds,
     )  # fmt: skip

@@ -95,6 +95,7 @@ class StreamStats(Struct, omit_defaults=True, gc=False):
     last_loss_time: float = 0.0
     last_restart_time: float = 0.0
     last_duplicate_time: float = 0.0  # last evidence of a second publisher
+    duplicate_since: float = 0.0  # first evidence of the current one (0: none now, or unknown)
     last_decode_error_time: float = 0.0
     last_rank_mismatch_time: float = 0.0
     incomplete_reason: str = ""  # why state_complete is False, when known
@@ -198,6 +199,12 @@ class WorkerInfo(Struct, omit_defaults=True, gc=False):
     ranks_owned: list[int] = []
     leader: bool = False
     capacity_tokens: int = 0  # configured; 0 = take it from scheduler metrics
+    # Whether this collector can watch the worker as configured (docs/collector.md "Worker
+    # states"): undiscovered, layout_mismatch, watching; "" = an older collector.
+    state: str = ""
+    reason: str = ""  # one line: "connection refused at http://10.0.0.5:30000/server_info"
+    since: float = 0.0  # wall-clock time the state began
+    elsewhere: list[int] = []  # ranks the config gives this node that its engine does not run
 
 
 class DynamoStreamStats(Struct, omit_defaults=True, gc=False):
@@ -226,6 +233,41 @@ class DynamoPlaneStats(Struct, omit_defaults=True, gc=False):
     messages_total: int = 0
     errors: dict[str, int] = {}  # reason -> messages that could not be used
     not_owned_events: int = 0  # events of ranks another collector keeps (keep_ranks = "node")
+
+
+RELAY_DROP_REASONS = ("no_target", "queue_full")  # why a relay did not forward a frame
+
+
+class RelayStats(Struct, omit_defaults=True, gc=False):
+    """A bound endpoint's relay: every frame forwarded to `target` first (docs/deployment.md)."""
+
+    target: str
+    state: str = ""  # connecting, waiting (connected, not subscribed), up, not_subscriber
+    reason: str = ""
+    since: float = 0.0  # wall-clock time the state began
+    forwarded: int = 0  # frames sent to the target
+    filtered: int = 0  # frames whose topic the target does not subscribe to (not sent)
+    dropped: dict[str, int] = {}  # reason (no_target, queue_full) -> frames not forwarded
+    last_drop_time: float = 0.0  # collector wall clock of the last drop; 0 = never
+    queue: int = 0  # frames that may wait for the target (relay_queue)
+
+
+class BindStats(Struct, omit_defaults=True, gc=False):
+    """One endpoint a collector binds for publishers to connect to (bind mode), per rank."""
+
+    worker_id: str  # the [[worker]] id; with a topic template its streams are `{id}/{pod}`
+    dp_rank: int
+    endpoint: str = ""
+    topic: str = ""  # the topic template, or the prefix
+    state: str = ""  # listening, connected, bind_failed
+    reason: str = ""
+    since: float = 0.0
+    publishers: int = 0  # connections open on the endpoint now
+    messages_total: int = 0
+    skipped: dict[str, int] = {}  # reason (topic_mismatch, refused, analysis_behind) -> messages
+    skip_reason: str = ""  # the last message skipped, for a person
+    streams: int = 0  # streams it feeds now
+    relay: RelayStats | None = None
 
 
 class DriftStats(Struct, omit_defaults=True, gc=False):
@@ -313,6 +355,7 @@ class Snapshot(Struct, omit_defaults=True, gc=False):
     dynamo_planes: list[DynamoPlaneStats] = []
     drift: list[DriftStats] = []
     drift_sources: list[DriftSource] = []
+    binds: list[BindStats] = []  # bind mode: the endpoints this collector binds, per rank
     counters: CollectorCounters | None = None
     sources: list[SourceState] = []
     events: list[Event] = []  # the collector's most recent events (at most MAX_EVENTS)

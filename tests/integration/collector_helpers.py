@@ -158,10 +158,18 @@ async def running_collector(
     ingest: IngestOptions | None = None,
     observers: list[Callable[[Snapshot], object]] | None = None,
     rediscovery_s: float = 30.0,
+    pod_watch: dict[str, Any] | None = None,
 ) -> AsyncIterator[Collector]:
     """A started Collector on a LocalBus; closed (and the bus with it) on exit."""
     bus = LocalBus()
-    col = Collector(cfg, bus, ingest=ingest, observers=observers, rediscovery_s=rediscovery_s)
+    col = Collector(
+        cfg,
+        bus,
+        ingest=ingest,
+        observers=observers,
+        rediscovery_s=rediscovery_s,
+        pod_watch=pod_watch,
+    )
     try:
         await col.start()
         yield col

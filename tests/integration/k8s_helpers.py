@@ -44,15 +44,22 @@ def generator() -> ModuleType:
     return mod
 
 
+def overlays() -> list[Path]:
+    """The kustomizations under deploy/kubernetes beside the stack's own (llm-d-per-pod/, ...)."""
+    return sorted(p.parent for p in K8S.glob("*/kustomization.yaml"))
+
+
 @cache
-def manifests() -> dict[str, tuple[Obj, ...]]:
-    """Relative file name -> its objects, for every manifest (kustomization.yaml excluded)."""
+def manifests(root: Path = K8S) -> dict[str, tuple[Obj, ...]]:
+    """Relative file name -> its objects, for every manifest of the kustomization at `root`
+    (kustomization.yaml excluded; the stack's excludes the overlays, which have their own)."""
     out = {}
-    for path in sorted(K8S.rglob("*.yaml")):
-        if path.name == "kustomization.yaml":
+    skip = [] if root != K8S else overlays()
+    for path in sorted(root.rglob("*.yaml")):
+        if path.name == "kustomization.yaml" or any(d in path.parents for d in skip):
             continue
         docs = tuple(d for d in yaml.load_all(path.read_text(), Loader=LOADER) if d is not None)
-        out[str(path.relative_to(K8S))] = docs
+        out[str(path.relative_to(root))] = docs
     return out
 
 
@@ -201,3 +208,116 @@ def promtool() -> str:
     found = shutil.which("promtool")
     assert found, "install-tools.sh did not provide promtool"
     return found
+
+
+class Overlay:
+    """One overlay under deploy/kubernetes (llm-d-per-pod/, llm-d-relay/): its objects, the
+    collector Deployment it runs and the example engine it ships unlisted."""
+
+    def __init__(self, name: str, example: str, pod_name: str) -> None:
+        self.root, self.example, self.pod_name = K8S / name, example, pod_name
+
+    def objects(self) -> list[tuple[str, Obj]]:
+        """(file, object) of every manifest, the example's included."""
+        return [(name, o) for name, docs in manifests(self.root).items() for o in docs]
+
+    def listed(self) -> list[Obj]:
+        """The objects the kustomization applies (not the example engine)."""
+        return [o for name, o in self.objects() if name != self.example]
+
+    def find(self, kind: str) -> Obj:
+        """The one applied object of `kind`."""
+        (found,) = [o for o in self.listed() if o["kind"] == kind]
+        return found
+
+    def engine(self) -> Obj:
+        """The example engine Deployment."""
+        (obj,) = manifests(self.root)[self.example]
+        return obj
+
+    def engine_flags(self) -> tuple[list[str], str]:
+        """The engine container's args and its --kv-events-config JSON text."""
+        (c,) = containers(self.engine()["spec"]["template"]["spec"])
+        flags = list(c["args"])
+        return flags, flags[flags.index("--kv-events-config") + 1]
+
+    def collector(self) -> Obj:
+        """The collector container of the Deployment."""
+        (c,) = self.find("Deployment")["spec"]["template"]["spec"]["containers"]
+        return c
+
+    def config_text(self) -> str:
+        """The collector's kvobserve.toml, as the ConfigMap holds it."""
+        (text,) = self.find("ConfigMap")["data"].values()
+        return str(text)
+
+    def config(self, tmp_path: Path) -> Any:
+        """The collector's kvobserve.toml, loaded with the environment its pod gets."""
+        from kvobserve.config import load_config
+
+        path = tmp_path / "kvobserve.toml"
+        path.write_text(self.config_text())
+        env = container_env(self.collector(), self.pod_name)
+        return load_config(
+            str(path), {}, {k: v for k, v in env.items() if k.startswith("KVOBSERVE_")}
+        )
+
+    def built_as_listed(self) -> list[Obj]:
+        """What `kubectl kustomize` builds, checked to be the listed objects as written."""
+
+        def key(o: Obj) -> tuple[str, str]:
+            return o["kind"], o["metadata"]["name"]
+
+        built = kustomize(self.root)
+        assert sorted(built, key=key) == sorted(self.listed(), key=key)
+        return built
+
+    def validate(self, version: str) -> None:
+        """Every object (the example's too) against the schemas of Kubernetes `version`."""
+        import kubernetes_validate
+
+        for _, obj in self.objects():
+            used = kubernetes_validate.validate(obj, version, strict=True)
+            assert used == version.rsplit(".", 1)[0], f"validated against {used}"
+
+    def assert_locked_down(self, version: str) -> dict[str, Obj]:
+        """The collector pod as every kvobserve pod runs: one replica, Recreate, the image of the
+        package version, non-root, read-only root, no capabilities, no service links, its
+        config mounted from the overlay's ConfigMap; returns its volumes by mount path."""
+        deployment = self.find("Deployment")
+        spec = deployment["spec"]
+        assert (spec["replicas"], spec["strategy"]["type"]) == (1, "Recreate")
+        pod = spec["template"]["spec"]
+        c = self.collector()
+        assert c["image"] == f"kvobserve:{version}"
+        assert kvobserve_args(c) == ["collect", "-c", "/etc/kvobserve/kvobserve.toml"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        mounts = {m["mountPath"]: volumes[m["name"]] for m in c["volumeMounts"]}
+        assert (
+            mounts["/etc/kvobserve"]["configMap"]["name"]
+            == self.find("ConfigMap")["metadata"]["name"]
+        )
+        assert "emptyDir" in mounts["/tmp"]
+        sc = {**pod["securityContext"], **c["securityContext"]}
+        assert (sc["runAsNonRoot"], sc["runAsUser"], sc["readOnlyRootFilesystem"]) == (
+            True,
+            10001,
+            True,
+        )
+        assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"]
+        assert pod["enableServiceLinks"] is False
+        return mounts
+
+    def assert_docs_show(self, section: str) -> None:
+        """A docs section shows the overlay's [[worker]] and the engine's --kv-events-config."""
+        (shown,) = re.findall(r"```toml\n(.*?)```", section, re.S)
+        assert tomllib.loads(shown)["worker"] == tomllib.loads(self.config_text())["worker"]
+        _, events = self.engine_flags()
+        assert f"--kv-events-config \\\n  '{events}'" in section
+
+    def assert_docs_name_files(self) -> None:
+        """docs/kubernetes.md names every file of the overlay."""
+        doc = (ROOT / "docs" / "kubernetes.md").read_text()
+        for name in [*manifests(self.root), "kustomization.yaml"]:
+            path = f"{self.root.name}/{name}"
+            assert path in doc, f"docs/kubernetes.md does not mention {path}"

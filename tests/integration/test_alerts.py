@@ -334,6 +334,9 @@ def test_golden_fleet_raises_the_expected_alerts(prometheus: str) -> None:
         ("KVEventUnexpectedStream", "sglang-a", "4"),
         # Connected, busy per the scheduler, and no batch in the window (the counters are static).
         ("KVEventStreamStalled", "sglang-a", "0"),
+        # node-1 cannot discover sglang-c; node-0's metrics scrape of sglang-a fails (pending)
+        ("KVWorkerUndiscovered", "sglang-c", ""),
+        ("KVSchedulerSourceDown", "sglang-a", ""),
     }
     # Rules evaluate every second; wait until an evaluation has seen two scrapes.
     _poll("the expected alerts", lambda: expected <= keys())
@@ -347,11 +350,22 @@ def test_golden_fleet_raises_the_expected_alerts(prometheus: str) -> None:
     # The stream_info join adds what the inhibition and the description need.
     assert down["collector"] == "node-0" and down["endpoint"] == "tcp://10.0.0.6:5558"
     assert down["job"] == "kvobserve" and down["severity"] == "critical"
+    # ... and the last owner's join of the uncovered rank: node-2, the down collector
+    uncovered = next(
+        a["labels"]
+        for a in alerts()
+        if (a["labels"]["alertname"], a["labels"].get("dp_rank")) == ("DPRankUncovered", "3")
+    )
+    assert (uncovered["collector"], uncovered["node_rank"]) == ("node-2", "2")
     # Healthy ranks stay quiet.
     assert ("DPRankUncovered", "sglang-a", "0") not in got
     assert ("KVEventStreamDown", "sglang-a", "0") not in got
     # The scheduler says sglang-a dp_rank 1 is idle: no stall alert for it.
     assert ("KVEventStreamStalled", "sglang-a", "1") not in got
+    # The down collector's layout mismatch and silent source are not served: no alert on them.
+    assert ("KVWorkerLayoutMismatch", "sglang-a", "") not in got
+    sources = {a["labels"].get("source") for a in alerts() if "source" in a["labels"]}
+    assert sources == {"metrics"}, sources
 
 
 def test_dashboard_queries_return_data(prometheus: str) -> None:

@@ -9,7 +9,9 @@ import time
 import pytest
 import zmq
 
+from kvobserve.analysis.fleet import FleetState
 from kvobserve.simulate import FaultConfig, SimConfig, SimulatedWorker
+from kvobserve.wire.snapshot import Snapshot
 from tests.integration.collector_helpers import (
     Sims,
     all_streams,
@@ -146,3 +148,34 @@ async def test_a_mirrored_stream_is_a_duplicate_stream_on_both_ranks(sims: Sims)
         assert [stream(snap, r).duplicate_stream for r in (0, 1, 2)] == [True, True, False]
         # rank 1's port carries rank 0's bytes, rank label 0 included
         assert stream(snap, 1).rank_mismatch_batches == 60
+
+
+async def test_a_duplicate_streams_since_stays_at_its_first_sign(sims: Sims) -> None:
+    """Issue 21: the duplicate_stream condition's since kept resetting to "1 s ago" while the
+    second publisher went on; it is when the second publisher was first seen, in every view."""
+    faults = FaultConfig(second_publisher=(1,))
+    sim = sims.start(sim_config("vllm-0.33", rate=100.0, max_batches=0, faults=faults))
+    async with running_collector(sim_collector_config(sim)) as col:
+        await wait_connected(col, sim)
+        first = await wait_snapshot(
+            col, lambda s: stream(s, 1).duplicate_stream, timeout_s=5.0, what="duplicate stream"
+        )
+        detected = time.time()
+
+        def since(snap: Snapshot) -> float:
+            state = FleetState()
+            state.update(snap, snap.time)
+            (c,) = [c for c in state.view(snap.time).conditions if c.kind == "duplicate_stream"]
+            return c.since
+
+        start = since(first)
+        assert 0 < start <= detected
+        # the evidence moves on for 2 s: the start does not
+        later = await wait_snapshot(
+            col,
+            lambda s: stream(s, 1).last_duplicate_time >= stream(first, 1).last_duplicate_time + 2,
+            timeout_s=10.0,
+            what="two more seconds of a second publisher",
+        )
+        assert stream(later, 1).duplicate_stream
+        assert since(later) == start == stream(later, 1).duplicate_since

@@ -9,6 +9,8 @@ cannot map fails it, so the docs cannot drift from what the commands accept. Dae
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shlex
 import signal
@@ -24,9 +26,11 @@ from pathlib import Path
 import pytest
 
 from kvobserve.simulate import SimConfig, SimulatedWorker, SimulatorGroup
+from kvobserve.simulate.group import free_port_range
 from tests.certs import self_signed
 from tests.integration.conftest import NatsServer, free_port
-from tests.integration.fleet_helpers import ROOT, clean_env, write_toml
+from tests.integration.fleet_helpers import ROOT, Procs, clean_env, poll, write_toml
+from tests.integration.kube_api import serving_in_thread
 
 pytestmark = pytest.mark.integration
 
@@ -76,6 +80,7 @@ class Env:
     key: str
     dynamo_config: Path  # a Dynamo plane on `nats`, where a simulated Dynamo worker publishes
     dynamo_zmq: str  # a ZMQ direct KV-event publisher of a simulated Dynamo worker
+    pods_config: Path  # a [worker.kubernetes] worker whose API server plays recorded pods
     recorded: Path = field(init=False)
 
     def __post_init__(self) -> None:
@@ -97,6 +102,7 @@ def _map(line: str, env: Env) -> tuple[list[str], dict[str, str], str | None]:
         (r"--nats URL", f"--nats {env.nats}"),
         (r"--url (URL|(http://)?(localhost|<aggregator>|127\.0\.0\.1):947[78])", f"--url {env.aggregator}"),
         (r"--cluster NAME", "--cluster prod-a"),
+        (r"tcp://127\.0\.0\.1:6557", f"tcp://127.0.0.1:{free_port()}"),  # bind mode's port
         (r"(0\.0\.0\.0):9477", listen),
         (r"tcp://(10\.0\.0\.5|127\.0\.0\.1):5657", env.replay),
         (r"tcp://(10\.0\.0\.5|127\.0\.0\.1):(5557|41230)|tcp://<host>:<port>|tcp://host:port", env.kv),
@@ -107,6 +113,7 @@ def _map(line: str, env: Env) -> tuple[list[str], dict[str, str], str | None]:
         (r"/etc/kvobserve/tls\.key", env.key),
         (r"-c sim\.toml", f"-c {env.sim_config}"),
         (r"-c dynamo\.toml", f"-c {env.dynamo_config}"),
+        (r"-c pods\.toml", f"-c {env.pods_config}"),
         (r"tcp://10\.0\.0\.5:36001", env.dynamo_zmq),
         (r"-c (kvobserve\.toml|node-?[N0-9]\.toml|node\.toml|FILE|/etc/kvobserve/[\w.-]+\.toml)", f"-c {env.config}"),
     ]  # fmt: skip
@@ -196,6 +203,8 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         ]
     ).start()
     run = None
+    pods = serving_in_thread()  # a Kubernetes API server with llm-d's pods (kube_api.py)
+    pods_api = pods.__enter__()
     try:
         kv, replay = f"tcp://127.0.0.1:{sim.kv_base}", f"tcp://127.0.0.1:{sim.replay_base}"
         url = f"http://127.0.0.1:{sim.http_port}"
@@ -212,6 +221,12 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
                       "block_size": 16}  # fmt: skip
         dynamo_config = write_toml(tmp / "dynamo.toml", {"worker": [dyn_worker]})
         dynamo_zmq = next(e.url for e in dynamo.endpoints() if e.kind == "dynamo_kv")
+        k8s = {"namespace": "llm-d", "selector": "llm-d.ai/inference-serving=true",
+               "replay_port": 5559, "topic": "kv@{pod_ip}:8000@",
+               "kubeconfig": str(pods_api.kubeconfig(tmp / "kubeconfig"))}  # fmt: skip
+        pods_config = write_toml(
+            tmp / "pods.toml", {"worker": [{"id": "qwen", "engine": "vllm", "kubernetes": k8s}]}
+        )
         port = free_port()
         run = subprocess.Popen(
             [sys.executable, "-m", "kvobserve", "run", "-c", str(config), "--listen", f"127.0.0.1:{port}"],
@@ -225,7 +240,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         cert, key = self_signed(tmp / "tls")
         yield Env(
             tmp, nats.url, kv, replay, url, config, sim_config, aggregator, cert, key,
-            dynamo_config, dynamo_zmq,
+            dynamo_config, dynamo_zmq, pods_config,
         )  # fmt: skip
     finally:
         if run is not None:
@@ -234,6 +249,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         sim.stop()
         dynamo.stop()
         nats.stop()
+        pods.__exit__(None, None, None)
 
 
 LINES = documented_lines()
@@ -255,3 +271,146 @@ def test_documented_command_line_runs(env: Env, where: str, line: str) -> None:
         assert "WORKER" in text and "docs" in text  # the table, with the running worker
     elif args[0] == "tap":
         assert '"events"' in text
+
+
+# --- docs/deployment.md "One worker over several nodes", run as written, node 1's engine killed ---
+
+PAGE = (ROOT / "docs" / "deployment.md").read_text()
+SEVERAL = PAGE.split("## One worker over several nodes", 1)[1].split("\n## ", 1)[0]
+SGLANG = SEVERAL.split("### SGLang: DP attention, dp_size 8 over 2 nodes", 1)[1].split("\n### ")[0]
+NODES = ("127.0.0.1", "127.0.0.2")  # node 0 (10.0.0.5), node 1 (10.0.0.6): its own loopback
+# Why a killed engine's stream is down: at once, then once ZMQ's reconnects are refused
+GONE = ("disconnected: the publisher went away (engine stopped?)",
+        "connection refused: nothing listens there")  # fmt: skip
+
+
+def _walkthrough() -> tuple[str, str, list[dict[str, str]], str, str, str]:
+    """(engine launch, config file, per-node environment, collect, aggregate, status) as the
+    page shows them (a change there changes what this test runs)."""
+    launch = re.search(r"```sh\n(python -m sglang\.launch_server .*?)```", SGLANG, re.S)
+    config = re.search(r"```toml\n(.*?)```", SGLANG, re.S)
+    envs = [
+        dict(line.split("=", 1) for line in block.strip().splitlines())
+        for block in re.findall(r"```sh\n((?:KVOBSERVE_\w+=\S+\n)+)```", SEVERAL)
+    ]
+    collect = re.search(r"\$ (kvobserve collect -c \S+)", SEVERAL)
+    aggregate = re.search(r"`(kvobserve aggregate --nats URL [^`]+)`", PAGE)
+    status = re.search(r"\$ (kvobserve status --url \S+ --events)", PAGE)
+    assert launch and config and collect and aggregate and status and len(envs) == 2
+    return (launch.group(1), config.group(1), envs, collect.group(1), aggregate.group(1),
+            status.group(1))  # fmt: skip
+
+
+def _simulate_args(launch: str, node_rank: int, ports: dict[int, int]) -> list[str]:
+    """The documented SGLang launch on node `node_rank`, stood in for by `kvobserve simulate`
+    with the same layout; documented ports mapped to free ones (`ports`)."""
+    words = shlex.split(launch.replace("\\\n", " "))
+    assert words[:3] == ["python", "-m", "sglang.launch_server"], words
+    opts = {w: words[i + 1] for i, w in enumerate(words) if w.startswith("--") and i + 1 < len(words) and not words[i + 1].startswith("--")}  # fmt: skip
+    kv = json.loads(opts["--kv-events-config"])
+    kv_port = int(kv["endpoint"].rsplit(":", 1)[1])
+    dp = int(opts["--dp-size"])
+    assert opts["--load-publish-endpoint"] == "auto" and "--enable-metrics" in words
+    return [
+        "simulate", "--format", "sglang-0.5.23", "--dp-size", str(dp),
+        "--nnodes", opts["--nnodes"], "--node-rank", str(node_rank), "--host", NODES[node_rank],
+        "--http-port", str(ports[int(opts["--port"])]), "--kv-port", str(ports[kv_port]),
+        "--replay-port", str(ports[int(kv["replay_endpoint"].rsplit(":", 1)[1])]),
+        "--load-port", str(ports[kv_port] + dp),  # `auto`: the KV base + dp_size
+        "--topic", kv["topic"], "--rate", "20",
+        *([] if "--enable-dp-attention" in words else ["--no-dp-attention"]),
+    ]  # fmt: skip
+
+
+def _status(argv: list[str]) -> tuple[int, str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvobserve", *argv], capture_output=True, text=True, timeout=30,
+        env=clean_env(), cwd=ROOT,
+    )  # fmt: skip
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_two_node_walkthrough_with_node_1s_engine_killed(tmp_path: Path) -> None:
+    """The SGLang walkthrough of docs/deployment.md on 127.0.0.1 (node 0) and 127.0.0.2 (node 1):
+    8 ranks up with usage; then node 1's engine is killed and `kvobserve status` shows ranks 4-7
+    down with the reason, no cache or token usage, and exits 1."""
+    launch, config, envs, collect, aggregate, status = _walkthrough()
+    kv = free_port_range(NODES, 17)  # 8 ranks, the port past them, 8 load PUBs (`auto`)
+    ports = {
+        5557: kv,
+        5657: free_port_range(NODES, 9, avoid=(kv,)),
+        30000: free_port_range(NODES, 1, avoid=(kv,)),
+    }
+    nats = NatsServer(tmp_path / "js")
+    nats.start()
+    procs = Procs(tmp_path)
+
+    def logs() -> str:
+        return "\n".join(f"--- {p.args}\n{log.read_text()[-1500:]}" for p, log in procs.started)
+
+    def doc(text: str) -> str:  # the page's addresses and ports onto this machine
+        for a, b in (("10.0.0.5", NODES[0]), ("10.0.0.6", NODES[1]),
+                     ("nats://10.0.0.9:4222", nats.url), (":30000", f":{ports[30000]}")):  # fmt: skip
+            text = text.replace(a, b)
+        return text
+
+    agg = f"127.0.0.1:{free_port()}"
+    try:
+        engines = [
+            procs.kvobserve(f"engine-{k}", *_simulate_args(launch, k, ports)) for k in (0, 1)
+        ]
+        for pid in engines:
+            poll(lambda pid=pid: "ready workers=" in procs.log(pid), 30, "engine ready", logs)
+        cfg = tmp_path / "kvobserve.toml"
+        cfg.write_text(doc(config))
+        argv = doc(aggregate).replace("--nats URL", f"--nats {nats.url}")
+        argv = argv.replace("--cluster NAME", "--cluster prod-a").replace("0.0.0.0:9477", agg)
+        procs.kvobserve("aggregate", *shlex.split(argv)[1:])
+        for k, env in enumerate(envs):
+            procs.kvobserve(
+                f"collect-{k}",
+                *shlex.split(collect.replace("/etc/kvobserve/kvobserve.toml", str(cfg)))[1:],
+                # the node's environment; this machine's stand-ins for node k's own address
+                # and its local HTTP port
+                env=clean_env(
+                    **env,
+                    KVOBSERVE_COLLECTOR_HOST=NODES[k],
+                    KVOBSERVE_HTTP_LISTEN=f"{NODES[k]}:{free_port()}",
+                ),
+            )
+        status_argv = shlex.split(status.replace("127.0.0.1:9477", agg))[1:]
+
+        def fleet_up() -> bool:
+            rc, text = _status(status_argv)
+            rows = [ln.split() for ln in text.splitlines() if ln.startswith("sglang-dp8 ")]
+            return rc == 0 and len(rows) == 8 and all(r[4] == "up" and r[12] != "-" for r in rows)
+
+        poll(fleet_up, 60, "8 ranks up with cache usage, exit 0", logs)
+        assert "8/8 streams up" in _status(status_argv)[1]
+
+        os.kill(engines[1], signal.SIGKILL)  # by PID: node 1's engine dies, its collector runs on
+        poll(lambda: not procs.alive(engines[1]), 10, "engine 1 gone", logs)
+
+        def dead_shown() -> str | None:
+            rc, text = _status(status_argv)
+            down = [ln for ln in text.splitlines() if "stream_down" in ln and "CRITICAL" in ln]
+            return text if rc == 1 and len(down) == 4 else None
+
+        text = poll(dead_shown, 30, "ranks 4-7 down in `kvobserve status`, exit 1", logs)
+        rows = {int(ln.split()[1]): ln for ln in text.splitlines() if ln.startswith("sglang-dp8 ")}
+        for r in range(4, 8):
+            cells = rows[r].split()
+            assert cells[2] == "1" and cells[4] != "up", rows[r]
+            assert cells[12:14] == ["-", "-"], rows[r]  # no cache usage, no token usage
+            assert rows[r].endswith(GONE), rows[r]  # the reason
+            why = f"sglang-dp8 rank {r} is down: connecting: ({'|'.join(map(re.escape, GONE))})"
+            assert re.search(rf"CRITICAL stream_down .*dp_rank={r}\b.*: {why}", text), text
+        for r in range(4):  # node 0 is untouched
+            cells = rows[r].split()
+            assert cells[4] == "up" and cells[12].endswith("%"), rows[r]
+        assert "4/8 streams up" in text and "cache_near_full" not in text, text
+        head = text.splitlines()[0].split()
+        assert head[12:15] == ["USAGE", "TOKEN_USAGE", "REASON"], head
+    finally:
+        procs.stop_all()
+        nats.stop()

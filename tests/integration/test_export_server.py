@@ -153,7 +153,7 @@ async def test_health_api_and_status_page(rich: tuple[HttpServer, FleetState]) -
         async with s.get(f"{srv.url}/api/v1/fleet") as r:
             fleet = await r.json()
     s0 = next(s for s in streams if s["worker_id"] == "sglang-a" and s["dp_rank"] == 0)
-    assert (s0["up"], s0["batches"], s0["gaps"], s0["lost"], s0["usage_ratio"]) == (
+    assert (s0["up"], s0["batches"], s0["gaps"], s0["lost"], s0["cache_usage_ratio"]) == (
         True,
         100,
         2,
@@ -161,7 +161,7 @@ async def test_health_api_and_status_page(rich: tuple[HttpServer, FleetState]) -
         0.25,
     )
     stale = next(s for s in streams if s["collector"] == "node-2")
-    assert (stale["up"], stale["batches"], stale["usage_ratio"]) == (False, 50, None)
+    assert (stale["up"], stale["batches"], stale["cache_usage_ratio"]) == (False, 50, None)
     dup = [a for a in alerts if a["kind"] == "duplicate_stream"]
     assert dup and dup[0]["labels"] == {"worker_id": "sglang-a", "node_rank": "0", "dp_rank": "0"}
     assert alerts[0]["severity"] == "critical"

@@ -80,7 +80,16 @@ async def test_status_page_in_headless_chromium(tmp_path: Path) -> None:
     assert '<tr class="c-warning" data-kind="duplicate_stream">' in dom
     assert "two publishers (interleaved or mirrored)" in dom
     assert f'href="{RUNBOOK}#kveventduplicatestream">KVEventDuplicateStream</a>' in dom
-    assert "3 collectors, 2 workers" in dom
+    assert "3 collectors, 3 workers" in dom
+    # A worker node-1 cannot discover: its state row is red (worker_undiscovered is critical) and
+    # says why, though it has no rank to show; the down scheduler source's state is amber.
+    assert (
+        '<tr class="c-critical" data-state="undiscovered"><td>node-1</td><td><span class="st">'
+        "undiscovered</span></td><td>connection refused at http://10.0.0.9:30000/server_info"
+    ) in dom
+    assert 'data-state="watching"><td>node-0</td>' in dom and "No rank known." in dom
+    assert '<td class="c-warning"><span class="st">down</span></td>' in dom
+    assert '<tr class="c-critical" data-kind="worker_undiscovered">' in dom
     # A down stream shows no usage ("-", not 0%); the stale node's stream is "stale".
     assert 'data-rank="1" data-state="down"' in dom and 'data-state="stale"' in dom
     # The idle probe is not a stray publisher; the active one is.

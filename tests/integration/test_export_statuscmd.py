@@ -50,14 +50,16 @@ async def test_status_table_and_conditions() -> None:
     lines = text.splitlines()
     assert lines[0].split() == [
         "WORKER", "RANK", "NODE", "COLLECTOR", "STATE", "BATCHES", "GAPS", "LOST", "RESTARTS",
-        "DUP", "LAG", "AGE", "USAGE", "SCHED", "REASON",
+        "DUP", "LAG", "AGE", "USAGE", "TOKEN_USAGE", "REASON",
     ]  # fmt: skip
     rows = [ln.split()[:14] for ln in lines]  # REASON is free text
-    # restarts 1, a duplicate, 250 ms lag, resident 25% next to the scheduler's 30%
+    # restarts 1, a duplicate, 250 ms lag, cache usage 25% next to the scheduler's token usage 30%
     sg0 = "sglang-a 0 0 node-0 up 100 2 2 1 yes 250ms - 25% 30%"
     # a stale stream (its collector is down) and a down one: no usage, not 0%
     sg3 = "sglang-a 3 2 node-2 stale 50 1 4 0 - - - - -"
-    vl1 = "vllm-b 1 0 node-0 down 0 0 0 0 no - - - -"
+    vl1 = (
+        "vllm-b 1 0 node-0 down 0 0 0 0 - - - - -"  # down: whether it has two publishers is unknown
+    )
     for row in (sg0, sg3, vl1):
         assert row.split() in rows, row
     assert "collectors: node-0 up (0.5s), node-1 up (0.2s), node-2 DOWN (10.0s)" in text

@@ -84,7 +84,10 @@ async def test_each_wrong_endpoint_has_its_reason(
     fleet.update(snap, snap.time)
     view = fleet.view(snap.time + 10)  # past the few seconds a stream may settle
     streams = {j["worker_id"]: j for j in api.streams_json(view)}
-    assert streams["refused"]["usage_ratio"] is None and streams["refused"]["state"] == "connecting"
+    assert (
+        streams["refused"]["cache_usage_ratio"] is None
+        and streams["refused"]["state"] == "connecting"
+    )
     assert streams["http"]["reason"] == s["http"].reason
     down = {dict(c.labels)["worker_id"]: c.description for c in view.conditions
             if c.kind == "stream_down"}  # fmt: skip

@@ -266,6 +266,50 @@ async def test_load_pub_capture(ctx: zmq.asyncio.Context) -> None:
             s.close(linger=0)
 
 
+async def test_a_load_publisher_that_stops_is_down_until_it_sends_again(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """Issue 21: a killed engine's load source said "up: receiving" for ever. Silent for the
+    threshold (10 intervals, here the 3 s floor at 0.1 s), it is down with the reason."""
+    (line, *_), _ = load_capture("load")
+    base, pubs = bind_consecutive_pubs(ctx, 1)
+    sources = SchedulerSources(
+        [scheduler_specs(WorkerConfig("w", "sglang"), (0,), f"tcp://127.0.0.1:{base}")[0]],
+        "sglang",
+        interval_s=0.1,
+        ctx=ctx,
+    )
+    (src,) = sources.sources
+    assert sources.silent_after_s == 3.0  # MIN_SILENT_S: a 1 s heartbeat is not silence
+    await sources.start()
+    try:
+        frames = raw_frames(line)
+        await wait_for(
+            lambda: src.health.state == "up", tick=lambda: pubs[0].send_multipart(frames)
+        )
+        sources.check_silence()
+        assert src.health.state == "up"  # it just sent
+        t0 = asyncio.get_running_loop().time()
+
+        def checked_down() -> bool:
+            sources.check_silence()  # what the collector does every interval
+            return src.health.state == "down"
+
+        await wait_for(checked_down, timeout=10)
+        assert asyncio.get_running_loop().time() - t0 >= 2.5  # not before the threshold
+        assert (
+            src.health.reason == "no message for 3 s (it sends every second while its engine runs)"
+        )
+        await wait_for(
+            lambda: src.health.state == "up", tick=lambda: pubs[0].send_multipart(frames)
+        )
+        assert src.health.reason == "receiving"
+    finally:
+        await sources.close()
+        for s in pubs:
+            s.close(linger=0)
+
+
 async def test_kv_metrics_pull_capture_and_pickle_refused(
     ctx: zmq.asyncio.Context, tmp_path: Path
 ) -> None:

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -144,11 +144,18 @@ def _am_alerts(stack: Stack) -> list[dict[str, Any]]:
 
 @pytest.fixture
 def stack_factory(tmp_path: Path) -> Iterator[Any]:
-    """`factory(profile)` -> a Stack brought up with that fault profile; stopped in finally."""
+    """`factory(profile, edit)` -> a Stack brought up with that fault profile (and `edit` applied
+    to the mounted files after the test's own changes); stopped in finally."""
     stacks: list[Stack] = []
 
-    def factory(profile: str) -> tuple[Stack, float]:
-        stack = Stack(tmp_path / profile, env={"KVOBSERVE_PROFILE": profile}, edit=_edit)
+    def factory(
+        profile: str, edit: Callable[[Path, str], str] | None = None
+    ) -> tuple[Stack, float]:
+        def edited(path: Path, text: str) -> str:
+            text = _edit(path, text)
+            return edit(path, text) if edit is not None else text
+
+        stack = Stack(tmp_path / profile, env={"KVOBSERVE_PROFILE": profile}, edit=edited)
         stacks.append(stack)
         return stack, bring_up(stack)
 
@@ -222,6 +229,33 @@ def test_clean_profile_fires_nothing(stack_factory: Any) -> None:
     assert [a["url"] for a in ams["activeAlertmanagers"]] == [
         stack.url("alertmanager", 9093, "/api/v2/alerts")
     ]
+
+
+def test_a_worker_with_an_unreachable_url_fires_undiscovered(stack_factory: Any) -> None:
+    """Node 0's file gains a worker whose url nothing answers: KVWorkerUndiscovered reaches
+    Alertmanager (its `for:` scaled like every rule's), and nothing else fires."""
+    dead = f"http://127.0.0.1:{free_port()}"
+
+    def add_worker(path: Path, text: str) -> str:
+        if path.name != "node-0.toml":
+            return text
+        return text + f'\n[[worker]]\nid = "sglang-gone"\nengine = "sglang"\nurl = "{dead}"\n'
+
+    stack, t0 = stack_factory("clean", add_worker)
+
+    def fired() -> list[dict[str, Any]]:
+        return [a for a in _am_alerts(stack) if a["labels"]["alertname"] == "KVWorkerUndiscovered"]
+
+    (alert,) = poll(fired, t0 + SETTLE_S, "KVWorkerUndiscovered in Alertmanager", stack)
+    lb = alert["labels"]
+    assert (lb["worker_id"], lb["collector"], lb["node_rank"]) == ("sglang-gone", "node-0", "0")
+    assert (lb["severity"], lb["state"]) == ("critical", "undiscovered")
+    assert alert["annotations"]["runbook_url"].endswith("#kvworkerundiscovered")
+    # the configured worker is still watched, and nothing else fires on the clean profile
+    others = [a["labels"] for a in _am_alerts(stack) if a["labels"]["alertname"] != lb["alertname"]]
+    assert others == [], others
+    reason = _query(stack, 'kvobserve_worker_state{worker_id="sglang-gone"}')
+    assert [r["metric"]["state"] for r in reason] == ["undiscovered"], reason
 
 
 CACHE_ALERTS = ("KVEventSilentLoss", "KVCacheThrash", "KVRouterIndexDrift")

@@ -15,7 +15,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.openmetrics.exposition import generate_latest as om_generate_latest
 from prometheus_client.utils import floatToGoString
 
-from benchmarks import e2e, ingest, memory, misses, scale, sketch
+from benchmarks import e2e, ingest, memory, misses, relay, scale, sketch
 from benchmarks._common import build_cycle
 from kvobserve.analysis.analytics import CacheAnalytics
 from kvobserve.analysis.blocks import BlockIndex
@@ -190,3 +190,13 @@ def test_value_formatting_matches_float_to_go_string_at_random() -> None:
             r.uniform(1e6, 1e16), float(r.randrange(-(10**7), 10**7)), 10 ** r.randrange(20),
         ])  # fmt: skip
         assert format_value(v) == floatToGoString(v), v
+
+
+def test_relay_benchmark_delivers_every_frame_both_ways() -> None:
+    f = relay.run(seconds=0.05, rounds=1, unpaced=300)  # 500 paced and 300 unpaced per path
+    for mode in ("direct", "relay"):
+        assert (f["paced"][mode]["sent"], f["paced"][mode]["lost"]) == (500, 0)
+        assert (f["unpaced"][mode]["sent"], f["unpaced"][mode]["lost"]) == (300, 0)
+        assert 0 < f["paced"][mode]["p50_ms"] <= f["paced"][mode]["p99_ms"]
+    k = f["kvobserve"]
+    assert (k["forwarded"], sum(k["dropped"].values()), k["applied"], k["gaps"]) == (800, 0, 800, 0)

@@ -240,3 +240,35 @@ def test_other_group_appears_only_once_there_was_one() -> None:
     idx = BlockIndex()
     idx.apply_batch(batch(0, 1.0, stored([1])))
     assert "other_group" not in idx.events_total  # no new series for engines without groups
+
+
+def test_tokens_are_the_stored_sizes_not_blocks_times_the_page_size() -> None:
+    """Issue 21: docs/metrics.md said kv_tokens = blocks x block size, yet 1,125 blocks showed
+    16,376 tokens. Real SGLang bytes: the last page of a request is shorter than the page size
+    and its BlockStored says so (block_size 7 of 16); each block counts what its store gave."""
+    from kvobserve.export.catalog import BY_NAME
+
+    live = capture_messages("sglang-0.5.23")
+    page = max(
+        ev.block_size
+        for m in live
+        for ev in decode_message(m["frames"]).events
+        if isinstance(ev, _StoredMap)
+    )
+    short = 0
+    for rank in sorted({m["dp_rank"] for m in live}):
+        idx, sizes = BlockIndex(), {}
+        for m in (m for m in live if m["dp_rank"] == rank):
+            b = decode_message(m["frames"])
+            idx.apply_batch(b)
+            for ev in b.events:
+                if isinstance(ev, _StoredMap):
+                    for h in ev.block_hashes:
+                        sizes.setdefault(h, ev.block_size)
+            resident = idx.resident_hashes().get("GPU", set())
+            assert idx.tokens.get("GPU", 0) == sum(sizes[h] for h in resident)
+            assert idx.tokens.get("GPU", 0) <= page * idx.blocks.get("GPU", 0)
+            short += idx.tokens.get("GPU", 0) < page * idx.blocks.get("GPU", 0)
+    assert page == 16 and short > 0  # the rule of the old help text was wrong on real bytes
+    text = BY_NAME["kvobserve_kv_tokens"].help
+    assert "at most blocks x block size" in text and "BlockStored" in text

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from kvobserve.cli import COMMANDS, build_parser, module_name
+from kvobserve.cli import COMMANDS, build_parser, main, module_name
 
 
 @pytest.mark.parametrize("name", sorted(COMMANDS))
@@ -41,11 +44,24 @@ def test_help_lists_every_command() -> None:
     [
         (["tap", "--tiemout", "3", "tcp://127.0.0.1:1"], "did you mean --timeout?"),
         (["status", "--urll", "x"], "did you mean --url?"),
-        (["check", "--prob"], ""),  # an ambiguous abbreviation: argparse names the candidates
+        (["check", "--prob"], "did you mean --probe?"),  # no abbreviations
         (["check", "--no-discovry"], "did you mean --no-discovery?"),
         (["stauts"], "did you mean 'status'?"),
+        # issue 21: a prefix of a flag is not that flag, and a near-miss value gets its choice
+        (["simulate", "--profil", "gap"], "did you mean --profile?"),
+        (["simulate", "--profile", "gapp"], "did you mean 'gap'?"),
+        (["simulate", "--format", "vllm-0.3"], "did you mean 'vllm-0.33'?"),
+        (["simulate", "--dp-lb", "hybird"], "did you mean 'hybrid'?"),
+        (["simulate", "--event-plane", "nat"], "did you mean 'nats'?"),
+        (["simulate", "--indexer-mode", "lose-removals"], "did you mean 'lose_removals'?"),
+        (["run", "--engine", "vlm", "--kv-endpoint", "tcp://127.0.0.1:1"], "did you mean 'vllm'?"),
+        (["run", "--engine", "dynamo", "--event-plane", "zqm"], "did you mean 'zmq'?"),
+        (["run", "--engine", "dynamo", "--event-plane", "zmq", "--zmq-endpoints",
+          "tcp://127.0.0.1:1", "--keep-ranks", "al"], "did you mean 'all'?"),
+        (["run", "--engine", "dynamo", "--event-plane", "zmq", "--zmq-endpoints",
+          "tcp://127.0.0.1:1", "--indexer-api", "dumb"], "did you mean 'dump'?"),
     ],
-)
+)  # fmt: skip
 def test_unknown_flags_and_commands_get_a_suggestion(argv: list[str], hint: str) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "kvobserve", *argv], capture_output=True, text=True, check=False
@@ -53,7 +69,56 @@ def test_unknown_flags_and_commands_get_a_suggestion(argv: list[str], hint: str)
     assert proc.returncode == 2 and proc.stdout == ""
     last = proc.stderr.splitlines()[-1]
     assert last.startswith("kvobserve") and ": error: " in last
-    if hint:
-        assert last.endswith(hint), last
-    else:
-        assert "could match --probe-extra-ports, --probe, --probe-seconds" in last
+    assert last.endswith(hint), last
+
+
+def _parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    out = [parser]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                out += _parsers(sub)
+    return out
+
+
+def test_no_parser_takes_an_abbreviated_flag() -> None:
+    """`--profil gap` was silently `--profile gap` (argparse's allow_abbrev, on by default)."""
+    parsers = _parsers(build_parser())
+    assert len(parsers) == 1 + len(COMMANDS)
+    assert [p.prog for p in parsers if p.allow_abbrev] == []
+    with pytest.raises(SystemExit):
+        build_parser("simulate").parse_args(["simulate", "--profil", "gap"])
+    args = build_parser("simulate").parse_args(["simulate", "--profile", "gap"])
+    assert args.profile == "gap"
+
+
+@pytest.mark.parametrize(
+    ("extra", "line", "listens"),
+    [
+        # a node of a NATS fleet runs `collect` (its own view on 9478) or `aggregate` (9477)
+        ('[nats]\nurl = "nats://127.0.0.1:4222"\n',
+         "http 127.0.0.1:9478 (collect; aggregate 127.0.0.1:9477)  nats nats://127.0.0.1:4222",
+         {"collect": "127.0.0.1:9478", "aggregate": "127.0.0.1:9477"}),
+        ('[nats]\nurl = "nats://127.0.0.1:4222"\n[http]\nlisten = "127.0.0.2:9000"\n',
+         "http 127.0.0.2:9000 (collect; aggregate 127.0.0.2:9000)  nats nats://127.0.0.1:4222",
+         {"collect": "127.0.0.2:9000", "aggregate": "127.0.0.2:9000"}),
+        ("", "http 127.0.0.1:9477 (run)  nats embedded", {"run": "127.0.0.1:9477"}),
+    ],
+)  # fmt: skip
+def test_check_prints_where_each_command_serves_http(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    extra: str,
+    line: str,
+    listens: dict[str, str],
+) -> None:
+    """Issue 21: `check` printed 127.0.0.1:9477 for a node that runs `collect` (9478)."""
+    cfg = tmp_path / "kvobserve.toml"
+    cfg.write_text(
+        '[[worker]]\nid = "w"\nengine = "sglang"\nkv_endpoint = "tcp://*:5557"\ndp_size = 1\n'
+        + extra
+    )
+    assert main(["check", "-c", str(cfg), "--no-discovery"]) == 0
+    assert line in capsys.readouterr().out.splitlines()
+    assert main(["check", "-c", str(cfg), "--no-discovery", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["http"] == listens

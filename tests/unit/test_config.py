@@ -339,7 +339,7 @@ BAD: list[tuple[str, dict[str, Any], dict[str, str], str]] = [
         '[[worker]]\nengine = "tgi"\nkv_endpoint = "tcp://h:1"\n',
         {},
         {},
-        "worker[0].engine: must be 'sglang', 'vllm' or 'dynamo', got 'tgi'",
+        "worker[0].engine: must be one of sglang, vllm, dynamo, got 'tgi'",
     ),
     (
         '[[worker]]\nengine = "sglang"\nkv_endpoint = "udp://h:1"\n',
@@ -391,7 +391,12 @@ BAD: list[tuple[str, dict[str, Any], dict[str, str], str]] = [
         {},
         "worker[0].url: expected http://host[:port], got 'http://h:port'",
     ),
-    ('[[worker]]\nengine = "sglang"\n', {}, {}, "worker[0]: needs kv_endpoint or url"),
+    (
+        '[[worker]]\nengine = "sglang"\n',
+        {},
+        {},
+        "worker[0]: needs kv_endpoint, bind (publishers connect) or url",
+    ),
     (
         '[[worker]]\nid = "a"\nengine = "sglang"\nkv_endpoint = "tcp://h:1"\n[[worker]]\nid = "a"\nengine = "vllm"\nkv_endpoint = "tcp://h:2"\n',
         {},

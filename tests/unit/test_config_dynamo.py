@@ -48,7 +48,7 @@ def test_zmq_endpoints_from_file_env_and_flags(tmp_path: Path) -> None:
     ("text", "error"),
     [
         ('[[worker]]\nengine = "dynamo"\n', "worker[0].event_plane_url: missing"),
-        (NATS + 'event_plane = "jetstream"\n', "worker[0].event_plane: must be 'nats' or 'zmq'"),
+        (NATS + 'event_plane = "jetstream"\n', "worker[0].event_plane: must be one of nats, zmq"),
         (
             '[[worker]]\nengine = "dynamo"\nevent_plane = "zmq"\n',
             "worker[0].zmq_endpoints: missing",

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from kvobserve.commands.check import _print_text, plan_json
-from kvobserve.config import Config, load_config
+from kvobserve.commands.check import _print_text, http_listens, plan_json
+from kvobserve.config import COLLECT_DEFAULTS, Config, load_config
 from kvobserve.simulate import SimConfig, SimulatedWorker
 from kvobserve.simulate.discovery import kv_event_sources, server_info
 from kvobserve.sources.discovery_parse import (
@@ -119,10 +119,11 @@ def test_the_check_output_shown_is_what_node_1_prints(tmp_path: Path) -> None:
     shown = shown.split("```", 1)[0]
     env = {**ENVS[1], "KVOBSERVE_COLLECTOR_HOST": NODE_HOSTS[1]}
     cfg = _load(tmp_path, FILES[0], env)
+    as_collect = load_config(str(tmp_path / "kvobserve.toml"), {}, env, defaults=COLLECT_DEFAULTS)
     plan = plan_worker(0, cfg.workers[0], cfg.collector, _advertised(cfg))
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        _print_text(cfg, [plan_json(plan)])
+        _print_text(cfg, [plan_json(plan)], http_listens(cfg, as_collect))
     printed = out.getvalue().replace(
         str(tmp_path / "kvobserve.toml"), "/etc/kvobserve/kvobserve.toml"
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvobserve.analysis.fleet import FleetState, FleetView
 from kvobserve.wire.snapshot import (
+    BindStats,
     CollectorCounters,
     CollectorInfo,
     DriftSource,
@@ -11,10 +12,12 @@ from kvobserve.wire.snapshot import (
     Family,
     Histogram,
     MediumStats,
+    RelayStats,
     Sample,
     SchedulerStats,
     Snapshot,
     SourceErrors,
+    SourceState,
     StreamStats,
     UnexpectedStream,
     WorkerInfo,
@@ -91,8 +94,23 @@ def _node0() -> Snapshot:
         seq=5,
         time=NOW - 0.5,
         workers=[
-            WorkerInfo("sglang-a", "sglang", 4, [0, 1], True, 0),
+            WorkerInfo(
+                "sglang-a", "sglang", 4, [0, 1], True, 0, "watching", "2 of 4 ranks", 1000.0
+            ),
             WorkerInfo("vllm-b", "vllm", 2, [0, 1], True, 10000),
+        ],
+        # down: served as kvobserve_scheduler_source_state; up: not served
+        sources=[
+            SourceState(
+                "sglang-a",
+                "metrics",
+                "http://10.0.0.5:30000/metrics",
+                "down",
+                "cannot connect: connection refused",
+                NOW - 60,
+                3,
+            ),
+            SourceState("vllm-b", "load", "tcp://10.0.0.6:5565", "up", "receiving", NOW - 60, 9),
         ],
         streams=[r0, r1, v0, v1],
         unexpected=[UnexpectedStream("sglang-a", 4, "tcp://10.0.0.5:5561", 7, True)],
@@ -142,8 +160,49 @@ def _node1() -> Snapshot:
         CollectorInfo("node-1", 1, "gpu-1", 1100.0),
         seq=3,
         time=NOW - 0.2,
-        workers=[WorkerInfo("sglang-a", "sglang", 4, [1, 2], False)],
+        workers=[
+            WorkerInfo("sglang-a", "sglang", 4, [1, 2], False),
+            # its discovery fails: no stream known (kvobserve_worker_state{state="undiscovered"})
+            WorkerInfo(
+                "sglang-c",
+                "sglang",
+                0,
+                [],
+                False,
+                0,
+                "undiscovered",
+                "connection refused at http://10.0.0.9:30000/server_info",
+                NOW - 30,
+            ),
+        ],
         streams=streams,
+        binds=[  # bind mode with a relay that lost its target 30 s ago
+            BindStats(
+                "llmd",
+                0,
+                "tcp://*:5556",
+                "kv@{pod}@{model}",
+                "connected",
+                "2 publisher(s) connected to tcp://*:5556",
+                NOW - 100,
+                2,
+                500,
+                {"topic_mismatch": 4},
+                "topic 'other' does not fit 'kv@{pod}@{model}'",
+                2,
+                RelayStats(
+                    "tcp://10.0.1.9:5556",
+                    "connecting",
+                    "disconnected: tcp://10.0.1.9:5556 went away (restarted?)",
+                    NOW - 30,
+                    480,
+                    6,
+                    {"no_target": 14},
+                    NOW - 30,
+                    10_000,
+                ),
+            )
+        ],
         passthrough=[
             Family(
                 "sglang:num_running_reqs",
@@ -169,7 +228,10 @@ def _node2() -> Snapshot:
         CollectorInfo("node-2", 2, "gpu-2", 900.0),
         seq=9,
         time=NOW - 10,
-        workers=[WorkerInfo("sglang-a", "sglang", 4, [3], False)],
+        workers=[  # its layout mismatch is not served: the collector is down
+            WorkerInfo("sglang-a", "sglang", 4, [3], False, 0, "layout_mismatch", "nnodes", 900.0)
+        ],
+        sources=[SourceState("sglang-a", "load", "tcp://10.0.0.7:5568", "down", "silent", 950.0)],
         streams=[st],
         unexpected=[UnexpectedStream("sglang-a", 5, "tcp://10.0.0.7:5562", 1, True)],
         scheduler=[SchedulerStats("sglang-a", 3, "metrics", 9, 9, 0.9, 0.9, 640)],

@@ -138,11 +138,12 @@ def test_stale_stream_keeps_counters_and_drops_gauges(
     assert val(detailed, "kvobserve_kv_block_lifetime_seconds_count", **S3, medium="GPU") == 4
     info = {**S3, "engine": "sglang", "endpoint": "tcp://10.0.0.7:5560", "topic": "kv-events"}
     assert val(reg, "kvobserve_stream_info", **info, collector="node-2") == 1
+    # health: when it last delivered (its collector's last word on it)
+    assert val(reg, "kvobserve_kv_last_batch_timestamp_seconds", **S3) == 1989.0
     for gauge in (
         "kvobserve_kv_state_complete",
         "kvobserve_kv_duplicate_stream",
         "kvobserve_kv_capacity_tokens",
-        "kvobserve_kv_last_batch_timestamp_seconds",
         "kvobserve_kv_event_lag_seconds",
         "kvobserve_scheduler_running_requests",
     ):

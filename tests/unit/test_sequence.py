@@ -430,3 +430,204 @@ def test_replies_as_of_the_request_recover_every_live_loss(
     assert applied == list(range(len(sent)))
     assert s.lost == 0 and s.missed == s.recovered == sent[first:].count(False)
     assert s.state_complete is True
+
+
+# --- tail checks: an idle stream asks for batches after its last seq (analysis/tail.py) ---------
+
+
+def ask_tail(s: StreamSequencer, now: float, last_at: float = 0.0, **kw: bool) -> RequestReplay:
+    req = s.check_tail(now, last_at, **kw)
+    assert isinstance(req, RequestReplay) and req.tail, req
+    return req
+
+
+def test_idle_stream_with_nothing_lost_asks_once_and_counts_nothing() -> None:
+    s, idx = seqr(replay=True)
+    feed(s, [0, 1, 2])
+    assert s.check_tail(1.9, 0.0) is None  # still active
+    req = ask_tail(s, 2.0)
+    assert req.start_seq == 3  # everything after the last seq
+    assert s.check_tail(2.5, 0.0) is None  # one check at a time
+    assert s.on_replay_end(req.replay_id, "ok", 2.1) is None  # the end marker alone
+    assert (s.gaps, s.missed, s.recovered, s.lost) == (0, 0, 0, 0)
+    assert [q for _, q in idx.applied] == [0, 1, 2]
+    assert s.replay_requests == dict.fromkeys(s.replay_requests, 0)
+    assert (s.trust.state, s.trust_reason(9.0, 0.0, connected=True)) == ("complete", "from_start")
+    assert s.check_tail(5.9, 0.0) is None and ask_tail(s, 6.0).start_seq == 3  # backing off
+
+
+def test_a_batch_lost_at_the_end_of_a_burst_is_recovered_by_the_tail_check() -> None:
+    s, idx = seqr(replay=True)
+    feed(s, [0, 1, 2, 3, 4])  # 5 lost on the wire, then the publisher is idle
+    req = ask_tail(s, 2.0)
+    s.on_replay_batch(req.replay_id, mk(5)[0], mk(5)[1], 2.1)
+    assert s.on_replay_end(req.replay_id, "ok", 2.1) is None
+    assert [q for _, q in idx.applied] == list(range(6))
+    assert (s.gaps, s.missed, s.recovered, s.lost) == (1, 1, 1, 0)
+    assert s.replay_requests["ok"] == 1
+    assert (s.trust.state, s.trust.reason) == ("replay_filled", "gap_replayed")
+    assert ("gap", 5, 5, 2.0) in s.notes
+    # the next check comes 2 s after this one (the reply was the last news), and finds nothing
+    assert s.check_tail(3.9, 0.0) is None
+    again = ask_tail(s, 4.0)
+    assert again.start_seq == 6
+    s.on_replay_end(again.replay_id, "ok", 4.1)
+    assert (s.gaps, s.replay_requests["ok"]) == (1, 1)
+
+
+def test_a_tail_whose_start_left_the_ring_loses_that_part() -> None:
+    s, idx = seqr(replay=True)
+    feed(s, [0, 1])
+    req = ask_tail(s, 2.0)
+    for q in (4, 5):  # the ring no longer holds 2 and 3
+        s.on_replay_batch(req.replay_id, mk(q)[0], mk(q)[1], 2.1)
+    s.on_replay_end(req.replay_id, "ok", 2.1)
+    assert [q for _, q in idx.applied] == [0, 1, 4, 5]
+    assert (s.gaps, s.missed, s.recovered, s.lost) == (1, 4, 2, 2)
+    assert s.replay_requests["partial"] == 1 and s.trust.reason == "lost_batches"
+
+
+def test_live_copies_of_tail_batches_arriving_late_are_duplicates_not_a_restart() -> None:
+    """The reply can overtake live: batches live was still delivering are applied once."""
+    s, idx = seqr(replay=True)
+    feed(s, [0])
+    req = ask_tail(s, 2.0)
+    for q in range(1, 21):  # more than the 8 payloads the sequencer keeps for duplicates
+        s.on_replay_batch(req.replay_id, *mk(q), 2.1)
+    s.on_replay_end(req.replay_id, "ok", 2.1)
+    assert feed(s, list(range(1, 22)), now=2.2) == []  # live catches up, then goes on
+    assert [q for _, q in idx.applied] == list(range(22))
+    assert (s.restarts, s.duplicate_batches, s.interleaved_batches) == (0, 20, 0)
+    assert s.recovered == 20  # they were not lost: counted as found by the check
+
+
+def test_live_batches_during_a_tail_check_are_held_and_applied_once_in_order() -> None:
+    s, idx = seqr(replay=True)
+    feed(s, [0, 1])
+    req = ask_tail(s, 2.0)
+    assert feed(s, [2, 4], now=2.05) == []  # a new burst starts; 3 lost on the wire
+    for q in (2, 3, 4, 5):  # the ring as of the answer
+        s.on_replay_batch(req.replay_id, *mk(q), 2.1)
+    assert s.on_replay_end(req.replay_id, "ok", 2.1) is None
+    assert feed(s, [6], now=2.2) == []
+    assert [q for _, q in idx.applied] == list(range(7))
+    assert (s.gaps, s.missed, s.recovered, s.lost) == (2, 2, 2, 0)  # 3 (live gap), 5 (tail)
+
+
+def test_a_failed_tail_check_counts_nothing_and_leaves_the_tail_unverified() -> None:
+    s, _ = seqr(replay=True, replay_timeout_s=5.0)
+    feed(s, [0, 1])
+    ask_tail(s, 2.0)
+    assert isinstance(s.expire(7.0), CancelReplay)
+    assert s.replay_requests == dict.fromkeys(s.replay_requests, 0) and s.gaps == 0
+    assert (s.trust.state, s.trust_reason(8.0, 0.0, connected=True)) == (
+        "complete",
+        "tail_unverified",
+    )
+    # the next check is on the schedule (4 s after the first), and an empty reply verifies
+    assert s.check_tail(5.9, 0.0) is None
+    req = ask_tail(s, 7.0)
+    s.on_replay_end(req.replay_id, "ok", 7.1)
+    assert s.trust_reason(8.0, 0.0, connected=True) == "from_start"
+
+
+def test_without_replay_an_idle_tail_is_unverified_but_nothing_is_missing() -> None:
+    s, _ = seqr(replay=False)
+    feed(s, [0, 1])
+    assert s.check_tail(100.0, 0.0) is None  # nobody to ask
+    assert s.trust_reason(1.0, 0.0, connected=True) == "from_start"  # active
+    assert s.trust_reason(2.0, 0.0, connected=True) == "tail_unverified"
+    assert (s.trust.state, s.state_complete) == ("complete", True)
+    feed(s, [5])  # a real loss: the loss is the reason, not the tail
+    assert s.trust_reason(9.0, 0.0, connected=True) == "lost_batches"
+
+
+def test_after_a_reconnect_the_tail_check_asks_from_the_last_seq_and_matches_its_bytes() -> None:
+    s, idx = seqr(replay=True)
+    feed(s, [0, 1, 2])
+    req = ask_tail(s, 2.0, reconnected=True)
+    assert req.start_seq == 2  # the last seq itself, to recognise the publisher by
+    s.on_replay_batch(req.replay_id, *mk(2), 2.1)  # the very batch we applied: same publisher
+    s.on_replay_batch(req.replay_id, *mk(3), 2.1)
+    s.on_replay_end(req.replay_id, "ok", 2.1)
+    assert [q for _, q in idx.applied] == [0, 1, 2, 3]
+    assert (s.gaps, s.missed, s.recovered, s.restarts) == (1, 1, 1, 0)
+
+
+def test_a_restarted_publisher_past_our_seq_is_a_restart_not_our_tail() -> None:
+    """After a reconnect the ring holds another batch under our last seq: nothing of it is
+    applied to our index; the restart is counted and the index starts again."""
+    s, idx = seqr(replay=True)
+    feed(s, [0, 1, 2])
+    req = ask_tail(s, 2.0, reconnected=True)
+    assert s.on_replay_batch(req.replay_id, *mk(2, "B"), 2.1) is None
+    s.on_replay_batch(req.replay_id, *mk(3, "B"), 2.1)  # stale: the check is over
+    assert s.replay_in_flight is None
+    assert idx.applied == [("A", 0), ("A", 1), ("A", 2)]
+    assert (s.restarts, s.gaps, s.batches_applied, s.last_seq) == (1, 0, 3, None)
+    assert s.index.resident_hashes() == {"GPU": set()}  # the old publisher's blocks are gone
+    assert (s.trust.state, s.trust.reason) == ("partial", "waiting")
+    # the new publisher's next live batch joins mid-stream and asks for its history from 0
+    join = s.on_batch(*mk(4, "B"), 3.0)
+    assert isinstance(join, RequestReplay) and join.start_seq == 0 and not join.tail
+
+
+def test_after_a_reconnect_a_ring_without_our_last_seq_cannot_vouch() -> None:
+    s, idx = seqr(replay=True)
+    feed(s, [0, 1, 2])
+    req = ask_tail(s, 2.0, reconnected=True)
+    s.on_replay_end(req.replay_id, "ok", 2.1)  # nothing at or after seq 2 (a younger publisher?)
+    assert [q for _, q in idx.applied] == [0, 1, 2]
+    assert (s.restarts, s.gaps, s.replay_requests["ok"]) == (0, 0, 0)
+    assert s.trust_reason(3.0, 0.0, connected=True) == "tail_unverified"
+    req = ask_tail(s, 6.0, reconnected=True)
+    s.on_replay_batch(req.replay_id, *mk(5, "B"), 6.1)  # starts past it: cannot vouch either
+    assert s.replay_in_flight is None and [q for _, q in idx.applied] == [0, 1, 2]
+    assert s.trust_reason(7.0, 0.0, connected=True) == "tail_unverified"
+
+
+def test_no_tail_check_while_a_replay_runs_or_two_publishers_share_the_stream() -> None:
+    s, _ = seqr(replay=True)
+    feed(s, [0, 3])  # a gap replay in flight
+    assert s.check_tail(10.0, 0.0) is None
+    d, _ = seqr(replay=True)
+    for pub, q in interleave([0, 1, 2, 3], [0, 1, 2, 3]):
+        d.on_batch(*mk(q, pub), 0.0)
+    assert d.duplicate_stream(10.0) and d.check_tail(10.0, 0.0) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.booleans(), min_size=2, max_size=60), st.integers(0, 3))
+def test_any_live_loss_including_the_tail_is_recovered_once_idle(
+    delivered: list[bool], lead: int
+) -> None:
+    """Live delivers a subset, the last batches included or not; gap replays answer at once with
+    the ring as of the request; once idle, tail checks recover whatever is still missing."""
+    s, idx = seqr(replay=True)
+    n = len(delivered)
+    ring_end = -1  # the publisher's last seq so far
+
+    def answer(req: Action | None) -> None:
+        while isinstance(req, RequestReplay):
+            for r in range(req.start_seq, ring_end + 1):
+                s.on_replay_batch(req.replay_id, *mk(r), 0.0)
+            req = s.on_replay_end(req.replay_id, "ok", 0.0)
+
+    for q, ok in enumerate(delivered):
+        ring_end = min(q + lead, n - 1) if ok else q
+        if ok:
+            answer(s.on_batch(*mk(q), 0.0))
+    ring_end = n - 1
+    now = 0.0
+    while s.tail.outcome != "verified" and now < 100.0:  # bounded: the schedule backs off
+        now += 1.0
+        answer(s.check_tail(now, 0.0))
+    first = delivered.index(True) if True in delivered else None
+    applied = [q for _, q in idx.applied]
+    if first is None:
+        assert applied == [] and s.tail.outcome == ""  # never heard of the stream: nothing to ask
+        return
+    assert applied == list(range(n))
+    assert s.lost == 0 and s.missed == s.recovered == delivered[first:].count(False)
+    assert s.trust_reason(now + 1.0, 0.0, connected=True) in ("from_start", "replayed_from_start",
+                                                             "gap_replayed")  # fmt: skip

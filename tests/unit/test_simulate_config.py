@@ -51,6 +51,8 @@ def test_sglang_pure_dp_publishes_from_the_leader_and_old_versions_collide() -> 
         ({"format": "vllm-0.33", "grpc_port": 30001}, "grpc_port: format vllm-0.33"),
         ({"dp_lb": "external"}, "dp_lb: 'external'"),
         ({"nnodes": 2, "node_hosts": ("127.0.0.1",)}, "node_hosts: 1 hosts for nnodes 2"),
+        ({"kv_connect": "ipc:///tmp/kv"}, "kv_connect: 'ipc:///tmp/kv' is not tcp://host:port"),
+        ({"kv_connect": "tcp://127.0.0.1:5557", "kv_port": 5557}, "kv_port: 5557 with kv_connect"),
     ],
 )
 def test_validation_names_field_and_value(kw: dict[str, object], needle: str) -> None:
