@@ -81,6 +81,7 @@ def split_bytes(s: SampledSplit) -> int:
     n = sys.getsizeof(s.seen) + sum(sys.getsizeof(i) for i in s.seen)
     n += sum(sys.getsizeof(r) for r in s.resident.values())  # their ints are in `seen` too
     n += sum(sys.getsizeof(k) * 3 + 3 * 65 * 8 for k in s.counts.values())
+    n += sys.getsizeof(s.per_block) + sum(sys.getsizeof(c) for c in s.per_block.values())
     return n
 
 
@@ -101,6 +102,7 @@ class Offline:
     """Errors (pp) per checkpoint over the draws; the exact split's cost."""
 
     errors: dict[str, list[float]] = field(default_factory=dict)  # checkpoint -> per draw
+    bounds: dict[str, list[float]] = field(default_factory=dict)  # the estimate's own, pp
     sampled: dict[str, list[int]] = field(default_factory=dict)
     seen_bytes: float = 0.0
     stores: int = 0
@@ -134,6 +136,7 @@ def offline(args: argparse.Namespace) -> Offline:
         for s in salts:
             est = merged[s].estimate()
             out.errors.setdefault(name, []).append(worst_pp(est.shares, ref))
+            out.bounds.setdefault(name, []).append(100 * est.bound)
             out.sampled.setdefault(name, []).append(est.sampled)
 
     def on(rank: int, seq: int, payload: bytes) -> None:
@@ -166,6 +169,7 @@ class Whole:
     delta_bytes: int = 0  # as NATS counts a publish: the PUB line, the payload, CRLF
     messages: int = 0
     error_pp: float = 0.0
+    bound_pp: float = 0.0
     sampled: int = 0
     merge_bytes: int = 0
     resident_blocks: int = 0
@@ -212,7 +216,7 @@ def whole(args: argparse.Namespace) -> Whole:
     ship(math.inf)
     exact = pool.totals()
     est = merged.estimate()
-    out.stores, out.sampled = exact.total, est.sampled
+    out.stores, out.sampled, out.bound_pp = exact.total, est.sampled, 100 * est.bound
     out.error_pp = worst_pp(est.shares, shares(exact))
     out.merge_bytes = split_bytes(merged)
     out.resident_blocks = sum(len(s.cache.nodes) for s in run.streams)
@@ -433,7 +437,7 @@ def report_live(args: argparse.Namespace, lv: Live) -> None:
     print(f"\nlive at {args.speed:g}x: {lv.seconds:.0f} s, {lv.stores:,} stores (pages)")
     print(f"  truth                      {_pct(lv.truth)}")
     print(f"  sampled estimate           {_pct(lv.estimate)}   n={lv.sampled:,} "
-          f"level={lv.level} bound={100 * lv.bound:.2f} pp")  # fmt: skip
+          f"level={lv.level} own bound={100 * lv.bound:.2f} pp")  # fmt: skip
     print(f"  exact, one process         {_pct(lv.exact_in_arrival_order)}   (arrival order)")
     print(f"  error: {err:.2f} pp (target <= {TARGET_PP:g})  late ops {lv.late_ops}")
     print(f"  NATS: deltas {lv.delta_bytes:,} B / snapshots {lv.snapshot_bytes:,} B = "
@@ -450,8 +454,11 @@ def report_offline(args: argparse.Namespace, off: Offline) -> None:
         rms = math.sqrt(sum(e * e for e in errs) / len(errs))
         n = off.sampled[name]
         within = sum(1 for e in errs if e <= TARGET_PP)
+        bounds = off.bounds[name]
+        covered = sum(1 for e, b in zip(errs, bounds, strict=True) if e <= b)
         print(f"  at {name:>26}: worst share max {max(errs):5.2f} pp, RMS {rms:5.2f} pp, "
-              f"{within}/{len(errs)} draws within {TARGET_PP:g} pp, sampled misses "
+              f"{within}/{len(errs)} within {TARGET_PP:g} pp; own bound {min(bounds):.2f}-"
+              f"{max(bounds):.2f} pp, held by {covered}/{len(errs)}; sampled misses "
               f"{min(n):,}-{max(n):,}")  # fmt: skip
     print(f"  exact within a collector: seen set {off.seen_bytes:.0f} B per distinct block",
           flush=True)  # fmt: skip
@@ -460,7 +467,8 @@ def report_offline(args: argparse.Namespace, off: Offline) -> None:
 def report_whole(wh: Whole, lv: Live | None) -> None:
     """The production sample over the whole trace at 1x."""
     print(f"\nthe whole trace ({wh.trace_seconds:,.0f} s) at 1x, in-process, {wh.stores:,} "
-          f"stores: error {wh.error_pp:.2f} pp (n={wh.sampled:,})")  # fmt: skip
+          f"stores: error {wh.error_pp:.2f} pp (n={wh.sampled:,}, own bound "
+          f"{wh.bound_pp:.2f} pp)")  # fmt: skip
     print(f"  deltas {wh.delta_bytes:,} B in {wh.messages:,} messages = "
           f"{wh.delta_bytes / wh.trace_seconds:.0f} B/s for the pool")  # fmt: skip
     if lv is not None and lv.snapshot_bytes:

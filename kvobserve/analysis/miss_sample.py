@@ -206,7 +206,7 @@ class SplitEstimate:
     sampled: int  # sampled misses behind the shares
     level: int  # the sample is 2^-level of the blocks
     shares: dict[str, float]  # compulsory, capacity, placement: fractions of the misses
-    bound: float  # 95 % half-width of any share (worst case p = 0.5): 0.98 / sqrt(sampled)
+    bound: float  # 95 % half-width of the widest share, from the sample itself (below)
     trusted: bool = True
     reason: str = ""  # why not trusted: lost deltas, a collector gone, too few samples
     scaled: dict[str, float] = field(default_factory=dict)  # kind -> sampled count * 2^level
@@ -221,6 +221,8 @@ class SampledSplit:
         self.resident: dict[int, set[int]] = {}  # dp rank -> sampled blocks (48-bit identity)
         self.seen: set[int] = set()  # sampled blocks ever stored on a rank of the pool
         self.counts: dict[int, list[list[int]]] = {}  # dp rank -> kind -> bucket -> misses
+        # sampled block -> its misses by kind, all ranks: the spread of the clusters (`bound`)
+        self.per_block: dict[int, list[int]] = {}
         self._pending: dict[str, list[tuple[float, int, Op | MissDelta]]] = {}
         self._until: dict[str, float] = {}
         self._seq: dict[str, int] = {}
@@ -310,6 +312,10 @@ class SampledSplit:
         else:
             kind = 0
         self.counts[rank][kind][bucket] += 1
+        per = self.per_block.get(ident)
+        if per is None:
+            per = self.per_block[ident] = [0, 0, 0]
+        per[kind] += 1
         res.add(ident)
         self.seen.add(ident)
 
@@ -355,8 +361,31 @@ class SampledSplit:
         for rank, res in self.resident.items():
             self.resident[rank] = {i for i in res if i < cut}
         self.seen = {i for i in self.seen if i < cut}
+        self.per_block = {i: c for i, c in self.per_block.items() if i < cut}
 
     # --- output -----------------------------------------------------------------------------
+
+    def _bound(self, p: list[float], total: int) -> float:
+        """95 % half-width of the widest share. A sampled block brings all its misses into the
+        sample at once (a cluster), so the variance is the clusters' (the ratio estimator's, with
+        the pool's blocks as the clusters), never below the binomial one; for a subset of the
+        ranks, the binomial one widened by the pool's ratio of the two (its design effect)."""
+        pool = self.sampled_misses()
+        m = sum(pool)
+        blocks = len(self.per_block)
+        if m and blocks > 1:
+            q = [pool[i] / m for i in range(3)]
+            clustered = max(
+                sum((c[i] - q[i] * sum(c)) ** 2 for c in self.per_block.values())
+                * blocks / (blocks - 1) / (m * m)
+                for i in range(3)
+            )  # fmt: skip
+            binomial = max(x * (1 - x) for x in q) / m
+            deff = max(1.0, clustered / binomial) if binomial else 1.0
+        else:
+            deff = 1.0
+        widest = max(max(x * (1 - x) for x in p), 1.0 / total)  # a share of 0 is not certain
+        return 1.96 * math.sqrt(deff * widest / total)
 
     def estimate(self, ranks: Iterable[int] | None = None) -> SplitEstimate:
         """The split of the misses of `ranks` (default the pool) as the sample says."""
@@ -364,7 +393,7 @@ class SampledSplit:
         total = sum(n)
         shares = {k: (n[i] / total if total else 0.0) for i, k in enumerate(KIND_NAMES)}
         scaled = {k: float(n[i] << self.level) for i, k in enumerate(KIND_NAMES)}
-        bound = 0.98 / math.sqrt(total) if total else 1.0
+        bound = self._bound([n[i] / total for i in range(3)], total) if total else 1.0
         reasons = []
         if self.lost:
             reasons.append(f"{sum(self.lost.values())} deltas lost")

@@ -214,3 +214,28 @@ def test_raising_the_level_keeps_a_uniform_sample() -> None:
     # 4 misses in buckets >= 2 (> 2 * floor): raised to 3, then 3 left, to 4, 2 left
     assert merged.level == 4 and merged.sampled_misses() == [2, 0, 0]
     assert all(ident_bucket(i) >= 4 for i in merged.seen) and len(merged.seen) == 2
+
+
+def test_a_block_that_misses_again_and_again_widens_the_bound() -> None:
+    """Its misses come into the sample together: the bound is the clusters', not binomial."""
+    blocks = [(i * SPREAD) % (1 << 64) for i in range(1, 101)]
+    hot = (777 * SPREAD) % (1 << 64)
+
+    def run(repeats: int) -> tuple[float, float]:
+        a = MissSampler("w", signed=False, start_level=0)
+        b = MissSampler("w", signed=False, start_level=0)
+        merged = SampledSplit(floor=10**6, start_level=0)  # every block stays in the sample
+        a.observe(0, _batch(1.0, _store(hot, *blocks)))  # 101 compulsory on rank 0
+        for t in range(repeats):  # rank 1 recomputes what rank 0 holds: placement
+            b.observe(1, _batch(2.0 + t, _store(hot), BlockRemoved([hot])))
+        for k, s in enumerate((a, b)):
+            merged.add(f"n{k}", s.delta(1e9))
+        merged.advance()
+        est = merged.estimate()
+        p = est.shares["placement"]
+        return est.bound, 1.96 * (p * (1 - p) / est.sampled) ** 0.5
+
+    spread, binomial = run(100)
+    assert spread > 2 * binomial  # one block carries half the misses
+    spread, binomial = run(1)
+    assert spread == pytest.approx(binomial, rel=0.25)  # no cluster to speak of
