@@ -27,6 +27,7 @@ from typing import cast
 
 from kvobserve.analysis.analytics import CacheAnalytics
 from kvobserve.analysis.histogram import LifetimeHistogram
+from kvobserve.analysis.misses import RankMisses
 from kvobserve.analysis.tiers import DEFAULT_MEDIUM, Tier
 from kvobserve.wire.kv_events import BlockHash, BlockStored, KvBatch
 
@@ -60,6 +61,8 @@ class BlockIndex:
         # analysis/analytics.py: None = residency only, no per-event work beyond it
         self._analytics: CacheAnalytics | None = None
         self._wide = False  # several tiers (with analytics: every store may be a move)
+        # analysis/misses.py: None = no miss split; else told of each top-tier store first
+        self.misses: RankMisses | None = None
 
     def _tier(self, medium: str | None) -> Tier | None:
         name = medium or DEFAULT_MEDIUM
@@ -95,6 +98,8 @@ class BlockIndex:
                 self.stored_events_total += 1
                 hashes = ev.block_hashes  # type: ignore[attr-defined]
                 resident = tier.resident
+                if self.misses is not None and tier.top:
+                    self.misses.on_store(tier.name, resident, hashes)
                 if analytics is not None:
                     # the analytics' usual case inlined: nothing restored, moved, orphaned,
                     # attributed or held by a sibling rank means nothing to do
@@ -132,6 +137,8 @@ class BlockIndex:
         if tier is None:
             return
         self.stored_events_total += 1
+        if self.misses is not None and tier.top:
+            self.misses.on_store(tier.name, tier.resident, hashes)
         if self._analytics is not None:
             self._analytics.on_store(self._tiers, tier, ev, ts)
         resident = tier.resident
@@ -249,7 +256,8 @@ class BlockIndex:
 
     @property
     def tiers(self) -> dict[str, Tier]:
-        """Medium -> tier state, as kept (for reading: the analytics' peers, cache_stats)."""
+        """Medium -> tier state, as kept (for reading: the analytics' peers, cache_stats, the miss
+        split's peers)."""
         return self._tiers
 
     @property

@@ -29,14 +29,15 @@ _SPACE = float(1 << 64)
 MAX_COUNT = 0xFFFF  # holders per sketch entry (2 bytes)
 
 
+def hash_key(v: BlockHash, signed: bool) -> int:
+    """A block hash as an unsigned 64-bit key, in the raw order (SGLang's signed + 2^63)."""
+    if isinstance(v, bytes):
+        return int.from_bytes(v[:8], "big")
+    return (v + _SIGN if signed else v) & _MASK
+
+
 def _keys(values: Iterable[BlockHash], signed: bool) -> list[int]:
-    out: list[int] = []
-    for v in values:
-        if isinstance(v, bytes):
-            out.append(int.from_bytes(v[:8], "big"))
-        else:
-            out.append((v + _SIGN if signed else v) & _MASK)
-    return out
+    return [hash_key(v, signed) for v in values]
 
 
 def bottom_k(resident: Iterable[BlockHash], k: int, signed: bool) -> list[int]:

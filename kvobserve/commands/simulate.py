@@ -22,6 +22,7 @@ from kvobserve.simulate.encoders import FORMATS
 from kvobserve.simulate.faults import parse_int_list, parse_pairs
 from kvobserve.simulate.group import SimulatorGroup, nodes_of
 from kvobserve.simulate.profiles import DEFAULT_PERIOD_S, PROFILES, period_batches, profile
+from kvobserve.simulate.replay import ROUTES
 
 # flag dest -> SimConfig field (None default = not given, the file or the default applies)
 _WORKER_FLAGS: dict[str, tuple[str, type, str]] = {
@@ -92,6 +93,30 @@ _WORKER_FLAGS: dict[str, tuple[str, type, str]] = {
     ),
     "indexer_lag_events": ("--indexer-lag-events", int, "lag: events per rank not applied"),
     "indexer_miss_worker": ("--indexer-miss-worker", str, "miss_worker: the worker id it lacks"),
+    "start_delay_s": (
+        "--start-delay",
+        float,
+        "publish nothing (and replay no trace) for S seconds after start: observers connect first",
+    ),
+    "trace": (
+        "--trace",
+        str,
+        "replay a Mooncake-format trace (.jsonl or .jsonl.gz) across every rank of the worker "
+        "instead of the prompt library",
+    ),
+    "speed": (
+        "--speed",
+        float,
+        "trace seconds per wall second (default 1; 0 = as fast as it goes)",
+    ),
+    "trace_seconds": ("--trace-seconds", float, "replay only the trace's first S seconds"),
+    "route": ("--route", str, f"trace router: {', '.join(ROUTES)} (default round_robin)"),
+    "decode_tokens_per_s": (
+        "--decode-tokens-per-s",
+        float,
+        "a trace request holds its pages for output_length / this seconds of trace time "
+        "(default 20; 0 = released after the prefill)",
+    ),
 }
 _FAULT_FLAGS: dict[str, tuple[str, str]] = {
     "drop_seqs": ("--drop-seqs", "seqs dropped on the wire, kept in the replay ring (3,4)"),

@@ -10,6 +10,8 @@ from kvobserve.simulate import engines
 from kvobserve.simulate.encoders import FORMATS, get_format
 from kvobserve.simulate.engines.base import SimEngine
 from kvobserve.simulate.faults import FaultConfig, faults_from_dict
+from kvobserve.simulate.replay import ROUTES
+from kvobserve.simulate.trace import TRACE_BLOCK_TOKENS
 from kvobserve.simulate.wire_format import WireFormat
 
 INDEXER_MODES = ("faithful", "lag", "lose_removals", "miss_worker")
@@ -75,6 +77,13 @@ class SimConfig:
     indexer_mode: str = "faithful"  # faithful | lag | lose_removals | miss_worker
     indexer_lag_events: int = 8  # lag: the last N events of every rank are not applied yet
     indexer_miss_worker: str = ""  # miss_worker: the (simulator) worker id the indexer lacks
+    # trace replay (simulate/replay.py): requests from a Mooncake-format trace instead of the
+    # prompt library, routed across every rank of the worker (all its nodes in this process)
+    trace: str | None = None
+    speed: float = 1.0  # trace time per wall second; 0 = as fast as it goes
+    trace_seconds: float = 0.0  # replay only the trace's first S seconds; 0 = all of it
+    route: str = "round_robin"  # round_robin | random | kv_aware
+    decode_tokens_per_s: float = 20.0  # a request holds its pages output_length / this seconds
 
     @property
     def wire(self) -> WireFormat:
@@ -144,7 +153,26 @@ class SimConfig:
             )
         self.faults.validate(self.dp_size)
         self._validate_dynamo()
+        self._validate_trace()
         return self
+
+    def _validate_trace(self) -> None:
+        for name in ("speed", "trace_seconds", "decode_tokens_per_s"):
+            v = getattr(self, name)
+            if not isinstance(v, int | float) or v < 0:
+                raise ValueError(f"{name}: {v!r} must be a number >= 0")
+        if self.route not in ROUTES:
+            raise ValueError(f"route: {self.route!r} is not {', '.join(ROUTES)}")
+        if self.trace is None:
+            return
+        if self.event_plane is not None:
+            raise ValueError("trace: a replayed trace publishes on the engines' own streams, "
+                             "not on a Dynamo event plane")  # fmt: skip
+        if TRACE_BLOCK_TOKENS % self.page_size:
+            raise ValueError(
+                f"page_size: {self.page_size} must divide the trace's {TRACE_BLOCK_TOKENS}-token "
+                "blocks (1, 2, 4, ... 512)"
+            )
 
     def _validate_dynamo(self) -> None:
         if self.event_plane is not None and self.event_plane not in EVENT_PLANES:

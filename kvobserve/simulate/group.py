@@ -12,6 +12,8 @@ from kvobserve.simulate.config import SimConfig
 from kvobserve.simulate.dynamo_indexer import SimIndexer
 from kvobserve.simulate.dynamo_worker import SimulatedDynamoWorker, dynamo_worker_id, indexer_truth
 from kvobserve.simulate.ranks import Endpoint
+from kvobserve.simulate.replay_driver import TraceDriver
+from kvobserve.simulate.trace import read_trace
 from kvobserve.simulate.truth import TRUTH_VERSION, write_truth
 from kvobserve.simulate.worker import SimulatedWorker
 
@@ -105,6 +107,18 @@ def shared_indexer(configs: Sequence[SimConfig]) -> SimIndexer | None:
     return SimIndexer(c.indexer_mode, c.indexer_lag_events, miss, c.page_size, c.model_name)
 
 
+def _driver(nodes: list[SimulatedWorker]) -> TraceDriver:
+    """The trace replay of one worker: every node of it must run in this process."""
+    c = nodes[0].cfg
+    if len({w.cfg.node_rank for w in nodes}) != c.nnodes:
+        raise ValueError(
+            f"trace: worker {c.worker_id} has {c.nnodes} nodes and {len(nodes)} run here; a "
+            "replay routes across every rank, so run all nodes in one process (--all-nodes)"
+        )
+    assert c.trace is not None
+    return TraceDriver(nodes, read_trace(c.trace, c.trace_seconds))
+
+
 class SimulatorGroup:
     """Start and stop many workers together; one combined truth document."""
 
@@ -121,6 +135,7 @@ class SimulatorGroup:
         for group in nodes.values():  # the nodes of one worker see each other's ranks
             for w in group:
                 w.peers = [p for p in group if p.cfg.node_rank != w.cfg.node_rank]
+        self.replays = [_driver(group) for group in nodes.values() if group[0].cfg.trace]
 
     def start(self) -> SimulatorGroup:
         """Start every worker; on a failure, stop the ones already started and re-raise."""
@@ -131,7 +146,11 @@ class SimulatorGroup:
                 self.indexer.start(c.host, c.indexer_port or 0)
             for w in self.workers:
                 started.append(w.start())
+            for d in self.replays:
+                d.start()
         except BaseException:
+            for d in self.replays:
+                d.stop()
             for w in started:
                 w.stop()
             if self.indexer is not None:
@@ -152,6 +171,8 @@ class SimulatorGroup:
         doc = {"truth_version": TRUTH_VERSION, "workers": [w.truth() for w in self.workers]}
         if self.indexer is not None:
             doc["indexer"] = indexer_truth(self.indexer, self.dynamo)
+        if self.replays:
+            doc["replays"] = [d.truth() for d in self.replays]
         return doc
 
     def write_truth(self) -> None:
@@ -161,6 +182,8 @@ class SimulatorGroup:
 
     def stop(self) -> None:
         """Stop every worker, then write the final truth; idempotent."""
+        for d in self.replays:
+            d.stop()
         for w in self.workers:
             w.stop()
         if self.indexer is not None:

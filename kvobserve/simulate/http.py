@@ -42,12 +42,17 @@ class _EngineMetrics(Collector):
         loads = [
             RankLoad(
                 st.rank, s.running, s.waiting, s.held_tokens, s.hit_rate, s.query_tokens,
-                s.hit_tokens,
+                s.hit_tokens, s.batch_hit_rate,
             )
             for st in self._ranks()
             for s in st.streams[:1]
         ]  # fmt: skip
-        return iter(make(NodeMetrics(w.fmt, c.model_name, c.capacity_tokens, c.page_size, loads)))
+        totals = None
+        if c.http_role == "api":  # every request of the worker passes node 0's tokenizer
+            streams = [st.streams[0] for n in (w, *w.peers) for st in n.ranks]
+            totals = (sum(s.query_tokens for s in streams), sum(s.hit_tokens for s in streams))
+        node = NodeMetrics(w.fmt, c.model_name, c.capacity_tokens, c.page_size, loads, totals)
+        return iter(make(node))
 
     def _ranks(self) -> list[RankState]:
         """This node's ranks; an API server that reports every rank it manages (vLLM) with

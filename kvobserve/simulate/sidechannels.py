@@ -120,7 +120,7 @@ def emit_side_channels(w: Node) -> None:
                 request_active_slots=s.running, request_total_slots=s.max_running,
                 kv_active_blocks=int(usage * c.capacity_tokens), kv_total_blocks=c.capacity_tokens,
                 num_requests_waiting=s.waiting, gpu_cache_usage_perc=usage,
-                gpu_prefix_cache_hit_rate=s.hit_rate, data_parallel_rank=st.rank,
+                gpu_prefix_cache_hit_rate=s.batch_hit_rate, data_parallel_rank=st.rank,
             )  # fmt: skip
             try:
                 st.push.send(encode_kv_metrics(msg), zmq.NOBLOCK)

@@ -12,7 +12,14 @@ from array import array
 from collections import deque
 from typing import Any
 
-from kvobserve.simulate.cache import Hash, Page, PrefixCache, PromptLibrary, paginate
+from kvobserve.simulate.cache import (
+    Hash,
+    InsertResult,
+    Page,
+    PrefixCache,
+    PromptLibrary,
+    paginate,
+)
 from kvobserve.simulate.encoders import encode_batch
 from kvobserve.simulate.faults import MALFORMED_PAYLOADS, Action, FaultConfig, FaultPlan
 from kvobserve.simulate.ledger import CpuTier, Ledger
@@ -33,7 +40,7 @@ class SimStream:
         rank: int,
         label: int,
         topic: bytes,
-        library: PromptLibrary,
+        library: PromptLibrary | None,
         seed: int,
         capacity_tokens: int,
         page_size: int,
@@ -65,7 +72,7 @@ class SimStream:
         self._pool = list(array("H", self._rng.randbytes(2 * _POOL_SIZE)))
         # running requests: a heap of (tick at which each ends, id); the pages each one holds
         # (oldest first; a flush empties the lists, a preemption removes the request)
-        self._ends: list[tuple[int, int]] = []
+        self._ends: list[tuple[float, int]] = []
         self._live: dict[int, list[Hash]] = {}
         self._tick = 0  # next_batch calls: request lifetimes count these, not seqs
         self.preempted = 0
@@ -90,6 +97,12 @@ class SimStream:
         self.hit_tokens = 0
         self.prefill_uncached_tokens = 0
         self.requests = 0
+        self._batch_query = 0  # prompt tokens of the requests since the last batch
+        self._batch_hit = 0
+        self.batch_hit_rate = 0.0  # hit tokens / prompt tokens of the last prefill batch
+        # a replayed trace's requests (simulate/replay.py) put their events here; None: the
+        # stream makes its own requests from the prompt library
+        self.outbox: list[Any] | None = None
         self.ended = False  # a restarted instance keeps its final state here
 
     # --- workload -----------------------------------------------------------------------------
@@ -97,6 +110,7 @@ class SimStream:
     def _request(self, out: list[Any]) -> None:
         """One request arrives: prompt + generated tokens go through the cache; events to `out`."""
         rng = self._rng
+        assert self.library is not None
         prompt = self.library.sample(rng)
         fmt = self.fmt
         n_out = rng.randint(0, 2 * self.output_tokens) if self.output_tokens else 0
@@ -108,18 +122,31 @@ class SimStream:
                 keep_partial=fmt.per_page_stores,
             )  # fmt: skip
         prompt_tokens = sum(len(p.tokens) for p in prompt)
+        self.admit(pages, prompt_tokens, self._tick + rng.randint(4, 64), out, n_out)
+
+    def admit(
+        self, pages: list[Page], prompt_tokens: int, end: float, out: list[Any], extra: int = 0
+    ) -> InsertResult:
+        """Serve one request on these pages: look up, evict, store what missed, hold the
+        resident pages until `end` (`finish_until`); events to `out`. `extra`: tokens beyond
+        the pages the request will need (its generated tokens), for the room check."""
+        fmt = self.fmt
         cache = self.cache
-        if cache.locked_tokens + prompt_tokens + n_out > cache.capacity_tokens:
+        if cache.locked_tokens + prompt_tokens + extra > cache.capacity_tokens:
             self._make_room(pages)  # only near capacity: the exact demand costs a walk
         res = cache.insert(pages)
         self.requests += 1
         self.query_tokens += prompt_tokens
-        self.hit_tokens += min(res.hit_tokens, prompt_tokens)
+        # the engines compute at least the last prompt token, so a hit stops a page short of it
+        hit = min(res.hit_tokens, prompt_tokens - 1 - (prompt_tokens - 1) % self.page_size)
+        self.hit_tokens += max(hit, 0)
+        self._batch_query += prompt_tokens
+        self._batch_hit += max(hit, 0)
         # the request holds what is resident of its sequence: the hit prefix and what was stored
         held = [p.hash for p in pages[: res.hit_pages + len(res.stored)]]
         cache.lock(held)
         self._live[self.requests] = held
-        heapq.heappush(self._ends, (self._tick + rng.randint(4, 64), self.requests))
+        heapq.heappush(self._ends, (end, self.requests))
         n = self.requests
         meta = fmt.request_meta(n, (), self.page_size) if fmt.per_page_stores else None
         if self.cpu is not None:  # loads first: a page being loaded is not evicted meanwhile
@@ -134,7 +161,7 @@ class SimStream:
                 out.extend(fmt.removed([h], self._medium) for h in run)
             self.ledger.removed(self.gpu, run, self._ts)
         if not res.stored:
-            return
+            return res
         stored_hashes = [p.hash for p in res.stored]
         if self.peers:
             self.ledger.recomputed_elsewhere += sum(
@@ -158,6 +185,7 @@ class SimStream:
             meta = fmt.request_meta(n, tokens, self.page_size)
             self.ledger.stored(self.gpu, stored_hashes, self._ts, meta.lora_name)
             out.append(fmt.stored(hashes, parent, tokens, self.page_size, self._medium, meta))
+        return res
 
     def _offload(self, evicted: list[list[Hash]], out: list[Any]) -> None:
         """Copy the GPU's evicted pages to the host tier, before the GPU frees them."""
@@ -195,16 +223,26 @@ class SimStream:
             cache.unlock(live.pop(victim))
             self.preempted += 1
 
-    def _finish_requests(self) -> None:
-        """Requests whose time is up end and let go of their pages."""
+    def finish_until(self, now: float) -> None:
+        """Requests whose end is at or before `now` end and let go of their pages (the clock is
+        batches made, or the trace's milliseconds for a replayed trace)."""
         ends, live = self._ends, self._live
-        while ends and ends[0][0] <= self._tick:
+        while ends and ends[0][0] <= now:
             held = live.pop(heapq.heappop(ends)[1], None)  # None: preempted before
             if held:
                 self.cache.unlock(held)
 
+    def _flush_due(self) -> bool:
+        return bool(self.flush_every and self.seq and self.seq % self.flush_every == 0)
+
+    def _close_prefill_batch(self) -> None:
+        """The requests admitted since the last batch were one prefill batch (SGLang's gauge)."""
+        if self._batch_query:
+            self.batch_hit_rate = self._batch_hit / self._batch_query
+            self._batch_query = self._batch_hit = 0
+
     def _events(self) -> list[Any]:
-        if self.flush_every and self.seq and self.seq % self.flush_every == 0:
+        if self._flush_due():
             self.cache.clear()
             if self.cpu is not None:
                 self.cpu.clear()
@@ -213,6 +251,10 @@ class SimStream:
             for rid in self._live:  # a flush frees every page; the running requests go on
                 self._live[rid] = []
             return [self.fmt.cleared]
+        self._close_prefill_batch()
+        if self.outbox is not None:  # a replayed trace: what its requests did since the last batch
+            queued, self.outbox = self.outbox, []
+            return queued
         out: list[Any] = []
         # an all-hit request produces no event and engines publish no empty batch: try a few more
         for i in range(self.requests_per_batch + 8):
@@ -227,7 +269,7 @@ class SimStream:
         """Advance one engine step and return its events unencoded (a Dynamo relay re-publishes
         them); no seq-based faults (the relay has its own), empty when nothing changed."""
         self._tick += 1
-        self._finish_requests()
+        self.finish_until(self._tick)
         events = self._events()
         self.seq += 1
         self.events += len(events)
@@ -239,7 +281,12 @@ class SimStream:
         seq = self.seq
         self._tick += 1
         self._ts = ts
-        self._finish_requests()
+        if self.outbox is not None:  # a replayed trace ends its requests on the trace's clock
+            if not self.outbox and not self._flush_due():
+                self._close_prefill_batch()  # fully hit requests: a prefill without events
+                return None  # nothing happened since the last batch: no batch is made
+        else:
+            self.finish_until(self._tick)
         made = self.made
         self.made += 1
         if self.plan.drops_unnumbered(made):
@@ -279,6 +326,11 @@ class SimStream:
     def waiting(self) -> int:
         """Requests queued behind the running ones."""
         return max(0, len(self._live) - self.max_running)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests admitted and not finished (a router's load)."""
+        return len(self._live)
 
     @property
     def held_tokens(self) -> int:

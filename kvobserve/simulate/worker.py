@@ -64,11 +64,14 @@ class SimulatedWorker:
         instance = f"{st.rank}.{st.restarts}" if kind == "primary" else f"{st.rank}.{kind}"
         # crc32, not hash(): str hashes differ between processes and --seed must reproduce a run
         seed = zlib.crc32(f"{c.seed}/{c.worker_id}/{instance}".encode())
-        return SimStream(
+        stream = SimStream(
             self.fmt, instance, kind, st.rank, label, self._topic, self._library, seed,
             c.capacity_tokens, c.page_size, c.buffer_steps, c.faults, c.requests_per_batch,
             c.output_tokens, c.flush_every, c.max_running_requests, c.cpu_tier_tokens,
         )  # fmt: skip
+        if c.trace is not None:  # its requests come from the trace replay (replay_driver.py)
+            stream.outbox = []
+        return stream
 
     def _bind_group(
         self, base: int, offsets: list[int], kind: int, setup: Callable[[Any], None]
@@ -378,6 +381,11 @@ class SimulatedWorker:
             if st.rank == dp_rank:
                 return st
         raise KeyError(dp_rank)
+
+    @property
+    def lock(self) -> threading.Lock:
+        """Held while the publisher thread changes the ranks' state (a trace replay takes it)."""
+        return self._lock
 
     def truth(self) -> dict[str, Any]:
         """The ground truth now (consistent: taken between two batches)."""

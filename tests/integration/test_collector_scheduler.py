@@ -52,6 +52,8 @@ async def scrape_engine(sim: SimulatedWorker) -> dict[int, dict[str, float]]:
     out: dict[int, dict[str, float]] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
+            if rank_label not in s.labels:
+                continue  # not per rank: SGLang's tokenizer counters (prompt_tokens_total, ...)
             vals = out.setdefault(int(s.labels[rank_label]), {})
             if s.name in NAMES:
                 vals[NAMES[s.name]] = s.value

@@ -15,7 +15,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.openmetrics.exposition import generate_latest as om_generate_latest
 from prometheus_client.utils import floatToGoString
 
-from benchmarks import e2e, ingest, memory, relay, scale, sketch
+from benchmarks import e2e, ingest, memory, misses, relay, scale, sketch
 from benchmarks._common import build_cycle
 from kvobserve.analysis.analytics import CacheAnalytics
 from kvobserve.analysis.blocks import BlockIndex
@@ -166,7 +166,7 @@ def test_value_formatting_matches_float_to_go_string(v: float) -> None:
 
 
 def test_benchmark_modules_have_a_main() -> None:
-    for mod in (ingest, e2e, scale, memory):
+    for mod in (ingest, e2e, scale, memory, misses):
         assert callable(mod.main), mod.__name__
     assert Path(ingest.__file__).parent.name == "benchmarks"
 
@@ -183,6 +183,13 @@ def test_sketch_benchmark_runs_on_a_tiny_input(capsys: pytest.CaptureFixture[str
     assert sketch.main(["--seeds", "2", "--blocks", "2000", "--k", "64"]) == 0
     out = capsys.readouterr().out
     assert "KMV   k=64" in out and "distinct max" in out
+
+
+def test_misses_benchmark_runs_offline_on_a_tiny_input(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--no-live", "--no-whole", "--salts", "2", "--trace-seconds", "30", "--page-size", "64"]
+    assert misses.main(args) == 0
+    out = capsys.readouterr().out
+    assert "2 draws of the sample" in out and "10,000 stores" in out and "seen set" in out
 
 
 def test_ingest_without_analytics_runs_the_same_loop() -> None:

@@ -26,6 +26,7 @@ class RankLoad:
     hit_rate: float
     query_tokens: int  # prefix-cache lookups, cumulative
     hit_tokens: int
+    batch_hit_rate: float = 0.0  # hit tokens / prompt tokens of the last prefill batch
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,8 @@ class NodeMetrics:
     capacity_tokens: int
     page_size: int
     ranks: list[RankLoad]
+    # (prompt tokens, cached prompt tokens) of the whole worker, on the node serving its API
+    api_totals: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)

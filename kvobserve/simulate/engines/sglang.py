@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from msgspec import Struct
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvobserve.simulate.engines.base import NodeMetrics, SimEngine
 from kvobserve.simulate.wire_format import (
@@ -212,10 +212,21 @@ def metrics(n: NodeMetrics) -> list[Metric]:
         out["num_queue_reqs"].add_metric(labels, r.waiting)
         out["token_usage"].add_metric(labels, used / n.capacity_tokens)
         out["num_used_tokens"].add_metric(labels, used)
-        out["cache_hit_rate"].add_metric(labels, r.hit_rate)
+        out["cache_hit_rate"].add_metric(labels, r.batch_hit_rate)  # the last prefill batch
         out["max_total_num_tokens"].add_metric(labels, n.capacity_tokens)
         out["page_size"].add_metric(labels, n.page_size)
-    return list(out.values())
+    fams: list[Metric] = list(out.values())
+    if n.api_totals is not None:  # the tokenizer's counters, on the node serving the API
+        prompt = CounterMetricFamily(
+            "sglang:prompt_tokens", "Number of prefill tokens processed.", labels=["model_name"]
+        )
+        cached = CounterMetricFamily(
+            "sglang:cached_tokens", "Number of cached prompt tokens.", labels=["model_name"]
+        )
+        prompt.add_metric([n.model_name], n.api_totals[0])
+        cached.add_metric([n.model_name], n.api_totals[1])
+        fams += [prompt, cached]
+    return fams
 
 
 SIM = SimEngine(

@@ -1,0 +1,403 @@
+"""Where the misses come from, across collectors: hash-sampled exact sets.
+
+Within one collector `PoolMisses` (analysis/misses.py) reads every rank's resident set in place.
+A pool whose ranks several collectors watch (multi-node DP) needs the other collectors'
+residency, and shipping every store and removal would cost far more than the snapshots. So each
+collector ships only the changes of the blocks in a *sample* (`MissSampler`, as `MissDelta`,
+wire/misses.py), and the aggregator replays every collector's sampled changes in engine-time
+order and classifies each sampled store exactly as `PoolMisses` does (`SampledSplit`).
+
+The sample is geometric in the block hash. A hash's 64-bit key (`placement.hash_key`; the
+engines' hashes are already uniform) falls in bucket `b` = its leading zeros, with probability
+2^-(b+1); at level `L` the blocks of buckets >= L are in the sample (probability 2^-L). A block
+is in or out of it on every rank and collector alike, so its whole history is followed: a sampled
+store is classified exactly, given the order. Counts are kept per bucket, so raising the level
+drops exactly the buckets that left: what remains is a uniform 2^-L sample of every store since
+the start.
+
+The level keeps the sample small and large enough. It starts at 1 (half the blocks), so a
+pool's first 10,000 stores give 5,000 sampled misses; the aggregator raises it while the pool's
+sampled misses exceed `2 * floor`, so at least `floor` (4,000) of them stand behind the pool's
+shares from then on and its sets hold at most about `2 * floor` blocks, however large the pool:
+the error of a share p is the binomial 1.96 * sqrt(p (1 - p) / n) at 95 % (at most 1.55 points
+at n = 4,000; a block stored many times is sampled with all its stores, which widens it a
+little: docs/cache-analytics.md has the measured spread), plus what the order across collectors
+gets wrong
+(engine timestamps within one delta interval). The aggregator tells the collectors the pool's
+level (`MissSampler.follow`, a few bytes per interval), and a collector raises its own while its
+own sampled stores alone exceed `2 * floor`: it ships what the aggregator needs and never less
+(the aggregator's level is the highest of its own and every collector's). What the collectors
+of a pool ship over a run grows with the logarithm of the stores, not with their rate: about
+`floor` sampled stores and as many removals, 10 bytes a record, per doubling of the stores, not with the store rate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from kvobserve.analysis.placement import hash_key
+from kvobserve.analysis.tiers import TOP_MEDIA
+from kvobserve.wire.kv_events import BlockHash, KvBatch
+from kvobserve.wire.misses import CLEAR, REMOVE, STORE, MissDelta, Op, iter_ops, pack_op
+
+FLOOR = 4000  # sampled misses behind a pool's shares: 1.55 points at 95 %
+# the first level: a pool's first 10,000 stores (the target's) give 5,000 >= FLOOR sampled misses
+START_LEVEL = 1
+BUCKETS = 65  # leading zeros of a 64-bit key: 0 .. 64
+_MIX = 0x9E3779B97F4A7C15
+_MASK = (1 << 64) - 1
+_SIGN = 1 << 63
+KIND_NAMES = ("compulsory", "capacity", "placement")
+
+
+def bucket_of(key: int) -> int:
+    """The sample bucket of a 64-bit key: its leading zeros (64 for key 0)."""
+    return 64 - key.bit_length()
+
+
+def ident_bucket(ident: int) -> int:
+    """The bucket of a sampled block's identity (the top 48 bits of its key; 48 and up: 48)."""
+    return 48 - ident.bit_length()
+
+
+class MissSampler:
+    """Collector side: the sampled top-tier changes of one pool's ranks in this collector.
+
+    Feed it every applied batch of those ranks (`observe`), in the order the collector applies
+    them; take a `delta` every interval. `salt` (0 in production: the engines' hashes are
+    uniform) re-draws the sample, for measuring the estimator's spread.
+    """
+
+    def __init__(
+        self,
+        worker_id: str,
+        signed: bool,
+        floor: int = FLOOR,
+        salt: int = 0,
+        start_level: int = START_LEVEL,
+    ) -> None:
+        self.worker_id = worker_id
+        self.signed = signed
+        self.floor = floor
+        self.salt = salt
+        self.level = start_level
+        self.seq = 0
+        self.stores = [0] * BUCKETS  # sampled stores shipped, per bucket
+        self._ops = bytearray()
+        self._ranks: list[int] = []
+        self._index: dict[int, int] = {}
+        self._base: float | None = None
+        self._until: float | None = None  # of the previous delta
+        self._limit_raw = 0
+        self._limit_bytes = b""
+        self._set_limit()
+
+    def _set_limit(self) -> None:
+        # a raw hash is sampled iff its key < 2^(64 - level): one comparison per hash, in the
+        # hash's own type (SGLang's signed ints shifted, 32-byte hashes by their first 8 bytes)
+        # (a salted key is computed for every hash instead: `_sampled`)
+        limit = 1 << (64 - self.level)
+        self._limit_raw = limit - _SIGN if self.signed else limit
+        self._limit_bytes = limit.to_bytes(9, "big")[1:] if self.level else b"\xff" * 9
+
+    def key(self, h: BlockHash) -> int:
+        """The 64-bit sample key of a block hash."""
+        k = hash_key(h, self.signed)
+        return ((k ^ self.salt) * _MIX) & _MASK if self.salt else k
+
+    def _sampled(self, hashes: list[BlockHash]) -> list[int]:
+        """The keys of the sampled hashes among `hashes`."""
+        if self.salt:
+            limit = 1 << (64 - self.level)
+            return [k for k in map(self.key, hashes) if k < limit]
+        if not self.level:
+            return [self.key(h) for h in hashes]
+        if hashes and isinstance(hashes[0], bytes):
+            lb = self._limit_bytes
+            return [self.key(h) for h in hashes if h < lb]  # type: ignore[operator]
+        lr = self._limit_raw
+        return [self.key(h) for h in hashes if h < lr]  # type: ignore[operator]
+
+    def _record(self, dp_rank: int, ts: float, op: int, keys: list[int]) -> None:
+        if self._base is None:  # a batch of another rank may be a little older than this one
+            self._base = self._until if self._until is not None else ts - 1.0
+        ri = self._index.get(dp_rank)
+        if ri is None:
+            ri = self._index[dp_rank] = len(self._ranks)
+            self._ranks.append(dp_rank)
+        ms = round((ts - self._base) * 1e3)
+        if op == CLEAR:
+            pack_op(self._ops, ms, ri, CLEAR, 0)
+            return
+        for k in keys:
+            pack_op(self._ops, ms, ri, op, k)
+            if op == STORE:
+                self.stores[bucket_of(k)] += 1
+
+    def observe(self, dp_rank: int, batch: KvBatch) -> None:
+        """Take the sampled top-tier changes of one applied batch of rank `dp_rank`."""
+        ts = batch.ts
+        for ev in batch.events:
+            kind = ev.kind
+            if kind == "BlockStored" or kind == "BlockRemoved":
+                if (ev.medium or "GPU") not in TOP_MEDIA:  # type: ignore[attr-defined]
+                    continue
+                keys = self._sampled(ev.block_hashes)  # type: ignore[attr-defined]
+                if keys:
+                    self._record(dp_rank, ts, STORE if kind == "BlockStored" else REMOVE, keys)
+            elif kind == "AllBlocksCleared" or (
+                kind == "TierCleared" and ev.medium in TOP_MEDIA  # type: ignore[attr-defined]
+            ):
+                self._record(dp_rank, ts, CLEAR, [])
+        self._maybe_raise()
+
+    def cleared(self, dp_rank: int, ts: float) -> None:
+        """The rank's top tier was emptied without an event (a publisher restart: the reset)."""
+        self._record(dp_rank, ts, CLEAR, [])
+
+    def _maybe_raise(self) -> None:
+        # alone past what the whole pool needs: the aggregator will be at least this high
+        while self.level < 64 and sum(self.stores[self.level :]) > 2 * self.floor:
+            self.level += 1
+            self._set_limit()
+
+    def follow(self, level: int) -> None:
+        """Take the pool's level from the aggregator (`SampledSplit.level`): ship no bucket it
+        has dropped."""
+        if level > self.level:
+            self.level = min(level, 64)
+            self._set_limit()
+
+    def delta(self, until: float) -> MissDelta:
+        """The changes since the previous delta; every batch at or before `until` (engine
+        time) must have been observed."""
+        self.seq += 1
+        base = self._base if self._base is not None else until
+        d = MissDelta(
+            self.worker_id, self.seq, self.level, base, until, list(self._ranks), bytes(self._ops)
+        )
+        self._ops.clear()
+        self._ranks.clear()
+        self._index.clear()
+        self._base = None
+        self._until = until
+        return d
+
+    def full(self, residents: Mapping[int, Iterable[BlockHash]], until: float) -> MissDelta:
+        """The sampled blocks resident on each rank at `until` (a resync; one pass over the
+        ranks' resident sets). Changes not yet taken by `delta` go first, in a delta of their
+        own: take one before this."""
+        ops = bytearray()
+        ranks = list(residents)
+        for ri, rank in enumerate(ranks):
+            for k in self._sampled(list(residents[rank])):
+                pack_op(ops, 0, ri, STORE, k)
+        self.seq += 1
+        return MissDelta(self.worker_id, self.seq, self.level, until, until, ranks, bytes(ops),
+                         full=True)  # fmt: skip
+
+
+@dataclass
+class SplitEstimate:
+    """The miss split estimated from the sample: shares of the misses, and how far to trust it."""
+
+    sampled: int  # sampled misses behind the shares
+    level: int  # the sample is 2^-level of the blocks
+    shares: dict[str, float]  # compulsory, capacity, placement: fractions of the misses
+    bound: float  # 95 % half-width of the widest share, from the sample itself (below)
+    trusted: bool = True
+    reason: str = ""  # why not trusted: lost deltas, a collector gone, too few samples
+    scaled: dict[str, float] = field(default_factory=dict)  # kind -> sampled count * 2^level
+
+
+class SampledSplit:
+    """Aggregator side: one pool's sampled residency from every collector's deltas."""
+
+    def __init__(self, floor: int = FLOOR, start_level: int = START_LEVEL) -> None:
+        self.floor = floor
+        self.level = start_level
+        self.resident: dict[int, set[int]] = {}  # dp rank -> sampled blocks (48-bit identity)
+        self.seen: set[int] = set()  # sampled blocks ever stored on a rank of the pool
+        self.counts: dict[int, list[list[int]]] = {}  # dp rank -> kind -> bucket -> misses
+        # sampled block -> its misses by kind, all ranks: the spread of the clusters (`bound`)
+        self.per_block: dict[int, list[int]] = {}
+        self._pending: dict[str, list[tuple[float, int, Op | MissDelta]]] = {}
+        self._until: dict[str, float] = {}
+        self._seq: dict[str, int] = {}
+        self._order = 0
+        self.lost: dict[str, int] = {}  # deltas missed, per collector
+        self.late_ops = 0  # ops older than what was already applied (out of engine-time order)
+        self._applied = -math.inf
+
+    # --- input ------------------------------------------------------------------------------
+
+    def add(self, collector: str, d: MissDelta) -> None:
+        """Queue one collector's delta (in its seq order; a gap is counted as lost)."""
+        last = self._seq.get(collector, 0)
+        if d.seq <= last:
+            return  # a duplicate or an old one
+        if d.seq > last + 1:
+            self.lost[collector] = self.lost.get(collector, 0) + d.seq - last - 1
+        self._seq[collector] = d.seq
+        if d.level > self.level:
+            self._raise(d.level)
+        q = self._pending.setdefault(collector, [])
+        if d.full:
+            self._order += 1
+            q.append((d.until, self._order, d))
+        else:
+            for op in iter_ops(d):
+                self._order += 1
+                q.append((op.ts, self._order, op))
+        self._until[collector] = max(self._until.get(collector, -math.inf), d.until)
+
+    def forget(self, collector: str) -> None:
+        """A collector is gone: apply what it sent, and stop waiting for it."""
+        self.advance(math.inf, only=collector)
+        self._until.pop(collector, None)
+
+    def advance(self, watermark: float | None = None, only: str | None = None) -> int:
+        """Apply, in engine-time order, every queued op at or before the watermark (default: the
+        earliest `until` of the collectors heard from); the number applied."""
+        if watermark is None:
+            if not self._until:
+                return 0
+            watermark = min(self._until.values())
+        ready: list[tuple[float, int, Op | MissDelta]] = []
+        for c, q in self._pending.items():
+            if only is not None and c != only:
+                continue
+            keep = [e for e in q if e[0] > watermark]
+            ready.extend(e for e in q if e[0] <= watermark)
+            self._pending[c] = keep
+        ready.sort(key=lambda e: (e[0], e[1]))
+        for ts, _, item in ready:
+            if ts < self._applied:
+                self.late_ops += 1
+            else:
+                self._applied = ts
+            if isinstance(item, MissDelta):
+                self._resync(item)
+            else:
+                self._apply(item)
+        self._maybe_raise()
+        return len(ready)
+
+    # --- the classification -----------------------------------------------------------------
+
+    def _apply(self, op: Op) -> None:
+        rank = op.dp_rank
+        res = self.resident.get(rank)
+        if res is None:
+            res = self.resident[rank] = set()
+            self.counts[rank] = [[0] * BUCKETS for _ in KIND_NAMES]
+        if op.op == CLEAR:
+            res.clear()
+            return
+        ident = op.key
+        bucket = ident_bucket(ident)
+        if bucket < self.level:
+            return  # left the sample
+        if op.op == REMOVE:
+            res.discard(ident)
+            return
+        if ident in res:
+            return  # stored while resident: no miss
+        if any(ident in s for r, s in self.resident.items() if r != rank):
+            kind = 2
+        elif ident in self.seen:
+            kind = 1
+        else:
+            kind = 0
+        self.counts[rank][kind][bucket] += 1
+        per = self.per_block.get(ident)
+        if per is None:
+            per = self.per_block[ident] = [0, 0, 0]
+        per[kind] += 1
+        res.add(ident)
+        self.seen.add(ident)
+
+    def _resync(self, d: MissDelta) -> None:
+        """A full delta: its ranks hold exactly these sampled blocks now."""
+        fresh: dict[int, set[int]] = {r: set() for r in d.ranks}
+        for op in iter_ops(d):
+            if ident_bucket(op.key) >= self.level:
+                fresh[op.dp_rank].add(op.key)
+        for rank, blocks in fresh.items():
+            if rank not in self.resident:
+                self.counts[rank] = [[0] * BUCKETS for _ in KIND_NAMES]
+            self.resident[rank] = blocks
+            self.seen.update(blocks)
+
+    def sampled_misses(self, ranks: Iterable[int] | None = None) -> list[int]:
+        """Sampled misses by kind over `ranks` (default all), buckets in the sample only."""
+        out = [0, 0, 0]
+        for r in self.counts if ranks is None else ranks:
+            c = self.counts.get(r)
+            if c is not None:
+                for k in range(3):
+                    out[k] += sum(c[k][self.level :])
+        return out
+
+    def _maybe_raise(self) -> None:
+        level = self.level
+        while level < 64:
+            total = 0
+            for c in self.counts.values():
+                for k in range(3):
+                    total += sum(c[k][level:])
+            if total <= 2 * self.floor:
+                break
+            level += 1
+        if level > self.level:
+            self._raise(level)
+
+    def _raise(self, level: int) -> None:
+        """Drop the buckets below `level` from the sets (their counts are no longer summed)."""
+        self.level = level
+        cut = 1 << (48 - level) if level < 48 else 0  # identities >= cut have fewer zeros
+        for rank, res in self.resident.items():
+            self.resident[rank] = {i for i in res if i < cut}
+        self.seen = {i for i in self.seen if i < cut}
+        self.per_block = {i: c for i, c in self.per_block.items() if i < cut}
+
+    # --- output -----------------------------------------------------------------------------
+
+    def _bound(self, p: list[float], total: int) -> float:
+        """95 % half-width of the widest share. A sampled block brings all its misses into the
+        sample at once (a cluster), so the variance is the clusters' (the ratio estimator's, with
+        the pool's blocks as the clusters), never below the binomial one; for a subset of the
+        ranks, the binomial one widened by the pool's ratio of the two (its design effect)."""
+        pool = self.sampled_misses()
+        m = sum(pool)
+        blocks = len(self.per_block)
+        if m and blocks > 1:
+            q = [pool[i] / m for i in range(3)]
+            clustered = max(
+                sum((c[i] - q[i] * sum(c)) ** 2 for c in self.per_block.values())
+                * blocks / (blocks - 1) / (m * m)
+                for i in range(3)
+            )  # fmt: skip
+            binomial = max(x * (1 - x) for x in q) / m
+            deff = max(1.0, clustered / binomial) if binomial else 1.0
+        else:
+            deff = 1.0
+        widest = max(max(x * (1 - x) for x in p), 1.0 / total)  # a share of 0 is not certain
+        return 1.96 * math.sqrt(deff * widest / total)
+
+    def estimate(self, ranks: Iterable[int] | None = None) -> SplitEstimate:
+        """The split of the misses of `ranks` (default the pool) as the sample says."""
+        n = self.sampled_misses(ranks)
+        total = sum(n)
+        shares = {k: (n[i] / total if total else 0.0) for i, k in enumerate(KIND_NAMES)}
+        scaled = {k: float(n[i] << self.level) for i, k in enumerate(KIND_NAMES)}
+        bound = self._bound([n[i] / total for i in range(3)], total) if total else 1.0
+        reasons = []
+        if self.lost:
+            reasons.append(f"{sum(self.lost.values())} deltas lost")
+        if total < self.floor:
+            reasons.append(f"{total} sampled misses (< {self.floor})")
+        return SplitEstimate(total, self.level, shares, bound, not reasons, "; ".join(reasons),
+                             scaled)  # fmt: skip

@@ -1,0 +1,89 @@
+"""The sampled residency deltas a collector ships for the miss split across collectors.
+
+One `MissDelta` per pool and interval: the top-tier stores, removals and clears of the
+collector's ranks for the block hashes in the sample (analysis/miss_sample.py), in the order the
+collector applied them, as fixed 10-byte records (`RECORD`):
+
+| bytes | field | meaning |
+|---|---|---|
+| 2 | `ms` | engine time of the batch, milliseconds after `MissDelta.base` (a delta spans < 65 s) |
+| 1 | `rank` | index into `MissDelta.ranks` (the dp ranks) |
+| 1 | `op` | 0 store, 1 removal, 2 clear (of that rank's top tier; `key` 0) |
+| 6 | `key` | the top 48 bits of the hash's 64-bit sample key (low 4 bytes, then high 2) |
+
+The 48 bits are the block's identity in the sample (two sampled blocks of a pool share them with
+probability n^2 / 2^49: none in practice, where n is a few thousand) and give its bucket.
+
+A `full` delta carries, instead of changes, every sampled block resident on its ranks at
+`until` (op 0): the aggregator replaces what it holds for those ranks (a resync after a lost
+delta). Map-encoded like the snapshot, so fields can be added; `seq` counts a collector's deltas
+of one pool from 1, so a lost one shows.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import msgspec
+from msgspec import Struct
+
+from kvobserve.wire.errors import decode
+
+RECORD = struct.Struct("<HBBIH")
+STORE, REMOVE, CLEAR = 0, 1, 2
+MAX_DELTA_BYTES = 16 * 1024 * 1024
+MAX_MS = (1 << 16) - 1  # 65 s after `base`: a delta spans one snapshot interval
+
+
+class MissDelta(Struct, omit_defaults=True, gc=False):
+    """One collector's sampled top-tier changes of one pool since its previous delta."""
+
+    worker_id: str  # the pool
+    seq: int  # from 1 per (collector, pool)
+    level: int  # the collector's sample level: buckets >= level are in it
+    base: float  # engine seconds of `us` 0
+    until: float  # every batch at or before this engine time is in this delta or an earlier one
+    ranks: list[int] = []  # dp ranks the records index
+    ops: bytes = b""  # RECORD after RECORD
+    full: bool = False  # the sampled resident sets of `ranks` at `until`, not changes
+
+
+class Op(NamedTuple):
+    """One decoded record, its time made absolute."""
+
+    ts: float
+    dp_rank: int
+    op: int
+    key: int  # the top 48 bits of the sample key
+
+
+def pack_op(out: bytearray, ms: int, rank_index: int, op: int, key: int) -> None:
+    """Append one record to `out` (`key`: a 64-bit sample key; its top 48 bits are kept)."""
+    k = key >> 16
+    out += RECORD.pack(min(max(ms, 0), MAX_MS), rank_index, op, k & 0xFFFFFFFF, k >> 32)
+
+
+def iter_ops(d: MissDelta) -> Iterator[Op]:
+    """The delta's records in order; a record whose rank index is out of range is skipped."""
+    ranks, base = d.ranks, d.base
+    n = len(d.ops) - len(d.ops) % RECORD.size
+    for ms, ri, op, lo, hi in RECORD.iter_unpack(d.ops[:n]):
+        if ri < len(ranks):
+            yield Op(base + ms / 1e3, ranks[ri], op, hi << 32 | lo)
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(MissDelta)
+
+
+def encode_delta(d: MissDelta) -> bytes:
+    """msgpack bytes of a delta."""
+    return _encoder.encode(d)
+
+
+def decode_delta(data: bytes) -> MissDelta:
+    """A delta from msgpack; raises WireError only."""
+    delta: MissDelta = decode(_decoder, data, "miss_delta", MAX_DELTA_BYTES)
+    return delta
