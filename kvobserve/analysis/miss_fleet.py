@@ -70,13 +70,13 @@ class MissMerge:
             pool = self.pools.get(d.pool)
             if pool is None:
                 pool = self.pools[d.pool] = _Pool(SampledSplit(self.floor))
+            self._note(pool, now)  # before: the window starts with the pool
             pool.split.add(cid, d, info.start_time)
             pool.workers.update(w for w, _ in d.rank_keys())
             pool.collectors.add(cid)
             touched.append(pool)
         for pool in touched:
             pool.split.advance()
-            self._note(pool, now)
 
     def collectors_down(self, ids: set[str]) -> None:
         """Collectors that went down: apply what they sent, wait for them no longer."""
