@@ -19,10 +19,11 @@ the shares. Pure: `now` is passed in.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvobserve.analysis.miss_sample import FLOOR, SampledSplit
+from kvobserve.analysis.miss_sample import FLOOR, START_LEVEL, SampledSplit
 from kvobserve.analysis.views import KINDS, FleetView, PoolSplit, RecentSplit, WorkerSplit
 from kvobserve.wire.misses import MissFeedback
 from kvobserve.wire.snapshot import Snapshot
@@ -46,8 +47,9 @@ class _Pool:
 class MissMerge:
     """Every pool's sampled split; fed each applied snapshot (`add`)."""
 
-    def __init__(self, floor: int = FLOOR) -> None:
+    def __init__(self, floor: int = FLOOR, start_level: int = START_LEVEL) -> None:
         self.floor = floor
+        self.start_level = start_level
         self.pools: dict[str, _Pool] = {}
         # the engines' prefix-cache counters: (worker, rank; -1 the whole worker) -> (hit
         # tokens, query tokens), and each worker's block size, as the latest snapshots say
@@ -69,7 +71,7 @@ class MissMerge:
         for d in snap.misses:
             pool = self.pools.get(d.pool)
             if pool is None:
-                pool = self.pools[d.pool] = _Pool(SampledSplit(self.floor))
+                pool = self.pools[d.pool] = _Pool(SampledSplit(self.floor, self.start_level))
             self._note(pool, now)  # before: the window starts with the pool
             pool.split.add(cid, d, info.start_time)
             pool.workers.update(w for w, _ in d.rank_keys())
@@ -196,5 +198,6 @@ class MissMerge:
                 name, workers, est.shares, est.bound, est.sampled, est.level, not codes,
                 tuple(c for c in REASONS if c in codes), "; ".join(said),
                 self._recent(pool, workers, v.now),
+                pool.split.watermark if pool.split.watermark > -math.inf else None,
             )  # fmt: skip
         return out

@@ -274,6 +274,7 @@ class SampledSplit:
         self.resync: set[str] = set()
         self.late_ops = 0  # ops older than what was already applied (out of engine-time order)
         self._applied = -math.inf
+        self.watermark = -math.inf  # every change at or before this engine time is applied
 
     # --- input ------------------------------------------------------------------------------
 
@@ -319,6 +320,7 @@ class SampledSplit:
             if not self._until:
                 return 0
             watermark = min(self._until.values())
+            self.watermark = max(self.watermark, watermark)
         ready: list[tuple[float, int, Op | MissDelta]] = []
         for c, q in self._pending.items():
             if only is not None and c != only:

@@ -119,6 +119,7 @@ class PoolSplit:
     reasons: tuple[str, ...]  # collector_down, rank_partial, deltas_lost, few_samples
     reason: str  # one line for a person
     recent: RecentSplit | None = None
+    as_of: float | None = None  # engine time every collector's changes are applied up to
 
     def misses(self) -> dict[str, float]:
         """Kind -> blocks, summed over the workers."""

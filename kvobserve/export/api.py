@@ -349,6 +349,7 @@ def split_json(p: PoolSplit) -> Json:
             for w in p.workers
         ],
         "recent": recent,
+        "as_of": p.as_of,  # engine time the merge has applied every collector's changes up to
     }
 
 
