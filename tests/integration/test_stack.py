@@ -70,9 +70,6 @@ ALLOWED_EMPTY = {
     "kvobserve_worker_kv_redundancy_ratio": "per_stream_detail only (the miss split has "
     "placement fleet-wide by default)",
     "kvobserve_worker_kv_recomputed_elsewhere_total": "per_stream_detail only",
-    # ... the miss split's trust is served only while a pool's split is outside its bound
-    "kvobserve_pool_kv_miss_split_untrusted": "only while a pool's split is not trusted; "
-    "the stack's pool has its 4,000 sampled misses within seconds",
     # ... and router-index drift a Dynamo worker with a drift source (docs/dynamo.md)
     "kvobserve_router_index_phantom_blocks": "no drift source in the compose file",
     "kvobserve_router_index_missing_blocks": "no drift source in the compose file",
