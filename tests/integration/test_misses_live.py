@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks._common import free_port, stop_process
 from tests.integration.conftest import NatsServer
+from tests.integration.stack_helpers import scale_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -33,6 +34,8 @@ HOSTS = ("127.0.0.1", "127.0.0.2")
 POOL = "trace"
 KINDS = ("compulsory", "capacity", "placement")
 TARGET = 0.02  # each share within 2 points of the truth (docs/cache-analytics.md)
+RULES = ROOT / "alerts" / "kvobserve-rules.yml"
+FOR_FACTOR = 60.0  # the rules' 15 minutes of `for:` as 15 s: the replay lasts a minute
 
 
 @dataclass
@@ -42,6 +45,8 @@ class Run:
     split: dict[str, Any]
     truth: dict[str, Any]
     metrics: dict[tuple[str, str], float]  # (worker_id, result) -> kvobserve_worker_kv_lookups
+    alerts: dict[str, str]  # Prometheus: alert name -> state (pending, firing), of the pool
+    conditions: set[str]  # the aggregator's own (/api/v1/alerts), of the pool
 
 
 def _spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
@@ -92,6 +97,34 @@ def _collector_toml(path: Path, node: int, kv: str, http: str, nats_url: str) ->
     return path
 
 
+def _prometheus(tmp: Path, target: str) -> tuple[subprocess.Popen[bytes], str]:
+    """A real Prometheus scraping the aggregator every second with the shipped rules."""
+    rules = tmp / "rules.yml"
+    rules.write_text(scale_for(RULES.read_text(), FOR_FACTOR))
+    (tmp / "prometheus.yml").write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        f"rule_files: ['{rules}']\n"
+        f"scrape_configs:\n  - job_name: kvobserve\n    static_configs: [{{targets: ['{target}']}}]\n"
+    )
+    port = free_port()
+    with open(tmp / "prometheus.log", "wb") as log:
+        proc = subprocess.Popen(
+            ["prometheus", f"--config.file={tmp / 'prometheus.yml'}",
+             f"--storage.tsdb.path={tmp / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
+            stdout=subprocess.DEVNULL, stderr=log,
+        )  # fmt: skip
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _pool_alerts(prom: str) -> dict[str, str]:
+    doc = _get(f"{prom}/api/v1/alerts")
+    return {
+        a["labels"]["alertname"]: a["state"]
+        for a in doc["data"]["alerts"]
+        if a["labels"].get("pool") == POOL
+    }
+
+
 def _replay(tmp: Path, route: str, capacity: int, seconds: float) -> Run:
     """One replay through the whole pipeline; the processes stopped by PID in finally."""
     tmp.mkdir()
@@ -112,6 +145,8 @@ def _replay(tmp: Path, route: str, capacity: int, seconds: float) -> Run:
         port = free_port()
         procs.append(_spawn(["aggregate", "--nats", nats.url, "--listen", f"127.0.0.1:{port}",
                              "--cluster", "t"], tmp / "agg.log"))  # fmt: skip
+        prom_proc, prom = _prometheus(tmp, f"127.0.0.1:{port}")
+        procs.append(prom_proc)
         for node in (0, 1):
             cfg = _collector_toml(tmp / f"node-{node}.toml", node, eps["kv0"], eps["http"],
                                   nats.url)  # fmt: skip
@@ -150,9 +185,26 @@ def _replay(tmp: Path, route: str, capacity: int, seconds: float) -> Run:
             for s in fam.samples:
                 if s.name == "kvobserve_worker_kv_lookups_total":
                     metrics[(s.labels["worker_id"], s.labels["result"])] = s.value
+        # the rule's window still holds the replay; its `for:` is 15 s here: wait for a random
+        # router's alert to fire (a KV-aware router's must not even be pending by then)
+        alerts: dict[str, str] = {}
+        t0 = time.monotonic()
+        while time.monotonic() < t0 + 45:
+            try:
+                alerts = _pool_alerts(prom)
+            except OSError:
+                alerts = {}
+            if alerts.get("KVCachePlacementMisses") == "firing":
+                break
+            if not alerts and time.monotonic() > t0 + 5:
+                break  # nothing pending after the whole replay was evaluated: it stays quiet
+            time.sleep(1.0)  # polling Prometheus's rule evaluation, with a deadline
+        conditions = {
+            a["kind"] for a in _get(f"{api}/api/v1/alerts") if dict(a["labels"]).get("pool") == POOL
+        }
         truth = _truth(truth_path)
         assert truth is not None
-        return Run(pools[0], truth["replays"][0], metrics)
+        return Run(pools[0], truth["replays"][0], metrics, alerts, conditions)
     finally:
         for p in reversed(procs):
             stop_process(p)
@@ -193,6 +245,11 @@ def test_random_routing_shows_its_placement_misses_and_kv_aware_none(tmp_path: P
     r, k = random_.split["shares"], kv_aware.split["shares"]
     assert r["placement"] > k["placement"] + 0.05, (r, k)
     assert r["capacity"] > 0 and k["capacity"] > 0  # 2M tokens per rank evict
+    # the router ignores the cache: the alert on a real Prometheus, and the condition
+    assert random_.alerts.get("KVCachePlacementMisses") == "firing", random_.alerts
+    assert "placement_misses" in random_.conditions
+    assert "KVCachePlacementMisses" not in kv_aware.alerts, kv_aware.alerts
+    assert "placement_misses" not in kv_aware.conditions
 
 
 def test_unlimited_capacity_leaves_no_capacity_miss(tmp_path: Path) -> None:
