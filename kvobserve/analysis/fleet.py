@@ -159,6 +159,7 @@ class FleetState:
         for cid in forget:
             del self._collectors[cid]
             self._order = []
+            self.misses.forget(cid)
         return out
 
     def _membership(

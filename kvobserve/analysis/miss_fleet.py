@@ -89,6 +89,19 @@ class MissMerge:
                     pool.split.advance()
         self.down |= ids
 
+    def forget(self, collector_id: str) -> None:
+        """A collector forgotten by the fleet (silent for an hour): a pool none of whose
+        collectors is left goes too, and so does what nothing reports any more."""
+        self.down.discard(collector_id)
+        for name in list(self.pools):
+            pool = self.pools[name]
+            pool.collectors.discard(collector_id)
+            if not pool.collectors:
+                del self.pools[name]
+        workers = {w for p in self.pools.values() for w in p.workers}
+        self.prefix = {k: v for k, v in self.prefix.items() if k[0] in workers}
+        self.block_size = {w: n for w, n in self.block_size.items() if w in workers}
+
     def feedback(self, now: float) -> MissFeedback:
         """Each pool's level; the full deltas wanted (asked again every RESYNC_EVERY_S)."""
         resync: dict[str, list[str]] = {}

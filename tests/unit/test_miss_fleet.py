@@ -196,3 +196,16 @@ def test_a_pod_is_in_its_workers_pool_and_a_level_from_the_aggregator_is_followe
     assert s.level == 3
     d = s.delta(T0)
     assert isinstance(d, MissDelta) and d.level == 3 and d.pool == "chat"
+
+
+def test_a_pool_whose_collectors_are_all_forgotten_goes() -> None:
+    state, a, b = _fleet()
+    state.forget_after_s = 100.0
+    a.apply(("w0", 0), T0 + 1, _store(_h(1)))
+    state.update(a.snapshot(T0 + 1, prefix=[PrefixCounters("w0", -1, 16.0, 32.0)]), T0 + 1)
+    state.update(b.snapshot(T0 + 1), T0 + 1)
+    assert set(state.view(T0 + 50).misses) == {"p"}
+    state.update(b.snapshot(T0 + 120), T0 + 120)  # a is forgotten, b still reports
+    assert set(state.view(T0 + 121).misses) == {"p"}
+    assert state.view(T0 + 300).misses == {}  # both forgotten
+    assert state.misses.prefix == {} and state.misses.pools == {}
