@@ -392,10 +392,14 @@ def _placement(v: FleetView) -> Iterable[Condition]:
             yield Condition.of(
                 "placement_misses",
                 labels(pool=name),
-                f"pool {name}: {100 * share:.0f}% of its misses in the last "
-                f"{r.seconds / 60:.0f} min were resident on another of its ranks (the router "
-                "does not send requests where their prefix is cached)",
+                f"pool {name}: {100 * share:.0f}% of its misses in the last {_span(r.seconds)} "
+                "were resident on another of its ranks (the router does not send requests where "
+                "their prefix is cached)",
             )
+
+
+def _span(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
 
 
 def _relays(binds: list[BindStats], collector: str, now: float) -> Iterable[Condition]:

@@ -99,6 +99,8 @@ def _where(labels: Json) -> str:
     for k in ("collector", "endpoint"):
         if k in labels:
             parts.append(str(labels[k]))
+    if "pool" in labels:
+        parts.append(f"pool {labels['pool']}")
     return " · ".join(parts)
 
 
@@ -385,7 +387,8 @@ def _pct1(x: float | None) -> str:
 
 def _misses(misses: Json | None, alerts: list[Json]) -> str:
     """Per pool (and its workers): the shares of the misses by kind with their bound and trust,
-    and over the last window the hit rate, a perfect router's and what unlimited capacity adds."""
+    and over the last window the placement share, the hit rate, a perfect router's and what
+    unlimited capacity adds."""
     conds = _row_conditions(alerts)
     rows = []
     for p in (misses or {}).get("pools", []):
@@ -393,18 +396,17 @@ def _misses(misses: Json | None, alerts: list[Json]) -> str:
         trust = (
             '<span class="ok">trusted</span>'
             if p["trusted"]
-            else f'<span class="st">not trusted</span><br><span class="small">'
+            else f'<span class="st">not trusted:</span> <span class="small">'
             f"{_html(p['reason'])}</span>"
         )
-        rs = r.get("shares") or {}
+        window = (r.get("shares") or {}).get("placement")
         rows.append(
             f'<tr{_tint(conds.get((str(p["pool"]),)))} data-pool="{_html(p["pool"])}">'
-            f"<td><b>{_html(p['pool'])}</b></td><td>pool</td>"
+            f"<td class=nw><b>{_html(p['pool'])}</b></td>"
             + "".join(f"<td class=n>{_pct1(sh[k])}</td>" for k in _KINDS)
             + f"<td class=n>&plusmn;{_pct1(p['bound'])}</td><td class=n>{_html(p['sampled'])}"
-            f"</td><td>{trust}</td>"
-            + "".join(f"<td class=n>{_pct1(rs.get(k))}</td>" for k in _KINDS)
-            + f"<td class=n>{_pct1(r.get('hit_rate'))}</td>"
+            f"</td><td>{trust}</td><td class=n>{_pct1(window)}</td>"
+            f"<td class=n>{_pct1(r.get('hit_rate'))}</td>"
             f"<td class=n>{_pct1(r.get('perfect_router_hit_rate'))}</td>"
             f"<td class=n>{_pct1(r.get('unlimited_capacity_adds'))}</td></tr>"
         )
@@ -417,13 +419,12 @@ def _misses(misses: Json | None, alerts: list[Json]) -> str:
             hits = w["hit_blocks"]
             said = f"{total:,.0f} misses" + (f", {hits:,.0f} hits" if hits is not None else "")
             rows.append(
-                f'<tr class="small"><td>&nbsp;&nbsp;{_html(w["worker_id"])}</td><td>worker</td>'
-                f'{shares}<td colspan=9 class="muted">{_html(said)} (blocks, since the '
+                f'<tr class="small"><td class=nw>&nbsp;&nbsp;worker {_html(w["worker_id"])}</td>'
+                f'{shares}<td colspan=7 class="muted">{_html(said)} (blocks, since the '
                 "aggregator started)</td></tr>"
             )
-    head = ("pool / worker", "", "compulsory", "capacity", "placement", "bound", "sampled",
-            "trust", "compulsory (15 min)", "capacity (15 min)", "placement (15 min)",
-            "hit rate", "perfect router", "+ unlimited capacity")  # fmt: skip
+    head = ("pool", "compulsory", "capacity", "placement", "bound", "sampled", "trust",
+            "placement, 15 min", "hit rate, 15 min", "perfect router", "+ unlimited capacity")  # fmt: skip
     return _table(
         head, rows, "No miss split (no pool with the cache analytics on yet).", "misses-table"
     )
