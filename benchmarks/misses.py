@@ -5,16 +5,16 @@ Run: `python -m benchmarks.misses [--trace-seconds 600] [--speed 10] [--route ra
 within 2 percentage points once a pool has seen 10,000 stores; NATS traffic at most +10 % over
 today's snapshots; at most +10 bytes per resident block.
 
-Live: the trace fixture (its first `--trace-seconds` at `--speed`) is replayed by
-`kvobserve simulate` on 4 ranks over two loopback nodes (127.0.0.1: ranks 0-1, 127.0.0.2: ranks
-2-3); two `kvobserve collect` processes, one per node, publish today's snapshots to a real
-nats-server. This process subscribes to the 4 ranks, feeds each node's ranks to that node's
-`MissSampler`, publishes each sampler's delta every second on NATS from a connection of its own,
-and merges the deltas in a `SampledSplit`. Traffic is what nats-server counted into each
-connection (`/connz` `in_bytes`) over the replay; error is each share of the merged estimate
-against the simulator's truth at the end; memory is the merge's sets per block resident in the
-pool. For reference, an exact `PoolMisses` over all 4 ranks in this process (what one collector
-would compute, in arrival order) against the truth.
+Live, on the wired code: the trace fixture (its first `--trace-seconds` at `--speed`) is
+replayed by `kvobserve simulate` on 4 ranks over two loopback nodes (127.0.0.1: ranks 0-1,
+127.0.0.2: ranks 2-3); two `kvobserve collect` processes, one per node, publish their snapshots,
+each with its sampled deltas of the pool (`Snapshot.misses`), to a real nats-server; this
+process runs the aggregator (`Aggregator` over `NatsTransport`, as `kvobserve aggregate` does,
+so that its merge can be weighed) and sends the collectors its feedback. Traffic: every
+snapshot on the wire weighed with and without its deltas (and the new prefix counters), plus
+the feedback messages, as NATS counts a publish; error: each share of the aggregator's split at
+the end against the simulator's truth, in the engine's pages and in trace blocks; memory: the
+merge's sets and counts per block resident in the pool (the collectors keep nothing per block).
 
 Offline, on the same trace and settings replayed in-process (deterministic): the sample re-drawn
 `--salts` times (a salted key instead of the engines' hash), deltas every 10 engine seconds, the
@@ -34,22 +34,25 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import nats
-import zmq
+import msgspec
 
 from benchmarks._common import NatsServer, stop_process
+from kvobserve.aggregator import Aggregator
 from kvobserve.analysis.blocks import BlockIndex
+from kvobserve.analysis.fleet import FleetState
 from kvobserve.analysis.miss_sample import KIND_NAMES, MissSampler, SampledSplit
 from kvobserve.analysis.misses import MissCounts, PoolMisses
 from kvobserve.simulate.replay import replay_offline
 from kvobserve.simulate.trace import read_trace
-from kvobserve.wire.kv_events import KvBatch, decode_message, decode_payload
+from kvobserve.transport.nats import NatsTransport
+from kvobserve.transport.subjects import misses_subject
+from kvobserve.wire.kv_events import decode_payload
 from kvobserve.wire.misses import decode_delta, encode_delta
+from kvobserve.wire.snapshot import decode_snapshot, encode_snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "traces" / "mooncake-conversation.jsonl.gz"
@@ -224,22 +227,14 @@ def whole(args: argparse.Namespace) -> Whole:
     return out
 
 
-# --- live: the simulator, two collectors, NATS -------------------------------------------------
-
-
-def connz(nats_server: NatsServer) -> dict[str, int]:
-    """Connection name -> bytes nats-server received from it."""
-    url = f"http://127.0.0.1:{nats_server.monitor_port}/connz"
-    with urllib.request.urlopen(url, timeout=5) as resp:
-        doc = json.load(resp)
-    return {c.get("name", str(c["cid"])): int(c["in_bytes"]) for c in doc.get("connections", [])}
+# --- live: the simulator, two collectors, NATS, the aggregator's merge ------------------------
 
 
 def collector_toml(path: Path, node: int, kv_port: int, nats_url: str) -> Path:
     """One node's collector: its 2 ranks of the 4, on its own address."""
     path.write_text(
         f'cluster = "{CLUSTER}"\n[collector]\nid = "node-{node}"\nnode_rank = {node}\nnnodes = 2\n'
-        f'interval_s = 1.0\nhost = "{HOSTS[node]}"\n[nats]\nurl = "{nats_url}"\n'
+        f'interval_s = 1.0\nhost = "{HOSTS[node]}"\n[http]\nlisten = ""\n[nats]\nurl = "{nats_url}"\n'
         f'[[worker]]\nid = "{CLUSTER}"\nengine = "sglang"\ndp_size = 4\ndp_attention = true\n'
         f'kv_endpoint = "tcp://*:{kv_port}"\nprobe_extra_ports = 0\n'
     )
@@ -251,102 +246,85 @@ class Live:
     """What the live run measured."""
 
     seconds: float = 0.0
-    delta_bytes: int = 0  # into NATS from the deltas' connection
-    snapshot_bytes: int = 0  # into NATS from the two collectors, over the same time
+    delta_bytes: int = 0  # the snapshots' `misses` field, as NATS counts a message
+    snapshot_bytes: int = 0  # the same snapshots without it: today's
+    feedback_bytes: int = 0  # the aggregator's feedback to the collectors
     estimate: dict[str, float] = field(default_factory=dict)
     sampled: int = 0
     bound: float = 0.0
     level: int = 0
+    trusted: bool = False
+    reason: str = ""
     truth: dict[str, float] = field(default_factory=dict)
-    exact_in_arrival_order: dict[str, float] = field(default_factory=dict)
+    truth_blocks: dict[str, float] = field(default_factory=dict)
     stores: int = 0
+    weighed: float = 0.0  # the counters' misses (each sampled miss weighed by 2^level)
     merge_bytes: int = 0
     resident_blocks: int = 0
     late_ops: int = 0
 
 
-async def _consume(
-    args: argparse.Namespace, kv: dict[int, str], nats_server: NatsServer, truth_path: Path
-) -> Live:
-    nc = await nats.connect(nats_server.url, name=ME)
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    samplers = [MissSampler(CLUSTER, True) for _ in range(2)]
-    merged = SampledSplit()
-    indexes = {r: BlockIndex() for r in kv}
-    pool = PoolMisses()
-    for r, ix in indexes.items():
-        pool.attach(r, ix)
-    poller = zmq.Poller()
-    subs: dict[Any, int] = {}
-    for r, url in kv.items():
-        sub = ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.RCVHWM, 0)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.connect(url)
-        subs[sub] = r
-        poller.register(sub, zmq.POLLIN)
+def _wire_size(subject: str, data: bytes) -> int:
+    """What a publish costs on the wire: the PUB line, the payload, CRLF."""
+    return len(f"PUB {subject} {len(data)}\r\n") + len(data) + 2
+
+
+async def _observe(args: argparse.Namespace, nats_server: NatsServer, truth_path: Path) -> Live:
+    """The aggregator's merge in this process (to weigh its memory), fed over NATS by the two
+    `kvobserve collect` processes; every snapshot weighed with and without its deltas."""
+    transport = NatsTransport(nats_server.url, CLUSTER, name=ME)
+    await transport.connect()
+    agg = Aggregator(FleetState())
+    await agg.start(transport)
     out = Live()
+    nc = transport.client
+    assert nc is not None
+
+    async def weigh(msg: Any) -> None:
+        snap = decode_snapshot(msg.data)
+        if not snap.misses:
+            return
+        bare = encode_snapshot(msgspec.structs.replace(snap, misses=[], prefix=[]))
+        out.snapshot_bytes += _wire_size(msg.subject, bare)
+        out.delta_bytes += _wire_size(msg.subject, msg.data) - _wire_size(msg.subject, bare)
+
+    async def feedback(msg: Any) -> None:
+        out.feedback_bytes += _wire_size(msg.subject, msg.data)
+
+    await nc.subscribe(f"kvobserve.v1.{CLUSTER}.snapshot.>", cb=weigh)
+    await nc.subscribe(misses_subject(CLUSTER), cb=feedback)
+    t0 = time.monotonic()
+    caught_up: float | None = None
     try:
-        before = connz(nats_server)
-        t0 = last_batch = time.monotonic()
-        next_ship = t0 + 1.0
-
-        async def ship(until: float) -> None:
-            for k, s in enumerate(samplers):
-                data = encode_delta(s.delta(until))
-                await nc.publish(f"kvobserve.v1.{CLUSTER}.misses.node-{k}", data)
-                merged.add(f"node-{k}", decode_delta(data))
-            merged.advance()
-            # the pool's level back to the collectors: counted as traffic too
-            await nc.publish(f"kvobserve.v1.{CLUSTER}.misses_level", str(merged.level).encode())
-            for s in samplers:
-                s.follow(merged.level)
-
         while True:
-            await asyncio.sleep(0)  # the NATS client's flusher runs
-            for sock, _ in poller.poll(50):
-                while True:
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    b: KvBatch = decode_message(frames)
-                    r = subs[sock]
-                    indexes[r].apply_batch(b)
-                    samplers[r // 2].observe(r, b)
-                    last_batch = time.monotonic()
-            now = time.monotonic()
-            if now >= next_ship:
-                await ship(time.time() - 0.5)
-                next_ship += 1.0
-            doc = _truth(truth_path)
-            if doc and doc["done"] and doc["pending_events"] == 0 and now - last_batch > 2.0:
-                break
-            if now - t0 > args.timeout:
+            await asyncio.sleep(0.5)  # polling the truth file and the merge, with a deadline
+            if time.monotonic() - t0 > args.timeout:
                 raise TimeoutError(f"the replay did not finish in {args.timeout} s")
-        await ship(math.inf)
-        await nc.flush()
-        after = connz(nats_server)
+            doc = _truth(truth_path)
+            if not (doc and doc["done"] and doc["pending_events"] == 0):
+                continue
+            whole = json.loads(truth_path.read_text())
+            sent = {int(r): rank["instances"][-1]["batches"]
+                    for w in whole["workers"] for r, rank in w["ranks"].items()}  # fmt: skip
+            v = agg.view()
+            applied = {s.stats.dp_rank: s.stats.batches_total for s in v.streams}
+            if applied != sent:
+                continue
+            caught_up = caught_up or time.time()
+            split = v.misses.get(CLUSTER)
+            if split is not None and (split.as_of or 0) > caught_up:
+                break
         out.seconds = time.monotonic() - t0
-        out.delta_bytes = after.get(ME, 0)
-        out.snapshot_bytes = sum(
-            v - before.get(name, 0) for name, v in after.items() if name.startswith("kvobserve-")
-        )
-        est = merged.estimate()
-        out.estimate, out.sampled, out.bound, out.level = (
-            est.shares,
-            est.sampled,
-            est.bound,
-            est.level,
-        )
-        out.exact_in_arrival_order = shares(pool.totals())
-        out.merge_bytes = split_bytes(merged)
-        out.late_ops = merged.late_ops
+        out.estimate, out.sampled, out.bound = split.shares, split.sampled, split.bound
+        out.level, out.trusted, out.reason = split.level, split.trusted, split.reason
+        out.weighed = sum(split.misses().values())
+        pool = agg.fleet.misses.pools[CLUSTER].split
+        out.merge_bytes = split_bytes(pool)
+        out.late_ops = pool.late_ops
         return out
     finally:
-        await nc.close()
-        ctx.destroy(linger=0)
+        await agg.stop()
+        await transport.close()
 
 
 def _truth(path: Path) -> dict[str, Any] | None:
@@ -398,7 +376,7 @@ def live(args: argparse.Namespace, workdir: Path) -> Live:
             for node in (0, 1):
                 cfg = collector_toml(workdir / f"node-{node}.toml", node, base, nats_server.url)
                 procs.append(_spawn(["collect", "-c", str(cfg)], workdir / f"node-{node}.log"))
-            out = asyncio.run(_consume(args, kv, nats_server, truth_path))
+            out = asyncio.run(_observe(args, nats_server, truth_path))
         finally:
             for p in reversed(procs):
                 stop_process(p)
@@ -406,6 +384,7 @@ def live(args: argparse.Namespace, workdir: Path) -> Live:
     replay = doc["replays"][0]
     c = truth_counts(replay["pool"]["pages"])
     out.truth, out.stores = shares(c), c.total
+    out.truth_blocks = shares(truth_counts(replay["pool"]["blocks"]))
     out.resident_blocks = sum(
         len(inst["resident"].get("GPU", []))
         for w in doc["workers"]
@@ -432,19 +411,28 @@ def header(args: argparse.Namespace) -> None:
 def report_live(args: argparse.Namespace, lv: Live) -> None:
     """The live run against the targets."""
     err = worst_pp(lv.estimate, lv.truth)
-    ratio = lv.delta_bytes / lv.snapshot_bytes if lv.snapshot_bytes else math.inf
+    err_blocks = worst_pp(lv.estimate, lv.truth_blocks)
+    traffic = lv.delta_bytes + lv.feedback_bytes
+    ratio = traffic / lv.snapshot_bytes if lv.snapshot_bytes else math.inf
     per_block = lv.merge_bytes / max(lv.resident_blocks, 1)
-    print(f"\nlive at {args.speed:g}x: {lv.seconds:.0f} s, {lv.stores:,} stores (pages)")
-    print(f"  truth                      {_pct(lv.truth)}")
-    print(f"  sampled estimate           {_pct(lv.estimate)}   n={lv.sampled:,} "
-          f"level={lv.level} own bound={100 * lv.bound:.2f} pp")  # fmt: skip
-    print(f"  exact, one process         {_pct(lv.exact_in_arrival_order)}   (arrival order)")
-    print(f"  error: {err:.2f} pp (target <= {TARGET_PP:g})  late ops {lv.late_ops}")
-    print(f"  NATS: deltas {lv.delta_bytes:,} B / snapshots {lv.snapshot_bytes:,} B = "
+    print(f"\nlive at {args.speed:g}x: {lv.seconds:.0f} s, {lv.stores:,} stores (pages); two "
+          "`kvobserve collect` processes, the aggregator's merge here")  # fmt: skip
+    print(f"  truth (pages)              {_pct(lv.truth)}")
+    print(f"  truth (trace blocks)       {_pct(lv.truth_blocks)}")
+    print(f"  the aggregator's split     {_pct(lv.estimate)}   n={lv.sampled:,} "
+          f"level={lv.level} own bound={100 * lv.bound:.2f} pp, "
+          f"{'trusted' if lv.trusted else 'not trusted: ' + lv.reason}")  # fmt: skip
+    print(f"  error: {err:.2f} pp against pages, {err_blocks:.2f} pp against trace blocks "
+          f"(target <= {TARGET_PP:g}); late ops {lv.late_ops}; the counters' misses "
+          f"{lv.weighed:,.0f} against {lv.stores:,} stores "
+          f"({100 * (lv.weighed / max(lv.stores, 1) - 1):+.1f}%)")  # fmt: skip
+    print(f"  NATS: deltas in the snapshots {lv.delta_bytes:,} B + feedback "
+          f"{lv.feedback_bytes:,} B / the same snapshots without them {lv.snapshot_bytes:,} B = "
           f"+{100 * ratio:.1f}% (target <= +{100 * TARGET_TRAFFIC:g}%); at 1x the same deltas "
           f"over {args.speed:g}x the snapshots: +{100 * ratio / args.speed:.1f}%")  # fmt: skip
-    print(f"  memory: merge {lv.merge_bytes:,} B for {lv.resident_blocks:,} resident blocks = "
-          f"{per_block:.2f} B/block (target <= {TARGET_BYTES:g})", flush=True)  # fmt: skip
+    print(f"  memory: the merge {lv.merge_bytes:,} B for {lv.resident_blocks:,} resident blocks = "
+          f"{per_block:.2f} B/block (target <= {TARGET_BYTES:g}); the collectors keep nothing "
+          "per block", flush=True)  # fmt: skip
 
 
 def report_offline(args: argparse.Namespace, off: Offline) -> None:

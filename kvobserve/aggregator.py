@@ -25,6 +25,7 @@ from kvobserve.analysis.fleet import FleetState
 from kvobserve.analysis.views import FleetView, Key
 from kvobserve.transport import Transport
 from kvobserve.wire.errors import WireError
+from kvobserve.wire.misses import encode_feedback
 from kvobserve.wire.snapshot import Snapshot, decode_snapshot
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class Aggregator:
         # (collector, bucket) -> (start_time, last seq)
         self._event_seq: dict[tuple[str, int], tuple[float, int]] = {}
         self._task: asyncio.Task[None] | None = None
+        self._feedback_task: asyncio.Task[None] | None = None
 
     @property
     def snapshots_applied(self) -> int:
@@ -199,6 +201,7 @@ class Aggregator:
         if retained:
             log.info("warm start: %d retained snapshots read", len(retained))
         self._task = asyncio.create_task(self._tick_loop())
+        self._feedback_task = asyncio.create_task(self._feedback_loop())
 
     async def _tick_loop(self) -> None:
         """Check conditions every interval; a failing tick is logged, the loop goes on."""
@@ -213,6 +216,26 @@ class Aggregator:
                 failed = True
             await asyncio.sleep(self.next_check_in())
 
+    async def publish_feedback(self) -> None:
+        """Tell the collectors each pool's sample level and the full deltas wanted (the miss
+        split, analysis/miss_fleet.py); nothing while no pool is known."""
+        fb = self.fleet.misses.feedback(self.clock())
+        if fb.levels and self._transport is not None:
+            await self._transport.publish_feedback(encode_feedback(fb))
+
+    async def _feedback_loop(self) -> None:
+        """The miss split's feedback every interval; a failing one is logged once per streak."""
+        failed = False
+        while True:
+            try:
+                await self.publish_feedback()
+                failed = False
+            except Exception:
+                if not failed:
+                    log.exception("miss-split feedback failed")
+                failed = True
+            await asyncio.sleep(self.interval_s)
+
     def next_check_in(self) -> float:
         """Seconds to the next condition check: the interval, or longer when the last check
         took over 1/CHECK_SHARE of it (thousands of streams: docs/performance.md)."""
@@ -223,6 +246,9 @@ class Aggregator:
         if self._task is not None:
             await cancel_and_wait(self._task)
             self._task = None
+        if self._feedback_task is not None:
+            await cancel_and_wait(self._feedback_task)
+            self._feedback_task = None
 
 
 def tune_runtime() -> None:

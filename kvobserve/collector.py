@@ -42,11 +42,14 @@ from kvobserve.sources.plan import (
 )
 from kvobserve.sources.scheduler import SchedulerSources, SchedulerValues
 from kvobserve.sources.stream_events import RecentEvents
+from kvobserve.wire.errors import WireError
+from kvobserve.wire.misses import decode_feedback
 from kvobserve.wire.parts import split_parts
 from kvobserve.wire.snapshot import (
     CollectorCounters,
     CollectorInfo,
     Family,
+    PrefixCounters,
     Sample,
     SchedulerStats,
     Snapshot,
@@ -129,6 +132,7 @@ class Collector:
         # passthrough samples refused by the cap, cumulative (a counter): once per engine scrape
         self._passthrough_refused = 0
         self._passthrough_counted: dict[str, int] = {}  # worker -> the scrape last counted
+        self.feedback_errors: dict[str, int] = {}  # the aggregator's miss feedback, by reason
 
     async def start(self) -> None:
         """Discover, open the streams, start the scheduler sources and the snapshot loop."""
@@ -157,8 +161,9 @@ class Collector:
             self._rediscovery.append(again)
             self._again[w.id] = again
         specs = self._replan()
+        pools = {w.id: w.pool_id for w in self.cfg.workers}  # the miss split's pools
         self.ingest = IngestLoop(specs, self._ingest_options, events=self.events,
-                                 listens=self._listens())  # fmt: skip
+                                 listens=self._listens(), pools=pools)  # fmt: skip
         self.ingest.start()
         await self._sync_scheduler()
         for r in self._rediscovery:
@@ -300,6 +305,7 @@ class Collector:
             for wid, src in self.scheduler.items()
             for (source, reason), n in sorted(src.errors().items())
         ]
+        prefix = [p for wid, src in self.scheduler.items() for p in self._prefix(wid, src)]
         for wid, src in self.scheduler.items():
             for rank, v in sorted(self._scheduler_values(wid, src).items()):
                 sched.append(
@@ -359,6 +365,8 @@ class Collector:
             refused=refused,
             placement=ingest.placement,
             binds=ingest.binds,
+            prefix=prefix,
+            misses=ingest.misses,
             counters=CollectorCounters(
                 ingest.messages_received,
                 ingest.loop_errors,
@@ -369,6 +377,26 @@ class Collector:
             sources=self._source_states(),
             events=self.events.recent(),
         )
+
+    def _prefix(self, worker_id: str, src: SchedulerSources) -> list[PrefixCounters]:
+        """The engine's prefix-cache counters as this node may report them (as the values:
+        a non-leader its own ranks only, never the worker's)."""
+        got = src.prefix()
+        plan = next((p for p in self.plans if p.worker.id == worker_id), None)
+        if plan is not None and not plan.worker.leader:
+            mine = set(plan.watched_ranks)
+            got = {r: v for r, v in got.items() if r in mine}
+        return [PrefixCounters(worker_id, r, h, q) for r, (h, q) in sorted(got.items())]
+
+    async def on_feedback(self, data: bytes) -> None:
+        """The aggregator's word on the miss split (levels, resyncs); bad bytes are counted."""
+        try:
+            fb = decode_feedback(data)
+        except WireError as exc:
+            self.feedback_errors[exc.reason] = self.feedback_errors.get(exc.reason, 0) + 1
+            return
+        if self.ingest is not None:
+            await asyncio.wrap_future(self.ingest.follow(fb, self.info.collector_id))
 
     def _worker_infos(self, pods: dict[str, list[str]]) -> list[WorkerInfo]:
         """Every planned worker with its state now (docs/collector.md "Worker states"); with a

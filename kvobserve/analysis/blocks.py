@@ -255,6 +255,11 @@ class BlockIndex:
         self._usual_size = None
 
     @property
+    def block_size(self) -> int:
+        """Tokens per block of the stream's events: the usual one (0 until a store)."""
+        return self._usual_size or 0
+
+    @property
     def tiers(self) -> dict[str, Tier]:
         """Medium -> tier state, as kept (for reading: the analytics' peers, cache_stats, the miss
         split's peers)."""

@@ -56,6 +56,11 @@ THRASH_MIN_STORES = 1000
 # router_index_drift: phantom + missing above this share of the engine's blocks, and this many
 DRIFT_SHARE = 0.05
 DRIFT_MIN_BLOCKS = 10
+# placement_misses: a pool's placement share of the misses over the last RECENT_S above this
+# (random routing gives 8 % on 2 ranks and 16 % on 4 on the trace fixture, KV-aware 0 %:
+# docs/alerts.md), once that many blocks missed in the window, with the split trusted
+PLACEMENT_SHARE = 0.05
+PLACEMENT_MIN_MISSES = 10_000
 MISMATCH = "layout_mismatch"  # the worker state (WorkerInfo.state) of the condition
 WORKER_TROUBLE = frozenset({"undiscovered", MISMATCH})  # worker states with a condition
 SOURCE_DOWN = frozenset({"down", "undecodable"})  # scheduler-source states that deliver nothing
@@ -249,6 +254,7 @@ def _found(v: FleetView) -> Iterable[Condition]:
                 f"{w} has {len(ids)} scheduler-metrics leaders: {', '.join(ids)}",
             )
     yield from _reported(v)
+    yield from _placement(v)
     at = Around(v)
     for s in v.streams:
         where: Labels | None = None
@@ -372,6 +378,28 @@ def _reported(v: FleetView) -> Iterable[Condition]:
                     f"{d.engine_blocks} ({d.method})",
                     d.at,
                 )
+
+
+def _placement(v: FleetView) -> Iterable[Condition]:
+    """placement_misses: a pool whose misses were resident on another of its ranks (a router
+    that knew would have hit) more than PLACEMENT_SHARE of the time, over the last window."""
+    for name, p in v.misses.items():
+        r = p.recent
+        if r is None or not p.trusted or r.total_misses < PLACEMENT_MIN_MISSES:
+            continue
+        share = r.share("placement") or 0.0
+        if share > PLACEMENT_SHARE:
+            yield Condition.of(
+                "placement_misses",
+                labels(pool=name),
+                f"pool {name}: {100 * share:.0f}% of its misses in the last {_span(r.seconds)} "
+                "were resident on another of its ranks (the router does not send requests where "
+                "their prefix is cached)",
+            )
+
+
+def _span(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
 
 
 def _relays(binds: list[BindStats], collector: str, now: float) -> Iterable[Condition]:
@@ -554,6 +582,8 @@ _ROWS: Final = (
     Kind("multiple_scheduler_leaders", "MultipleSchedulerLeaders", "warning", "several leaders"),
     Kind("relay_dropping", "KVRelayDropping", "warning", "relay dropping frames"),
     Kind("router_index_drift", "KVRouterIndexDrift", "warning", "router index drifted"),
+    Kind("placement_misses", "KVCachePlacementMisses", "warning", "misses another rank held",
+         cell="pool"),
     # a stream's conditions
     Kind("stream_down", "KVEventStreamDown", "critical", "stream down",
          cell="state", precheck=_maybe_down, check=_down),

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvobserve.analysis.conditions import Condition, active, may_have_condition
+from kvobserve.analysis.miss_fleet import MissMerge
 from kvobserve.analysis.placement import merge_placement
 from kvobserve.analysis.tiers import TOP_MEDIA
 from kvobserve.analysis.views import CollectorView, FleetView, Key, StreamView
@@ -100,6 +101,7 @@ class FleetState:
         self._order: list[str] = []  # collector ids, sorted; rebuilt when the set changes
         self.snapshots_applied = 0
         self.snapshots_ignored = 0  # older than the one we have (reordered or replayed)
+        self.misses = MissMerge()  # where the misses come from: every pool's sampled split
 
     def update(self, snap: Snapshot, now: float) -> bool:
         """Keep `snap` if it is newer than what we hold for its collector (and its bucket)."""
@@ -122,6 +124,7 @@ class FleetState:
         c.parts[snap.bucket] = _Entry(snap, now)
         c.merged = None
         self.snapshots_applied += 1
+        self.misses.add(snap, now)
         return True
 
     def snapshot(self, collector_id: str) -> Snapshot | None:
@@ -156,6 +159,7 @@ class FleetState:
         for cid in forget:
             del self._collectors[cid]
             self._order = []
+            self.misses.forget(cid)
         return out
 
     def _membership(
@@ -247,7 +251,15 @@ class FleetState:
         streams.sort(key=lambda s: (s.stats.worker_id, s.stats.dp_rank, s.collector.collector_id))
         v.placement = {w: merge_placement(ps) for w, ps in sorted(placements.items())}
         _drop_dead_ranks(v, entries, ups, down)
+        self._misses(v, entries, ups)
         return v
+
+    def _misses(self, v: FleetView, entries: list[_Entry], ups: list[bool]) -> None:
+        """The pools' miss splits as of the view; a collector down is waited for no longer."""
+        gone = {e.snapshot.collector.collector_id for e, up in zip(entries, ups, strict=True)
+                if not up}  # fmt: skip
+        self.misses.collectors_down(gone)
+        v.misses = self.misses.views(v)
 
     def conditions(self, now: float, began: dict[Key, float] | None = None) -> list[Condition]:
         """The conditions of view(now) (analysis/conditions.py `active`), building views only
@@ -266,6 +278,8 @@ class FleetState:
                     v.streams.append(StreamView(st, snap.collector, up, None, 0, None, snap.time))
         v.streams.sort(key=lambda s: (s.stats.worker_id, s.stats.dp_rank, s.collector.collector_id))
         _drop_dead_ranks(v, entries, ups, down)
+        if self.misses.pools:  # its trust reads the pools' streams: they all pass the filter
+            self._misses(v, entries, ups)
         return active(v)
 
     @staticmethod

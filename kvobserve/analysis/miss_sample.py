@@ -62,23 +62,28 @@ def ident_bucket(ident: int) -> int:
     return 48 - ident.bit_length()
 
 
+Rank = tuple[str, int]  # (worker_id, dp_rank): a rank of a pool (a pool may hold several workers)
+
+
 class MissSampler:
     """Collector side: the sampled top-tier changes of one pool's ranks in this collector.
 
-    Feed it every applied batch of those ranks (`observe`), in the order the collector applies
-    them; take a `delta` every interval. `salt` (0 in production: the engines' hashes are
-    uniform) re-draws the sample, for measuring the estimator's spread.
+    Feed it every applied batch of those ranks (`observe`, or a rank's `tap` from its
+    sequencer), in the order the collector applies them; take a `delta` every interval. A rank
+    is (worker_id, dp_rank), or a bare dp rank of the worker named as the pool. `salt` (0 in
+    production: the engines' hashes are uniform) re-draws the sample, for measuring the
+    estimator's spread.
     """
 
     def __init__(
         self,
-        worker_id: str,
+        pool: str,
         signed: bool,
         floor: int = FLOOR,
         salt: int = 0,
         start_level: int = START_LEVEL,
     ) -> None:
-        self.worker_id = worker_id
+        self.pool = pool
         self.signed = signed
         self.floor = floor
         self.salt = salt
@@ -86,8 +91,8 @@ class MissSampler:
         self.seq = 0
         self.stores = [0] * BUCKETS  # sampled stores shipped, per bucket
         self._ops = bytearray()
-        self._ranks: list[int] = []
-        self._index: dict[int, int] = {}
+        self._ranks: list[Rank] = []
+        self._index: dict[Rank, int] = {}
         self._base: float | None = None
         self._until: float | None = None  # of the previous delta
         self._limit_raw = 0
@@ -120,13 +125,16 @@ class MissSampler:
         lr = self._limit_raw
         return [self.key(h) for h in hashes if h < lr]  # type: ignore[operator]
 
-    def _record(self, dp_rank: int, ts: float, op: int, keys: list[int]) -> None:
+    def _rank(self, rank: Rank | int) -> Rank:
+        return (self.pool, rank) if isinstance(rank, int) else rank
+
+    def _record(self, rank: Rank, ts: float, op: int, keys: list[int]) -> None:
         if self._base is None:  # a batch of another rank may be a little older than this one
             self._base = self._until if self._until is not None else ts - 1.0
-        ri = self._index.get(dp_rank)
+        ri = self._index.get(rank)
         if ri is None:
-            ri = self._index[dp_rank] = len(self._ranks)
-            self._ranks.append(dp_rank)
+            ri = self._index[rank] = len(self._ranks)
+            self._ranks.append(rank)
         ms = round((ts - self._base) * 1e3)
         if op == CLEAR:
             pack_op(self._ops, ms, ri, CLEAR, 0)
@@ -136,8 +144,9 @@ class MissSampler:
             if op == STORE:
                 self.stores[bucket_of(k)] += 1
 
-    def observe(self, dp_rank: int, batch: KvBatch) -> None:
-        """Take the sampled top-tier changes of one applied batch of rank `dp_rank`."""
+    def observe(self, rank: Rank | int, batch: KvBatch) -> None:
+        """Take the sampled top-tier changes of one applied batch of `rank`."""
+        rank = self._rank(rank)
         ts = batch.ts
         for ev in batch.events:
             kind = ev.kind
@@ -146,16 +155,20 @@ class MissSampler:
                     continue
                 keys = self._sampled(ev.block_hashes)  # type: ignore[attr-defined]
                 if keys:
-                    self._record(dp_rank, ts, STORE if kind == "BlockStored" else REMOVE, keys)
+                    self._record(rank, ts, STORE if kind == "BlockStored" else REMOVE, keys)
             elif kind == "AllBlocksCleared" or (
                 kind == "TierCleared" and ev.medium in TOP_MEDIA  # type: ignore[attr-defined]
             ):
-                self._record(dp_rank, ts, CLEAR, [])
+                self._record(rank, ts, CLEAR, [])
         self._maybe_raise()
 
-    def cleared(self, dp_rank: int, ts: float) -> None:
+    def cleared(self, rank: Rank | int, ts: float) -> None:
         """The rank's top tier was emptied without an event (a publisher restart: the reset)."""
-        self._record(dp_rank, ts, CLEAR, [])
+        self._record(self._rank(rank), ts, CLEAR, [])
+
+    def tap(self, rank: Rank | int) -> RankTap:
+        """What one rank's sequencer feeds (analysis/sequence.py `BatchTap`)."""
+        return RankTap(self, self._rank(rank))
 
     def _maybe_raise(self) -> None:
         # alone past what the whole pool needs: the aggregator will be at least this high
@@ -170,14 +183,19 @@ class MissSampler:
             self.level = min(level, 64)
             self._set_limit()
 
+    def _delta(self, until: float, base: float, ranks: list[Rank], ops: bytes) -> MissDelta:
+        self.seq += 1
+        workers = [w for w, _ in ranks]
+        return MissDelta(
+            self.pool, self.seq, self.level, base, until, [r for _, r in ranks], ops,
+            workers=[] if all(w == self.pool for w in workers) else workers,
+        )  # fmt: skip
+
     def delta(self, until: float) -> MissDelta:
         """The changes since the previous delta; every batch at or before `until` (engine
         time) must have been observed."""
-        self.seq += 1
         base = self._base if self._base is not None else until
-        d = MissDelta(
-            self.worker_id, self.seq, self.level, base, until, list(self._ranks), bytes(self._ops)
-        )
+        d = self._delta(until, base, list(self._ranks), bytes(self._ops))
         self._ops.clear()
         self._ranks.clear()
         self._index.clear()
@@ -185,18 +203,36 @@ class MissSampler:
         self._until = until
         return d
 
-    def full(self, residents: Mapping[int, Iterable[BlockHash]], until: float) -> MissDelta:
+    def full(self, residents: Mapping[Rank | int, Iterable[BlockHash]], until: float) -> MissDelta:
         """The sampled blocks resident on each rank at `until` (a resync; one pass over the
         ranks' resident sets). Changes not yet taken by `delta` go first, in a delta of their
         own: take one before this."""
         ops = bytearray()
-        ranks = list(residents)
-        for ri, rank in enumerate(ranks):
+        ranks = [self._rank(r) for r in residents]
+        for ri, rank in enumerate(residents):
             for k in self._sampled(list(residents[rank])):
                 pack_op(ops, 0, ri, STORE, k)
-        self.seq += 1
-        return MissDelta(self.worker_id, self.seq, self.level, until, until, ranks, bytes(ops),
-                         full=True)  # fmt: skip
+        d = self._delta(until, until, ranks, bytes(ops))
+        d.full = True
+        return d
+
+
+class RankTap:
+    """One rank's view of its pool's sampler: what its sequencer calls with every batch it
+    applies and when it resets the rank's index."""
+
+    __slots__ = ("rank", "sampler")
+
+    def __init__(self, sampler: MissSampler, rank: Rank) -> None:
+        self.sampler, self.rank = sampler, rank
+
+    def observe(self, batch: KvBatch) -> None:
+        """An applied batch of this rank."""
+        self.sampler.observe(self.rank, batch)
+
+    def cleared(self, ts: float) -> None:
+        """This rank's index was reset (a new publisher): its top tier is empty."""
+        self.sampler.cleared(self.rank, ts)
 
 
 @dataclass
@@ -208,8 +244,9 @@ class SplitEstimate:
     shares: dict[str, float]  # compulsory, capacity, placement: fractions of the misses
     bound: float  # 95 % half-width of the widest share, from the sample itself (below)
     trusted: bool = True
-    reason: str = ""  # why not trusted: lost deltas, a collector gone, too few samples
+    reason: str = ""  # why not trusted: lost deltas, too few samples (see `reasons`)
     scaled: dict[str, float] = field(default_factory=dict)  # kind -> sampled count * 2^level
+    reasons: tuple[str, ...] = ()  # codes: deltas_lost, few_samples
 
 
 class SampledSplit:
@@ -218,28 +255,45 @@ class SampledSplit:
     def __init__(self, floor: int = FLOOR, start_level: int = START_LEVEL) -> None:
         self.floor = floor
         self.level = start_level
-        self.resident: dict[int, set[int]] = {}  # dp rank -> sampled blocks (48-bit identity)
+        self.resident: dict[Rank, set[int]] = {}  # rank -> sampled blocks (48-bit identity)
         self.seen: set[int] = set()  # sampled blocks ever stored on a rank of the pool
-        self.counts: dict[int, list[list[int]]] = {}  # dp rank -> kind -> bucket -> misses
+        self.counts: dict[Rank, list[list[int]]] = {}  # rank -> kind -> bucket -> misses
+        # rank -> kind -> misses, each sampled miss weighed by 2^level when it was classified
+        # (unbiased, and it only grows: a counter); since this process started
+        self.weighed: dict[Rank, list[float]] = {}
         # sampled block -> its misses by kind, all ranks: the spread of the clusters (`bound`)
         self.per_block: dict[int, list[int]] = {}
         self._pending: dict[str, list[tuple[float, int, Op | MissDelta]]] = {}
         self._until: dict[str, float] = {}
         self._seq: dict[str, int] = {}
+        self._start: dict[str, float] = {}  # collector -> its process's start time
         self._order = 0
-        self.lost: dict[str, int] = {}  # deltas missed, per collector
+        self.lost: dict[str, int] = {}  # deltas missed, per collector (cumulative)
+        # collectors whose residency here is unknown until their next full delta: a lost
+        # delta, or a collector first heard from in mid-run (this aggregator started later)
+        self.resync: set[str] = set()
         self.late_ops = 0  # ops older than what was already applied (out of engine-time order)
         self._applied = -math.inf
+        self.watermark = -math.inf  # every change at or before this engine time is applied
 
     # --- input ------------------------------------------------------------------------------
 
-    def add(self, collector: str, d: MissDelta) -> None:
-        """Queue one collector's delta (in its seq order; a gap is counted as lost)."""
-        last = self._seq.get(collector, 0)
-        if d.seq <= last:
+    def add(self, collector: str, d: MissDelta, start: float = 0.0) -> None:
+        """Queue one collector's delta (in its seq order; a gap is counted as lost). `start`:
+        the collector process's start time (a new process numbers its deltas from 1 again)."""
+        if self._start.get(collector, start) != start:
+            self._seq.pop(collector, None)  # a new process; its ranks' residency carries on
+        self._start[collector] = start
+        last = self._seq.get(collector)
+        if last is not None and d.seq <= last:
             return  # a duplicate or an old one
-        if d.seq > last + 1:
+        if last is not None and d.seq > last + 1:
             self.lost[collector] = self.lost.get(collector, 0) + d.seq - last - 1
+            self.resync.add(collector)
+        elif last is None and d.seq > 1:
+            self.resync.add(collector)  # heard from in mid-run: what it holds is not known here
+        if d.full:
+            self.resync.discard(collector)
         self._seq[collector] = d.seq
         if d.level > self.level:
             self._raise(d.level)
@@ -254,7 +308,8 @@ class SampledSplit:
         self._until[collector] = max(self._until.get(collector, -math.inf), d.until)
 
     def forget(self, collector: str) -> None:
-        """A collector is gone: apply what it sent, and stop waiting for it."""
+        """A collector is gone: apply what it sent, and stop waiting for it (it is waited for
+        again from its next delta on)."""
         self.advance(math.inf, only=collector)
         self._until.pop(collector, None)
 
@@ -265,9 +320,12 @@ class SampledSplit:
             if not self._until:
                 return 0
             watermark = min(self._until.values())
+            self.watermark = max(self.watermark, watermark)
         ready: list[tuple[float, int, Op | MissDelta]] = []
         for c, q in self._pending.items():
             if only is not None and c != only:
+                continue
+            if not q:
                 continue
             keep = [e for e in q if e[0] > watermark]
             ready.extend(e for e in q if e[0] <= watermark)
@@ -285,14 +343,24 @@ class SampledSplit:
         self._maybe_raise()
         return len(ready)
 
+    @property
+    def pending(self) -> int:
+        """Ops queued, not applied yet (waiting for the watermark)."""
+        return sum(len(q) for q in self._pending.values())
+
     # --- the classification -----------------------------------------------------------------
 
+    def _new_rank(self, rank: Rank) -> set[int]:
+        res = self.resident[rank] = set()
+        self.counts[rank] = [[0] * BUCKETS for _ in KIND_NAMES]
+        self.weighed[rank] = [0.0, 0.0, 0.0]
+        return res
+
     def _apply(self, op: Op) -> None:
-        rank = op.dp_rank
+        rank = op.rank
         res = self.resident.get(rank)
         if res is None:
-            res = self.resident[rank] = set()
-            self.counts[rank] = [[0] * BUCKETS for _ in KIND_NAMES]
+            res = self._new_rank(rank)
         if op.op == CLEAR:
             res.clear()
             return
@@ -312,6 +380,7 @@ class SampledSplit:
         else:
             kind = 0
         self.counts[rank][kind][bucket] += 1
+        self.weighed[rank][kind] += 1 << self.level
         per = self.per_block.get(ident)
         if per is None:
             per = self.per_block[ident] = [0, 0, 0]
@@ -321,17 +390,18 @@ class SampledSplit:
 
     def _resync(self, d: MissDelta) -> None:
         """A full delta: its ranks hold exactly these sampled blocks now."""
-        fresh: dict[int, set[int]] = {r: set() for r in d.ranks}
+        keys = d.rank_keys()
+        fresh: dict[Rank, set[int]] = {r: set() for r in keys}
         for op in iter_ops(d):
             if ident_bucket(op.key) >= self.level:
-                fresh[op.dp_rank].add(op.key)
+                fresh[op.rank].add(op.key)
         for rank, blocks in fresh.items():
             if rank not in self.resident:
-                self.counts[rank] = [[0] * BUCKETS for _ in KIND_NAMES]
+                self._new_rank(rank)
             self.resident[rank] = blocks
             self.seen.update(blocks)
 
-    def sampled_misses(self, ranks: Iterable[int] | None = None) -> list[int]:
+    def sampled_misses(self, ranks: Iterable[Rank] | None = None) -> list[int]:
         """Sampled misses by kind over `ranks` (default all), buckets in the sample only."""
         out = [0, 0, 0]
         for r in self.counts if ranks is None else ranks:
@@ -387,17 +457,21 @@ class SampledSplit:
         widest = max(max(x * (1 - x) for x in p), 1.0 / total)  # a share of 0 is not certain
         return 1.96 * math.sqrt(deff * widest / total)
 
-    def estimate(self, ranks: Iterable[int] | None = None) -> SplitEstimate:
+    def estimate(self, ranks: Iterable[Rank] | None = None) -> SplitEstimate:
         """The split of the misses of `ranks` (default the pool) as the sample says."""
         n = self.sampled_misses(ranks)
         total = sum(n)
         shares = {k: (n[i] / total if total else 0.0) for i, k in enumerate(KIND_NAMES)}
         scaled = {k: float(n[i] << self.level) for i, k in enumerate(KIND_NAMES)}
         bound = self._bound([n[i] / total for i in range(3)], total) if total else 1.0
-        reasons = []
-        if self.lost:
-            reasons.append(f"{sum(self.lost.values())} deltas lost")
+        reasons, codes = [], []
+        if self.resync:
+            lost = sum(self.lost.get(c, 0) for c in self.resync)
+            what = f"{lost} deltas lost" if lost else "joined mid-run"
+            reasons.append(f"{what}: waiting for a full resync of {', '.join(sorted(self.resync))}")
+            codes.append("deltas_lost")
         if total < self.floor:
             reasons.append(f"{total} sampled misses (< {self.floor})")
+            codes.append("few_samples")
         return SplitEstimate(total, self.level, shares, bound, not reasons, "; ".join(reasons),
-                             scaled)  # fmt: skip
+                             scaled, tuple(codes))  # fmt: skip

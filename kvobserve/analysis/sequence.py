@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, Protocol
 
 from kvobserve.analysis import trust as t
 from kvobserve.analysis.actions import Action, CancelReplay, RequestReplay
@@ -26,6 +26,16 @@ REPLAY_RESULTS: Final = ("ok", "partial", "timeout", "error", "overflow", "abort
 _RECENT = 8  # payloads kept (by reference) to recognise duplicate deliveries
 _OTHER_WINDOW = 64  # how far a known second head may jump and still be recognised as itself
 _OTHER_RUN_LIMIT = 16  # "other" batches in a row with this head silent: the other one is live
+
+
+class BatchTap(Protocol):
+    """What a stream's sequencer tells of the batches it applies (`miss_sample.RankTap`)."""
+
+    def observe(self, batch: KvBatch) -> None:
+        """A batch applied to the index."""
+
+    def cleared(self, ts: float) -> None:
+        """The index was reset (a new publisher); `ts`: the last batch's engine time."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +116,9 @@ class StreamSequencer:
         self._other_seen, self._other_run = 0.0, 0
         self._other_confirmed = False  # seen alternating; a retired head must go on exactly +1
         self.tail = TailWatch(limits.tail_first_s, limits.tail_max_wait_s)
+        # the miss split's sampler of the rank's pool (analysis/miss_sample.py): told of every
+        # applied batch and every reset, in order; None: no split
+        self.tap: BatchTap | None = None
         # payloads a tail check applied before live delivered them, to know a late live copy
         self._tail_copies: dict[int, bytes] = {}
         self._tail_found_at = 0.0
@@ -397,6 +410,8 @@ class StreamSequencer:
         """A new publisher: its cache starts empty and its first batch decides the trust."""
         self.trust.lose(t.WAITING)
         self.index.reset()
+        if self.tap is not None:
+            self.tap.cleared(self.last_ts or 0.0)
         self._recent.clear()
         self._tail_copies.clear()
         self.last_seq, self._high = None, -1
@@ -493,6 +508,8 @@ class StreamSequencer:
     def _apply(self, batch: KvBatch) -> None:
         clears = self.index.clears_total
         self.index.apply_batch(batch)
+        if self.tap is not None:
+            self.tap.observe(batch)
         if self.index.clears_total != clears:
             self.trust.set(t.COMPLETE, t.CLEARED)  # what came before no longer matters
         self.batches_applied += 1

@@ -65,6 +65,67 @@ class StreamView:
         return bool(self.capacity_tokens) and self.gpu_tokens > (self.capacity_tokens or 0)
 
 
+KINDS = ("compulsory", "capacity", "placement")  # the kinds of a miss (analysis/misses.py)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSplit:
+    """One worker's part of its pool's miss split (blocks are the engine's pages)."""
+
+    worker_id: str
+    misses: dict[str, float]  # kind -> blocks: each sampled miss weighed by 1 / its sample rate
+    hit_tokens: float | None  # the engine's prefix-cache hits (cumulative); None: not reported
+    query_tokens: float | None  # ... and what was looked up
+    block_size: int  # tokens per block of its events; 0: unknown (no store yet)
+
+    @property
+    def hit_blocks(self) -> float | None:
+        """Hits in blocks (hit tokens / block size), where both are known."""
+        if self.hit_tokens is None or not self.block_size:
+            return None
+        return self.hit_tokens / self.block_size
+
+
+@dataclass(frozen=True, slots=True)
+class RecentSplit:
+    """A pool's lookups over the last `seconds` (the window of the conditions and alerts)."""
+
+    seconds: float
+    misses: dict[str, float]  # kind -> blocks
+    hits: float | None  # blocks; None: not reported by every worker
+
+    @property
+    def total_misses(self) -> float:
+        """Every miss of the window."""
+        return sum(self.misses.values())
+
+    def share(self, kind: str) -> float | None:
+        """The kind's share of the window's misses (None: none)."""
+        total = self.total_misses
+        return self.misses[kind] / total if total else None
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSplit:
+    """Where a pool's misses come from (analysis/miss_fleet.py), as the sample says."""
+
+    pool: str
+    workers: tuple[WorkerSplit, ...]
+    shares: dict[str, float]  # kind -> share of the misses since the pool's start
+    bound: float  # 95 % half-width of the widest share
+    sampled: int  # sampled misses behind the shares
+    level: int  # the sample holds 2^-level of the blocks
+    trusted: bool  # the bound holds (else `reasons`)
+    reasons: tuple[str, ...]  # collector_down, rank_partial, deltas_lost, few_samples
+    reason: str  # one line for a person
+    recent: RecentSplit | None = None
+    as_of: float | None = None  # engine time every collector's changes are applied up to
+
+    def misses(self) -> dict[str, float]:
+        """Kind -> blocks, summed over the workers."""
+        return {k: sum(w.misses[k] for w in self.workers) for k in KINDS}
+
+
 @dataclass
 class FleetView:
     """Everything the exporters render, computed once per scrape; its conditions are
@@ -87,3 +148,4 @@ class FleetView:
     # sources (states and reasons; docs/collector.md)
     workers: list[tuple[WorkerInfo, CollectorInfo]] = field(default_factory=list)
     sources: list[tuple[SourceState, CollectorInfo]] = field(default_factory=list)
+    misses: dict[str, PoolSplit] = field(default_factory=dict)  # per pool: the miss split

@@ -53,6 +53,7 @@ async def _collect(cfg: Config, local_http: bool) -> int:
     stop_http: Stop | None = None
     try:
         await collector.start()
+        await transport.subscribe_feedback(collector.on_feedback)  # the miss split's levels
         if local_http and cfg.http.listen:
             try:
                 stop_http = await start_http(local, cfg.http, transport=transport)

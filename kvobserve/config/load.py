@@ -365,6 +365,24 @@ def load_config(
         raise ConfigError(text) from None
 
 
+def _check_pools(workers: tuple[WorkerConfig, ...]) -> None:
+    """A pool's name is a label value; its workers are of engines whose block hashes compare
+    (the same hash type): a router chooses among ranks of one model and one engine."""
+    first: dict[str, tuple[int, WorkerConfig]] = {}
+    for i, w in enumerate(workers):
+        if w.pool != w.pool.strip():
+            raise ConfigError(f"worker[{i}].pool: leading or trailing spaces in {w.pool!r}")
+        pool = w.pool_id
+        had = first.setdefault(pool, (i, w))
+        j, other = had
+        if profile(w.engine).signed_hashes != profile(other.engine).signed_hashes:
+            raise ConfigError(
+                f"worker[{i}].pool: {pool!r} holds {other.engine} (worker[{j}]) and {w.engine} "
+                "workers, whose block hashes never compare; a pool is the ranks one router "
+                "chooses among, of one engine"
+            )
+
+
 def _build(raw: dict[str, Any], path: str | None) -> Config:
     """Validate the merged settings and freeze them."""
     top = _table({k: v for k, v in raw.items() if k in SECTIONS[""]}, "", "")
@@ -382,6 +400,7 @@ def _build(raw: dict[str, Any], path: str | None) -> Config:
         if w.id in seen:
             raise ConfigError(f"worker[{i}].id: duplicate {w.id!r} (also worker[{seen[w.id]}])")
         seen[w.id] = i
+    _check_pools(workers)
     agg = tables["aggregator"]
     if "nats" in agg:
         tables["nats"].setdefault("url", agg.pop("nats"))

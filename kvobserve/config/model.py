@@ -101,6 +101,14 @@ class WorkerConfig:
     bind: str | None = None  # the endpoint bound for rank 0 (rank r: port + r); None: connect
     relay_to: str | None = None  # bind mode: every frame forwarded here first (rank r: port + r)
     relay_queue: int = 10_000  # frames waiting for the relay target; more are dropped (counted)
+    # the miss split (docs/cache-analytics.md): the ranks a router could send a request to;
+    # workers of one pool name it alike. "": the worker's own ranks (its id)
+    pool: str = ""
+
+    @property
+    def pool_id(self) -> str:
+        """The worker's pool: `pool`, or its own id."""
+        return self.pool or self.id
 
     @property
     def urls(self) -> tuple[str, ...]:

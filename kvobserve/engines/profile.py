@@ -53,6 +53,8 @@ class SchedulerMetrics:
     names: Mapping[str, str]  # sample name -> SchedulerValues field (the first sample wins)
     rank_label: str  # the label holding the DP rank (absent: rank 0)
     prefix_counters: tuple[str, ...] = ()  # (hits, queries) in tokens: the cache hit ratio
+    # (hits, queries) in tokens of the whole worker, without a rank label (SGLang's tokenizer)
+    worker_prefix_counters: tuple[str, ...] = ()
     cache_info: str = ""  # the info family with block_size and num_gpu_blocks labels
 
 

@@ -36,6 +36,9 @@ PROFILE = EngineProfile(
             "sglang:max_total_num_tokens": "max_total_tokens",
         },
         rank_label="dp_rank",
+        # the tokenizer's counters (summed over `cache_source` where it has one): every request
+        # passes the API server's tokenizer, so they count the whole worker, with no rank
+        worker_prefix_counters=("sglang:cached_tokens_total", "sglang:prompt_tokens_total"),
     ),
     default_endpoint="tcp://*:5557",  # --kv-events-config without an endpoint
     signed_hashes=True,  # hash_str_to_int64 (0.4.7: CPython's tuple hash)

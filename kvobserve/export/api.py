@@ -14,7 +14,8 @@ from kvobserve.analysis.conditions import (
 )
 from kvobserve.analysis.hot import merge_top
 from kvobserve.analysis.placement import PlacementEstimate
-from kvobserve.analysis.views import FleetView, StreamView
+from kvobserve.analysis.views import KINDS as MISS_KINDS
+from kvobserve.analysis.views import FleetView, PoolSplit, StreamView
 from kvobserve.wire.snapshot import RelayStats
 
 Json = dict[str, Any]
@@ -295,3 +296,63 @@ def hot_json(v: FleetView, top: int = HOT_TOP) -> Json:
             }
         )
     return {"workers": workers}
+
+
+def _r(x: float | None, digits: int = 4) -> float | None:
+    return round(x, digits) if x is not None else None
+
+
+def split_json(p: PoolSplit) -> Json:
+    """One pool's miss split: shares since its start (the sample, its bound and trust), misses
+    per worker and kind, hits, and the last window's rates (docs/cache-analytics.md)."""
+    r = p.recent
+    recent: Json | None = None
+    if r is not None:
+        total = r.total_misses
+        looked = total + r.hits if r.hits is not None else None
+        recent = {
+            "seconds": round(r.seconds, 1),
+            "misses": {k: round(n, 1) for k, n in r.misses.items()},
+            "hits": _r(r.hits, 1),
+            "shares": {k: _r(r.share(k)) for k in MISS_KINDS} if total else None,
+            # over the lookups of the window: hits, and what a perfect router (hits +
+            # placement) or unlimited capacity (+ capacity) would have made of them
+            "hit_rate": _r(r.hits / looked) if r.hits is not None and looked else None,
+            "perfect_router_hit_rate": (
+                _r((r.hits + r.misses["placement"]) / looked)
+                if r.hits is not None and looked
+                else None
+            ),
+            "unlimited_capacity_adds": (
+                _r(r.misses["capacity"] / looked) if r.hits is not None and looked else None
+            ),
+        }
+    return {
+        "pool": p.pool,
+        "shares": {k: round(x, 4) for k, x in p.shares.items()},
+        "bound": round(p.bound, 4),
+        "sampled": p.sampled,
+        "level": p.level,
+        "trusted": p.trusted,
+        "reasons": list(p.reasons),
+        "reason": p.reason,
+        "misses": {k: round(n, 1) for k, n in p.misses().items()},
+        "workers": [
+            {
+                "worker_id": w.worker_id,
+                "misses": {k: round(n, 1) for k, n in w.misses.items()},
+                "hit_tokens": w.hit_tokens,
+                "query_tokens": w.query_tokens,
+                "block_size": w.block_size or None,
+                "hit_blocks": _r(w.hit_blocks, 1),
+            }
+            for w in p.workers
+        ],
+        "recent": recent,
+        "as_of": p.as_of,  # engine time the merge has applied every collector's changes up to
+    }
+
+
+def misses_json(v: FleetView) -> Json:
+    """GET /api/v1/misses: where each pool's misses come from."""
+    return {"pools": [split_json(p) for _, p in sorted(v.misses.items())]}

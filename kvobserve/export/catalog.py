@@ -13,6 +13,7 @@ from typing import Any
 
 from kvobserve import __version__
 from kvobserve.analysis.conditions import SOURCE_DOWN, WORKER_TROUBLE
+from kvobserve.analysis.views import KINDS as MISS_KINDS
 from kvobserve.analysis.views import CollectorView, FleetView
 from kvobserve.wire.snapshot import RELAY_DROP_REASONS
 
@@ -231,6 +232,29 @@ def _replicated(
             yield (w, key), n
 
 
+def _lookups(blocks: bool) -> FleetSamples:
+    """Each worker's lookups by result (hit, then the kinds of miss), in blocks or tokens."""
+
+    def samples(v: FleetView, order: list[CollectorView]) -> Iterable[tuple[tuple[str, ...], Any]]:
+        for name, p in sorted(v.misses.items()):
+            for w in p.workers:
+                size = 1 if blocks else w.block_size
+                hit = w.hit_blocks if blocks else w.hit_tokens
+                if hit is not None:
+                    yield (w.worker_id, name, "hit"), hit
+                if size:
+                    for k in MISS_KINDS:
+                        yield (w.worker_id, name, k), w.misses[k] * size
+
+    return samples
+
+
+def _untrusted(v: FleetView, order: list[CollectorView]) -> Iterable[tuple[tuple[str, str], int]]:
+    for name, p in sorted(v.misses.items()):
+        for reason in p.reasons:
+            yield (name, reason), 1
+
+
 _COUNTERS = "snapshot.counters"  # a collector's own counters (None from older collectors)
 _INFO = (("engine", "stats.engine"), ("endpoint", "stats.endpoint"), ("topic", "stats.topic"),
          ("collector", "collector.collector_id"))  # fmt: skip
@@ -346,10 +370,35 @@ CATALOG: tuple[MetricDef, ...] = (
        _st("stats.restore_refused", When.NONZERO), per="fault"),
     _d("kvobserve_worker_kv_redundancy_ratio", "gauge", ("worker_id",),
        "Top-tier resident blocks summed over the worker's ranks / distinct blocks among them "
-       "(1 = no block on two ranks).", _placement("redundancy", When.SET), per="worker"),
+       "(1 = no block on two ranks).", _placement("redundancy", When.SET), per="worker",
+       optin=CACHE_DETAIL),
     _d("kvobserve_worker_kv_recomputed_elsewhere_total", "counter", ("worker_id",),
        "Blocks stored on a rank while another rank of the worker (in the same collector) held "
-       "them.", _placement("recomputed_elsewhere"), per="worker"),
+       "them (the placement misses within one collector: kvobserve_worker_kv_lookups_total "
+       "has them fleet-wide).", _placement("recomputed_elsewhere"), per="worker",
+       optin=CACHE_DETAIL),
+    # where the misses come from (docs/cache-analytics.md): per worker, summed per pool
+    _d("kvobserve_worker_kv_lookups_total", "counter", ("worker_id", "pool", "result"),
+       "Prefix-cache lookups of the worker's ranks in blocks (the engine's pages), by result: "
+       "hit (the engine's prefix-cache hit tokens / block size; absent while unknown), and "
+       "each miss (a top-tier store) by kind: compulsory (never resident in the pool before), "
+       "capacity (resident before, evicted everywhere since), placement (resident on another "
+       "rank of the pool then). Misses: the hash sample's estimate since the aggregator "
+       "started; sum by pool for the pool.", FromFleet(_lookups(blocks=True)), per="worker",
+       n=4),
+    _d("kvobserve_worker_kv_lookup_tokens_total", "counter", ("worker_id", "pool", "result"),
+       "kvobserve_worker_kv_lookups_total in tokens (misses x block size: where it is known).",
+       FromFleet(_lookups(blocks=False)), per="worker", n=4, optin=CACHE_DETAIL),
+    _d("kvobserve_pool_kv_miss_split_untrusted", "gauge", ("pool", "reason"),
+       "1 while the pool's miss split is outside its stated bound, by reason: collector_down, "
+       "rank_partial (a rank down or its block index partial), deltas_lost (until a full "
+       "resync), few_samples (fewer than 4,000 sampled misses); served only then.",
+       FromFleet(_untrusted), per="fault"),
+    _d("kvobserve_pool_kv_miss_share_bound", "gauge", ("pool",),
+       "95 % half-width of the widest share of the pool's misses by kind since its start "
+       "(0-1), from the sample itself.",
+       FromFleet(lambda v, _: (((p.pool,), p.bound) for _, p in sorted(v.misses.items()))),
+       per="worker", optin=CACHE_DETAIL),
     _d("kvobserve_kv_block_restore_gap_seconds", "histogram", ("worker_id",),
        "Removal-to-restore time of restored blocks, over the worker's ranks and tiers.",
        From(Scope.MEDIUM, "restore_gap", When.SET), per="worker", n=17, optin=CACHE_DETAIL),

@@ -184,6 +184,10 @@ async def _hot(request: web.Request) -> web.Response:
     return _json(api.hot_json(_view(request)))
 
 
+async def _misses(request: web.Request) -> web.Response:
+    return _json(api.misses_json(_view(request)))
+
+
 async def _index(request: web.Request) -> web.Response:
     v = _view(request)
     page = status_page.render(
@@ -194,6 +198,7 @@ async def _index(request: web.Request) -> web.Response:
         refresh_s=request.app[REFRESH],
         events=_recent(request),
         hot=api.hot_json(v, status_page.HOT_SHOWN),
+        misses=api.misses_json(v),
     )
     return web.Response(text=page, content_type="text/html", charset="utf-8")
 
@@ -293,6 +298,7 @@ def create_app(
     app.router.add_get("/api/v1/fleet", _fleet)
     app.router.add_get("/api/v1/events", _events)
     app.router.add_get("/api/v1/hot", _hot)
+    app.router.add_get("/api/v1/misses", _misses)
     return app
 
 

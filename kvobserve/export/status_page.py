@@ -38,6 +38,7 @@ td.n{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
 _ROW_KEYS = {
     "worker": ("worker_id", "collector"),
     "source": ("worker_id", "collector", "source"),
+    "pool": ("pool",),
 }
 
 
@@ -98,6 +99,8 @@ def _where(labels: Json) -> str:
     for k in ("collector", "endpoint"):
         if k in labels:
             parts.append(str(labels[k]))
+    if "pool" in labels:
+        parts.append(f"pool {labels['pool']}")
     return " · ".join(parts)
 
 
@@ -378,6 +381,58 @@ def _hot(hot: Json | None) -> str:
     return "".join(out) or '<p class="muted">No cache analytics.</p>'
 
 
+def _pct1(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _misses(misses: Json | None, alerts: list[Json]) -> str:
+    """Per pool (and its workers): the shares of the misses by kind with their bound and trust,
+    and over the last window the placement share, the hit rate, a perfect router's and what
+    unlimited capacity adds."""
+    conds = _row_conditions(alerts)
+    rows = []
+    for p in (misses or {}).get("pools", []):
+        sh, r = p["shares"], p["recent"] or {}
+        trust = (
+            '<span class="ok">trusted</span>'
+            if p["trusted"]
+            else f'<span class="st">not trusted:</span> <span class="small">'
+            f"{_html(p['reason'])}</span>"
+        )
+        window = (r.get("shares") or {}).get("placement")
+        rows.append(
+            f'<tr{_tint(conds.get((str(p["pool"]),)))} data-pool="{_html(p["pool"])}">'
+            f"<td class=nw><b>{_html(p['pool'])}</b></td>"
+            + "".join(f"<td class=n>{_pct1(sh[k])}</td>" for k in _KINDS)
+            + f"<td class=n>&plusmn;{_pct1(p['bound'])}</td><td class=n>{_html(p['sampled'])}"
+            f"</td><td>{trust}</td><td class=n>{_pct1(window)}</td>"
+            f"<td class=n>{_pct1(r.get('hit_rate'))}</td>"
+            f"<td class=n>{_pct1(r.get('perfect_router_hit_rate'))}</td>"
+            f"<td class=n>{_pct1(r.get('unlimited_capacity_adds'))}</td></tr>"
+        )
+        for w in p["workers"]:
+            m = w["misses"]
+            total = sum(m.values())
+            shares = "".join(
+                f"<td class=n>{_pct1(m[k] / total if total else None)}</td>" for k in _KINDS
+            )
+            hits = w["hit_blocks"]
+            said = f"{total:,.0f} misses" + (f", {hits:,.0f} hits" if hits is not None else "")
+            rows.append(
+                f'<tr class="small"><td class=nw>&nbsp;&nbsp;worker {_html(w["worker_id"])}</td>'
+                f'{shares}<td colspan=7 class="muted">{_html(said)} (blocks, since the '
+                "aggregator started)</td></tr>"
+            )
+    head = ("pool", "compulsory", "capacity", "placement", "bound", "sampled", "trust",
+            "placement, 15 min", "hit rate, 15 min", "perfect router", "+ unlimited capacity")  # fmt: skip
+    return _table(
+        head, rows, "No miss split (no pool with the cache analytics on yet).", "misses-table"
+    )
+
+
+_KINDS = ("compulsory", "capacity", "placement")
+
+
 def _workers(workers: list[Json], alerts: list[Json], clock: _Clock) -> str:
     conds = _row_conditions(alerts)
     out = []
@@ -420,6 +475,7 @@ def render(
     refresh_s: float,
     events: list[Json] | None = None,
     hot: Json | None = None,
+    misses: Json | None = None,
 ) -> str:
     """The whole page from the /api/v1 documents; every value is HTML-escaped."""
     clock = _Clock(generated)
@@ -454,7 +510,8 @@ def render(
             if fleet.get("binds")
             else ""
         )
-        + f'<h2>Hot prefixes</h2><div id="hot">{_hot(hot)}</div>'
+        + f'<h2>Where the misses come from</h2><div id="misses">{_misses(misses, alerts)}</div>'
+        f'<h2>Hot prefixes</h2><div id="hot">{_hot(hot)}</div>'
         f'<h2>Nodes</h2><div id="collectors">{_collectors(fleet["collectors"])}</div>'
         f'<h2>Workers and DP-rank owners</h2><div id="workers">'
         f"{_workers(fleet['workers'], alerts, clock)}</div>"

@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -30,6 +30,7 @@ from kvobserve.sources import cache_stats
 from kvobserve.sources.bind import Listener
 from kvobserve.sources.ingest_options import IngestOptions
 from kvobserve.sources.link import MONITOR_EVENTS, Link
+from kvobserve.sources.miss_stats import UNTIL_SLACK_S, MissSamplers
 from kvobserve.sources.plan import ListenSpec, StreamSpec
 from kvobserve.sources.relay import Relay
 from kvobserve.sources.replays import DRAIN_LIMIT, ReplayClient
@@ -38,6 +39,7 @@ from kvobserve.sources.stream_state import WatchedStream, count_bad, new_link, s
 from kvobserve.sources.topic_probe import TopicProbes
 from kvobserve.wire.errors import WireError
 from kvobserve.wire.kv_events import decode_message
+from kvobserve.wire.misses import MissDelta, MissFeedback
 from kvobserve.wire.snapshot import BindStats, StreamStats, UnexpectedStream, WorkerPlacement
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,7 @@ class IngestStats:
     placement: list[WorkerPlacement] = field(default_factory=list)
     binds: list[BindStats] = field(default_factory=list)  # bind mode: the endpoints bound
     pods: dict[str, list[str]] = field(default_factory=dict)  # [[worker]] id -> its pods' ids
+    misses: list[MissDelta] = field(default_factory=list)  # the miss split's, one per pool
 
 
 class IngestLoop:
@@ -72,6 +75,7 @@ class IngestLoop:
         wall: Callable[[], float] = time.time,
         events: RecentEvents | None = None,
         listens: Sequence[ListenSpec] = (),
+        pools: Mapping[str, str] | None = None,
     ) -> None:
         self.options = options or IngestOptions()
         self._clock, self._wall = clock, wall
@@ -108,6 +112,8 @@ class IngestLoop:
         self.loop_errors = 0
         a = self.options.analytics
         self._placements = cache_stats.Placements(a) if a is not None else None
+        # the miss split (sources/miss_stats.py): [[worker]] id -> its pool; with the analytics
+        self.misses = MissSamplers(pools or {}) if a is not None else None
 
     # --- public, any thread -----------------------------------------------------------------
 
@@ -143,6 +149,15 @@ class IngestLoop:
         """Watch exactly `specs` (and bind exactly `listens`, None: as now) from now on
         (rediscovery); unchanged streams keep their state."""
         return self.call(lambda: self._apply_specs(specs, listens))
+
+    def follow(self, fb: MissFeedback, collector_id: str) -> concurrent.futures.Future[None]:
+        """Take the aggregator's word on the miss split (levels, resyncs) in the ingest thread."""
+        misses = self.misses
+        if misses is None:
+            fut: concurrent.futures.Future[None] = concurrent.futures.Future()
+            fut.set_result(None)
+            return fut
+        return self.call(lambda: misses.follow(fb, collector_id))
 
     def sequencer(self, worker_id: str, dp_rank: int) -> StreamSequencer | None:
         """The sequencer of a stream (read it only via `call`, or after `stop`)."""
@@ -398,7 +413,7 @@ class IngestLoop:
     ) -> None:
         wanted = {s.key: s for s in specs}
         for key in [k for k in self._streams if k not in wanted and k not in self._pods]:
-            self._close(self._streams.pop(key))
+            self._drop(self._streams.pop(key))
         live_links = {id(st.link) for st in self._streams.values()}
         self.topic_probes.close_for(lambda link: id(link) in live_links)
         before, self._refused_streams = self._refused_streams, set()
@@ -459,7 +474,18 @@ class IngestLoop:
             st.history = StreamHistory(spec.worker_id, spec.dp_rank, self.events)
             if self.options.analytics is not None:
                 cache_stats.attach(seq, self.options.analytics)
+            if self.misses is not None:
+                self.misses.attach(spec.worker_id, spec.dp_rank, spec.engine, seq)
         return st
+
+    def _drop(self, st: WatchedStream) -> None:
+        """A stream no longer watched: its sockets closed, its batches no longer sampled."""
+        self._close(st)
+        self._untap(st)
+
+    def _untap(self, st: WatchedStream) -> None:
+        if self.misses is not None and st.seq is not None:
+            self.misses.detach(st.spec.worker_id, st.spec.dp_rank, st.seq)
 
     def _link_peers(self) -> None:
         if self.options.analytics is not None:
@@ -548,6 +574,7 @@ class IngestLoop:
         lst = self._pods.pop(key, None)
         if st is not None:
             self.replays.close(st)
+            self._untap(st)
         if lst is not None:
             lst.pods.discard(key)
             lst.forget_routes()
@@ -650,7 +677,8 @@ class IngestLoop:
             )
         refused = {k: v for k, v in refused.items() if v}
         binds: list[BindStats] = [lst.stats() for lst in self._listeners.values()]
+        misses = self.misses.deltas(wall - UNTIL_SLACK_S) if self.misses is not None else []
         return IngestStats(
             streams, unexpected, refused, self.received_total, self.loop_errors, placement,
-            binds, {w: sorted(set(ids)) for w, ids in pods.items()},
+            binds, {w: sorted(set(ids)) for w, ids in pods.items()}, misses,
         )  # fmt: skip

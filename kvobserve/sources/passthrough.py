@@ -20,6 +20,7 @@ class EngineScrape:
     families: list[Metric]
     values: dict[int, dict[str, float]] = field(default_factory=dict)  # rank -> field -> value
     prefix: dict[int, tuple[float, float]] = field(default_factory=dict)  # (hits, queries)
+    worker_prefix: tuple[float, float] | None = None  # (hits, queries) of the whole worker
     bad_rank_labels: int = 0
 
 
@@ -34,9 +35,15 @@ def parse_engine_metrics(text: str, engine: str) -> EngineScrape:
         raise ValueError(f"malformed /metrics text: {exc!r}") from None
     out = EngineScrape(families)
     names, label, prefix_names = m.names, m.rank_label, m.prefix_counters
+    worker_names = m.worker_prefix_counters
     prefix: dict[int, list[float]] = {}
+    whole: list[float] | None = None
     for fam in families:
         for s in fam.samples:
+            if s.name in worker_names:  # no rank label: the whole worker
+                whole = whole or [0.0, 0.0]
+                whole[worker_names.index(s.name)] += s.value
+                continue
             text_rank = s.labels.get(label, "0")  # absent: a single-rank engine
             if not text_rank.isdigit():
                 out.bad_rank_labels += 1
@@ -53,6 +60,8 @@ def parse_engine_metrics(text: str, engine: str) -> EngineScrape:
                 pair = prefix.setdefault(rank, [0.0, 0.0])
                 pair[prefix_names.index(s.name)] += s.value
     out.prefix = {r: (h, q) for r, (h, q) in prefix.items()}
+    if whole is not None:
+        out.worker_prefix = (whole[0], whole[1])
     return out
 
 

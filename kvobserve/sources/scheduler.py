@@ -53,6 +53,7 @@ class SchedulerValues:
 
 
 VALUE_FIELDS = tuple(f.name for f in fields(SchedulerValues))[:5]
+WORKER = -1  # the "rank" of a worker-wide prefix counter (MetricsScrape.prefix)
 
 
 class _Source:
@@ -129,6 +130,9 @@ class MetricsScrape(_Source):
         self.up = False
         self.families: list[Metric] = []  # the last scrape, kept for passthrough
         self._counters: dict[int, tuple[float, float]] = {}  # vLLM prefix (hits, queries)
+        # the engine's prefix-cache counters as last scraped, (hit tokens, query tokens) per
+        # rank, WORKER for the whole worker's (SGLang's tokenizer): the miss split's hits
+        self.prefix: dict[int, tuple[float, float]] = {}
         self._poll = PeriodicPoll(f"scrape {url}", interval_s, self.scrape_once)
 
     def ingest(self, text: str, now: float | None = None) -> None:
@@ -146,6 +150,9 @@ class MetricsScrape(_Source):
         if scrape.bad_rank_labels:
             self.errors["rank_label"] += scrape.bad_rank_labels
         found: dict[int, dict[str, float | None]] = {r: dict(v) for r, v in scrape.values.items()}
+        self.prefix = dict(scrape.prefix)
+        if scrape.worker_prefix is not None:
+            self.prefix[WORKER] = scrape.worker_prefix
         for rank, (hits, queries) in scrape.prefix.items():
             prev = self._counters.get(rank)
             self._counters[rank] = (hits, queries)
@@ -415,6 +422,12 @@ class SchedulerSources:
     def values(self) -> dict[int, SchedulerValues]:
         """dp_rank -> merged values (freshest source per field)."""
         return merge_values(s.values() for s in self.sources)
+
+    def prefix(self) -> dict[int, tuple[float, float]]:
+        """The engine's prefix-cache counters as last scraped: dp_rank (WORKER: the whole
+        worker) -> (hit tokens, query tokens); empty while the scrape is down or has none."""
+        s = self.scrape
+        return dict(s.prefix) if s is not None and s.up else {}
 
     async def start(self) -> None:
         """Start every source; a ZMQError (e.g. the PULL address in use) propagates: close()."""

@@ -169,4 +169,5 @@ def stream_stats(
         last_rank_mismatch_time=last.get("rank_mismatch", 0.0),
         incomplete_reason=hist.incomplete_reason if hist is not None else "",
         replaying=sq.replay_in_flight is not None,
+        block_size=idx.block_size,
     )

@@ -61,6 +61,14 @@ class Transport(Protocol):
         """Call `handler` with the bytes of every snapshot from now on."""
         ...
 
+    async def publish_feedback(self, data: bytes) -> None:
+        """Send the aggregator's miss-split feedback (wire/misses.py) to every collector."""
+        ...
+
+    async def subscribe_feedback(self, handler: Handler) -> None:
+        """Call `handler` (a collector's) with every feedback message from now on."""
+        ...
+
     async def subscribe_events(self, handler: Handler) -> None:
         """Call `handler` with the bytes of every condition event from now on."""
         ...

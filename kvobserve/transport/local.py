@@ -18,6 +18,7 @@ class LocalBus:
         self.counters = TransportCounters()
         self._snapshot_handlers: list[Handler] = []
         self._event_handlers: list[Handler] = []
+        self._feedback_handlers: list[Handler] = []
         self._warned = False
 
     async def publish_snapshot(self, collector_id: str, data: bytes, bucket: int = -1) -> None:
@@ -39,6 +40,18 @@ class LocalBus:
         for h in self._event_handlers:
             await self._call(h, data)
 
+    async def publish_feedback(self, data: bytes) -> None:
+        """Deliver the aggregator's miss-split feedback to every collector's handler."""
+        if self.status is TransportStatus.CLOSED:
+            self.counters.drop("closed")
+            return
+        for h in self._feedback_handlers:
+            await self._call(h, data)
+
+    async def subscribe_feedback(self, handler: Handler) -> None:
+        """Add a collector's feedback handler."""
+        self._feedback_handlers.append(handler)
+
     async def subscribe_snapshots(self, handler: Handler) -> None:
         """Add a snapshot subscriber."""
         self._snapshot_handlers.append(handler)
@@ -56,6 +69,7 @@ class LocalBus:
         self.status = TransportStatus.CLOSED
         self._snapshot_handlers.clear()
         self._event_handlers.clear()
+        self._feedback_handlers.clear()
 
     async def _call(self, handler: Handler, data: bytes) -> bool:
         """Run one handler; a failing subscriber must not break the publisher's loop."""

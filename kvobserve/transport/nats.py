@@ -1,7 +1,8 @@
 """Snapshots and condition events over NATS (nats-py), with an optional JetStream KV bucket.
 
 Subjects: `kvobserve.v1.<cluster>.snapshot.<bucket>.<collector_id>` (msgpack of one snapshot
-part, transport/subjects.py) and `kvobserve.v1.<cluster>.event.<kind>` (JSON transitions). With
+part, transport/subjects.py), `kvobserve.v1.<cluster>.event.<kind>` (JSON transitions) and
+`kvobserve.v1.<cluster>.misses` (the aggregator's miss-split feedback to the collectors). With
 `jetstream_kv`, collectors also put each part into `kvobserve_snapshots_<cluster>` (key
 `<bucket>.<collector_id>`, history 1, TTL `kv_ttl_s`) so a restarted aggregator (or shard) reads
 the last part of each of its collectors at once. See docs/nats.md and docs/scale.md.
@@ -36,6 +37,7 @@ from kvobserve.transport.subjects import (
     kv_bucket,
     kv_filters,
     kv_key,
+    misses_subject,
     snapshot_subject,
     snapshot_wildcards,
 )
@@ -267,6 +269,14 @@ class NatsTransport:
         # Snapshots are cumulative, so a replaced one loses nothing; it is counted as `coalesced`.
         subjects = snapshot_wildcards(self.cluster, self.shard, self.shards)
         await self._subscribe(subjects, handler, True, True)
+
+    async def publish_feedback(self, data: bytes) -> None:
+        """The aggregator's miss-split feedback to every collector (small, every interval)."""
+        await self._publish(misses_subject(self.cluster), data)
+
+    async def subscribe_feedback(self, handler: Handler) -> None:
+        """Deliver the aggregators' miss-split feedback to `handler` (a collector's)."""
+        await self._subscribe([misses_subject(self.cluster)], handler, False)
 
     async def subscribe_events(self, handler: Handler) -> None:
         """Deliver every condition event of this cluster to `handler`."""

@@ -63,6 +63,12 @@ def event_wildcard(cluster: str) -> str:
     return f"kvobserve.v1.{subject_token(cluster)}.event.*"
 
 
+def misses_subject(cluster: str) -> str:
+    """The subject the aggregator tells every collector the miss split's levels and resyncs on
+    (wire/misses.py MissFeedback); sharded aggregators each publish their pools' here."""
+    return f"kvobserve.v1.{subject_token(cluster)}.misses"
+
+
 def kv_bucket(cluster: str) -> str:
     """The JetStream KV bucket holding the last snapshot per collector."""
     return f"kvobserve_snapshots_{subject_token(cluster)}"

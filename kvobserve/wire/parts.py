@@ -39,6 +39,8 @@ def split_parts(snap: Snapshot) -> list[Snapshot]:
     for items in _per_worker(snap):
         for x in items:
             by.setdefault(worker_bucket(x.worker_id), [])
+    for d in snap.misses:  # a pool's deltas go to the shard of the pool's name
+        by.setdefault(worker_bucket(d.pool), [])
     if not by:
         by[0] = []
     buckets = sorted(by)
@@ -64,6 +66,8 @@ def split_parts(snap: Snapshot) -> list[Snapshot]:
                 sources=[x for x in snap.sources if mine(x.worker_id)],
                 placement=[x for x in snap.placement if mine(x.worker_id)],
                 binds=[x for x in snap.binds if mine(x.worker_id)],
+                prefix=[x for x in snap.prefix if mine(x.worker_id)],
+                misses=[d for d in snap.misses if mine(d.pool)],
                 events=[
                     x
                     for x in snap.events
@@ -102,6 +106,8 @@ def merge_parts(parts: list[Snapshot]) -> Snapshot:
         sources=[x for p in parts for x in p.sources],
         placement=[x for p in parts for x in p.placement],
         binds=[x for p in parts for x in p.binds],
+        prefix=[x for p in parts for x in p.prefix],
+        misses=[x for p in parts for x in p.misses],
         events=sorted({x.seq: x for p in parts for x in p.events}.values(), key=lambda x: x.seq),
         bucket=WHOLE,
     )
@@ -111,5 +117,5 @@ def _per_worker(snap: Snapshot) -> tuple[list[Any], ...]:
     """The snapshot's lists whose items belong to one worker (`worker_id`) each."""
     return (
         snap.streams, snap.unexpected, snap.scheduler, snap.scheduler_errors, snap.dynamo,
-        snap.drift, snap.sources, snap.placement, snap.binds,
+        snap.drift, snap.sources, snap.placement, snap.binds, snap.prefix,
     )  # fmt: skip

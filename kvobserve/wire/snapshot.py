@@ -11,6 +11,7 @@ import msgspec
 from msgspec import Struct
 
 from kvobserve.wire.errors import WireError, decode
+from kvobserve.wire.misses import MissDelta
 
 # 2: a collector sends one part per shard bucket of its workers (`bucket`, `buckets`); a
 # version-1 snapshot is read as one whole part (bucket -1). docs/nats.md, docs/scale.md.
@@ -110,6 +111,7 @@ class StreamStats(Struct, omit_defaults=True, gc=False):
     hot: list[HotBlock] = []
     hot_error: int = 0  # bound on how far each hot store count may fall short
     lora_refused: int = 0  # stores of adapters past the name cap (counted as "_other")
+    block_size: int = 0  # tokens per block of the stream's events (the usual one); 0: none yet
 
 
 class WorkerPlacement(Struct, omit_defaults=True, gc=False):
@@ -154,6 +156,16 @@ class SchedulerStats(Struct, omit_defaults=True, gc=False):
     cache_hit_ratio: float | None = None
     max_total_tokens: float | None = None
     updated: float = 0.0  # wall-clock time of the last update
+
+
+class PrefixCounters(Struct, array_like=True, gc=False):
+    """The engine's prefix-cache counters of one rank as its /metrics last said (cumulative
+    tokens; dp_rank -1: the whole worker's, SGLang's tokenizer): the miss split's hits."""
+
+    worker_id: str
+    dp_rank: int
+    hit_tokens: float
+    query_tokens: float
 
 
 class SourceErrors(Struct, array_like=True, gc=False):
@@ -362,6 +374,8 @@ class Snapshot(Struct, omit_defaults=True, gc=False):
     placement: list[WorkerPlacement] = []  # per worker, with the analytics on
     bucket: int = WHOLE  # the shard bucket of every worker in this part; WHOLE: all of them
     buckets: list[int] = []  # every bucket this collector sent a part for, with the same seq
+    prefix: list[PrefixCounters] = []  # the engines' prefix-cache counters (the leader's scrape)
+    misses: list[MissDelta] = []  # the miss split's sampled changes, one per pool (and resyncs)
 
 
 _encoder = msgspec.msgpack.Encoder()

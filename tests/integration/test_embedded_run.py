@@ -151,6 +151,24 @@ def test_run_watches_two_engines_without_nats(procs: Procs, tmp_path: Path) -> N
             for medium, hashes in st["instances"][0]["resident"].items()
         }
         assert blocks == truth
+        # the miss split runs in one process too (the in-process bus carries the feedback):
+        # each worker its own pool, its misses weighed from the sample about its stores
+        # (applied up to each delta's `until`, the collector's clock less 2 s)
+        stored = s.by("kvobserve_kv_blocks_stored_total", ("worker_id", "medium"))
+        kinds = ("compulsory", "capacity", "placement")
+
+        def weighed() -> dict[str, float]:
+            got = scrape(base)
+            if got is None:
+                return dict.fromkeys(ENGINES, -1.0)
+            by = got.by("kvobserve_worker_kv_lookups_total", ("worker_id", "pool", "result"))
+            return {w: sum(by.get((w, w, k), 0.0) for k in kinds) for w in ENGINES}
+
+        def close() -> bool:
+            return all(abs(n - stored[(w, "GPU")]) <= 0.25 * stored[(w, "GPU")]
+                       for w, n in weighed().items())  # fmt: skip
+
+        poll(close, 10, "each worker's misses about its stores", lambda: (weighed(), stored))
     finally:
         for sim in sims:
             sim.stop()

@@ -67,6 +67,9 @@ ALLOWED_EMPTY = {
     "kvobserve_worker_kv_blocks_replicated": "per_stream_detail only",
     "kvobserve_worker_kv_blocks_distinct": "per_stream_detail only",
     "kvobserve_worker_kv_placement_relative_error": "per_stream_detail only",
+    "kvobserve_worker_kv_redundancy_ratio": "per_stream_detail only (the miss split has "
+    "placement fleet-wide by default)",
+    "kvobserve_worker_kv_recomputed_elsewhere_total": "per_stream_detail only",
     # ... and router-index drift a Dynamo worker with a drift source (docs/dynamo.md)
     "kvobserve_router_index_phantom_blocks": "no drift source in the compose file",
     "kvobserve_router_index_missing_blocks": "no drift source in the compose file",

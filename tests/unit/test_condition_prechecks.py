@@ -27,6 +27,7 @@ from kvobserve.analysis.conditions import (
 )
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.analysis.views import Key
+from kvobserve.wire.misses import STORE, MissDelta, pack_op
 from kvobserve.wire.snapshot import (
     BindStats,
     CollectorInfo,
@@ -165,8 +166,22 @@ def fleets(draw: st.DrawFn) -> Fleet:
                     "ipc://@r", "up", dropped={"queue_full": 2}, last_drop_time=draw(t)
                 )
                 snap.binds.append(BindStats(w, 0, "tcp://*:5557", relay=relay))
+        if c == 0 and draw(st.booleans()):  # a pool's sampled misses; placement or not
+            snap.misses.append(_pool_delta(draw(st.sampled_from([0, 300, 700])), received))
         state.update(snap, received)
     return state, began
+
+
+def _pool_delta(placement: int, until: float) -> MissDelta:
+    """Pool `p` (worker `wp`, no stream here): rank 0 stores 4,500 sampled blocks, rank 1 then
+    `placement` of the same ones (2 ranks: 7 and 13 % of the misses)."""
+    ops = bytearray()
+    blocks = [(i * 0x9E3779B97F4A7C15) % (1 << 62) for i in range(1, 4501)]  # buckets >= 2
+    for k in blocks:
+        pack_op(ops, 0, 0, STORE, k)
+    for k in blocks[:placement]:
+        pack_op(ops, 1, 1, STORE, k)
+    return MissDelta("p", 1, 1, until - 1.0, until, [0, 1], bytes(ops), workers=["wp", "wp"])
 
 
 def _whole(fleet: Fleet) -> list[Condition]:

@@ -37,8 +37,9 @@ def test_default_families_sum_per_worker_and_keep_evidence_per_rank() -> None:
         r.get_sample_value("kvobserve_kv_restore_untracked_total", {"worker_id": "vllm-b"}) is None
     )
     w = {"worker_id": "sglang-a"}
-    assert r.get_sample_value("kvobserve_worker_kv_redundancy_ratio", w) == 18 / 15
-    assert r.get_sample_value("kvobserve_worker_kv_recomputed_elsewhere_total", w) == 2
+    # placement within a collector: the opt-in (the miss split has it fleet-wide)
+    assert r.get_sample_value("kvobserve_worker_kv_redundancy_ratio", w) is None
+    assert r.get_sample_value("kvobserve_worker_kv_recomputed_elsewhere_total", w) is None
     assert (
         r.get_sample_value("kvobserve_kv_tier_moves_total", {**w, "from": "GPU", "to": "CPU"})
         is None
@@ -67,6 +68,8 @@ def test_drift_per_rank_and_tier_jaccard_only_for_dump() -> None:
 def test_the_opt_in_serves_tiers_lora_restore_gaps_and_placement() -> None:
     r = _reg(True)
     w = {"worker_id": "sglang-a"}
+    assert r.get_sample_value("kvobserve_worker_kv_redundancy_ratio", w) == 18 / 15
+    assert r.get_sample_value("kvobserve_worker_kv_recomputed_elsewhere_total", w) == 2
     assert (
         r.get_sample_value("kvobserve_kv_tier_moves_total", {**w, "from": "GPU", "to": "CPU"}) == 5
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from kvobserve.analysis.conditions import active
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.analysis.views import FleetView
+from kvobserve.wire.misses import STORE, MissDelta, pack_op
 from kvobserve.wire.snapshot import (
     BindStats,
     CollectorCounters,
@@ -14,6 +15,7 @@ from kvobserve.wire.snapshot import (
     Family,
     Histogram,
     MediumStats,
+    PrefixCounters,
     RelayStats,
     Sample,
     SchedulerStats,
@@ -29,6 +31,14 @@ from kvobserve.wire.snapshot import (
 NOW = 2000.0
 
 
+def _delta(ops: list[tuple[int, int, int]]) -> MissDelta:
+    """Pool sglang-a's sampled changes: (ms after NOW - 2, rank, key) stores of its ranks 0, 1."""
+    out = bytearray()
+    for ms, ri, key in ops:
+        pack_op(out, ms, ri, STORE, key)
+    return MissDelta("sglang-a", 1, 1, NOW - 2, NOW - 1, [0, 1], bytes(out))
+
+
 def _node0() -> Snapshot:
     r0 = StreamStats(
         "sglang-a",
@@ -39,6 +49,7 @@ def _node0() -> Snapshot:
         up=True,
         batches_total=100,
         events={"stored": 80, "removed": 15, "cleared": 5},
+        block_size=16,
         media=[
             MediumStats(
                 "GPU",
@@ -125,6 +136,9 @@ def _node0() -> Snapshot:
             DriftSource("sglang-a", "http://127.0.0.1:9/dump", "dump", {"ok": 4}, NOW - 1)
         ],
         placement=[WorkerPlacement("sglang-a", [0, 1], 18, 15, {2: 3}, 2)],
+        # where the misses come from: rank 0 stores two sampled blocks, rank 1 one of them
+        misses=[_delta([(0, 0, 5 << 40), (0, 0, 6 << 40), (1, 1, 5 << 40)])],
+        prefix=[PrefixCounters("sglang-a", -1, 1600.0, 8000.0)],  # the tokenizer's
         counters=CollectorCounters(12345, 1, 5, {"buffer_full": 2}),
         scheduler_errors=[SourceErrors("sglang-a", "kv_metrics", "pickle_refused", 2)],
         scheduler=[

@@ -134,7 +134,7 @@ def test_a_sample_of_everything_merged_from_two_collectors_is_exact() -> None:
     assert merged.level == 0 and all(s.level == 0 for s in samplers)
     truth = run.replay.truth()
     for r in range(4):
-        got = dict(zip(KINDS, merged.sampled_misses([r]), strict=True))
+        got = dict(zip(KINDS, merged.sampled_misses([("w", r)]), strict=True))
         assert got == {k: truth["ranks"][str(r)]["pages"][k] for k in KINDS}
     assert merged.late_ops == 0 and not merged.lost
 
@@ -166,8 +166,9 @@ def test_deltas_round_trip_and_a_lost_one_is_told() -> None:
     back = decode_delta(encode_delta(d))
     assert back == d and len(back.ops) == 3 * RECORD.size
     ops = list(iter_ops(back))
-    assert [(o.dp_rank, o.op, o.key) for o in ops] == [(3, 0, a >> 16), (3, 0, b >> 16),
-                                                       (3, 1, a >> 16)]  # fmt: skip
+    w3 = ("w", 3)
+    assert [(o.rank, o.op, o.key) for o in ops] == [(w3, 0, a >> 16), (w3, 0, b >> 16),
+                                                    (w3, 1, a >> 16)]  # fmt: skip
     assert all(abs(o.ts - 10.0) < 1e-3 for o in ops)
     merged = SampledSplit(floor=1, start_level=0)
     merged.add("a", back)
@@ -191,7 +192,7 @@ def test_a_full_delta_resyncs_what_a_rank_holds() -> None:
     merged.add("a", s.full({0: [h12, h13]}, 2.5))
     merged.advance()
     assert merged.lost == {"a": 1}
-    assert merged.resident[0] == {s.key(h12) >> 16, s.key(h13) >> 16}
+    assert merged.resident[("w", 0)] == {s.key(h12) >> 16, s.key(h13) >> 16}
     other = MissSampler(
         "w", signed=True, start_level=0
     )  # another collector's rank stores h13: placement
@@ -199,7 +200,7 @@ def test_a_full_delta_resyncs_what_a_rank_holds() -> None:
     merged.add("b", other.delta(3.5))
     merged.add("a", s.delta(3.5))
     merged.advance()
-    assert merged.sampled_misses([1]) == [0, 0, 1]
+    assert merged.sampled_misses([("w", 1)]) == [0, 0, 1]
 
 
 def test_raising_the_level_keeps_a_uniform_sample() -> None:

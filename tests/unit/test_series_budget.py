@@ -7,15 +7,18 @@ from prometheus_client import CollectorRegistry
 
 from kvobserve.analysis.blocks import DEFAULT_LIFETIME_BUCKETS
 from kvobserve.analysis.fleet import FleetState
+from kvobserve.analysis.miss_fleet import MissMerge
 from kvobserve.analysis.thrash import RESTORE_BUCKETS
 from kvobserve.export.catalog import BY_FAMILY, CATALOG
 from kvobserve.export.metrics_docs import BUDGET, REFERENCE, per_stream, reference_total
 from kvobserve.export.prometheus import FleetCollector
+from kvobserve.wire.misses import STORE, MissDelta, pack_op
 from kvobserve.wire.snapshot import (
     CollectorCounters,
     CollectorInfo,
     Histogram,
     MediumStats,
+    PrefixCounters,
     SchedulerStats,
     Snapshot,
     StreamStats,
@@ -63,7 +66,7 @@ def _snapshot(w: int, node: int) -> Snapshot:
             media=[_medium(m, r) for m in MEDIA],
             gaps=1, missed=2, recovered=2, replay_requests={"ok": 1}, decode_errors={"msgpack": 2},
             state_complete=True, last_batch_ts=NOW - 0.1, lag_seconds=0.01,
-            trust="complete", trust_reason="from_start", recomputed_elsewhere=3,
+            trust="complete", trust_reason="from_start", recomputed_elsewhere=3, block_size=16,
         )
         for r in range(first, first + PER_NODE)
     ]  # fmt: skip
@@ -81,12 +84,22 @@ def _snapshot(w: int, node: int) -> Snapshot:
         scheduler=sched,
         counters=CollectorCounters(10_000, 0, 100),
         placement=[_placement(worker, list(range(first, first + PER_NODE)), node)],
+        # the worker is its own pool: one sampled miss per node, hits from the tokenizer
+        misses=[MissDelta(worker, 1, 0, NOW - 2, NOW - 1, [first], _store((w * 2 + node) << 40))],
+        prefix=[PrefixCounters(worker, -1, 1600.0, 8000.0)] if node == 0 else [],
     )
+
+
+def _store(key: int) -> bytes:
+    out = bytearray()
+    pack_op(out, 0, 0, STORE, key)
+    return bytes(out)
 
 
 def _series(**detail: bool) -> tuple[dict[str, int], int]:
     """(series per family name, streams) of the realistic fleet."""
     state = FleetState()
+    state.misses = MissMerge(floor=1, start_level=0)  # each pool's split trusted
     for w in range(WORKERS):
         for node in range(DP // PER_NODE):
             state.update(_snapshot(w, node), NOW)

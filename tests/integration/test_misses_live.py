@@ -1,0 +1,260 @@
+"""Where the misses come from, live: a trace replayed on 4 ranks over two loopback nodes, two
+`kvobserve collect` processes and `kvobserve aggregate` over a real nats-server.
+
+The simulator replays the trace fixture (its first 10 minutes at 10x; 2M tokens and pages of 16
+per rank), node 0 (ranks 0-1) on 127.0.0.1 and node 1 (ranks 2-3) on 127.0.0.2; each node's
+collector watches its own ranks, so the pool's split crosses collectors. Once every batch is
+applied and the aggregator's merge has passed the last one, the split of `/api/v1/misses` is
+held to the simulator's truth (in trace blocks, and in the engine's pages the collectors count).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from benchmarks._common import free_port, stop_process
+from tests.integration.conftest import NatsServer
+from tests.integration.stack_helpers import scale_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURE = ROOT / "tests" / "fixtures" / "traces" / "mooncake-conversation.jsonl.gz"
+HOSTS = ("127.0.0.1", "127.0.0.2")
+POOL = "trace"
+KINDS = ("compulsory", "capacity", "placement")
+TARGET = 0.02  # each share within 2 points of the truth (docs/cache-analytics.md)
+RULES = ROOT / "alerts" / "kvobserve-rules.yml"
+FOR_FACTOR = 60.0  # the rules' 15 minutes of `for:` as 15 s: the replay lasts a minute
+
+
+@dataclass
+class Run:
+    """What one replay ended with: the aggregator's split, its /metrics, the simulator's truth."""
+
+    split: dict[str, Any]
+    truth: dict[str, Any]
+    metrics: dict[tuple[str, str], float]  # (worker_id, result) -> kvobserve_worker_kv_lookups
+    alerts: dict[str, str]  # Prometheus: alert name -> state (pending, firing), of the pool
+    conditions: set[str]  # the aggregator's own (/api/v1/alerts), of the pool
+
+
+def _spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "wb") as f:
+        return subprocess.Popen(
+            [sys.executable, "-m", "kvobserve", *argv], stdout=f, stderr=subprocess.STDOUT, cwd=ROOT
+        )
+
+
+def _get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        body = resp.read().decode()
+    return json.loads(body) if "/api/" in url else body
+
+
+def _truth(path: Path) -> dict[str, Any] | None:
+    try:
+        doc: dict[str, Any] = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return doc
+
+
+def _endpoints(log: Path, deadline: float) -> dict[str, str]:
+    """kind (kv0 .. kv3, http) -> url, from the simulator's `endpoint` lines."""
+    while time.monotonic() < deadline:
+        text = log.read_text() if log.exists() else ""
+        if "ready" in text:
+            out = {}
+            for line in text.splitlines():
+                if line.startswith("endpoint "):
+                    f = dict(p.split("=", 1) for p in line.split()[1:])
+                    out[f["kind"] + (f["dp_rank"] if f["kind"] == "kv" else "")] = f["url"]
+            return out
+        time.sleep(0.1)  # polling the simulator's output for its endpoints, with a deadline
+    raise TimeoutError(f"the simulator did not start: {log.read_text()}")
+
+
+def _collector_toml(path: Path, node: int, kv: str, http: str, nats_url: str) -> Path:
+    port = kv.rsplit(":", 1)[1]
+    path.write_text(
+        f'cluster = "t"\n[collector]\nid = "node-{node}"\nnode_rank = {node}\nnnodes = 2\n'
+        f'interval_s = 1.0\nhost = "{HOSTS[node]}"\n[http]\nlisten = ""\n'
+        f'[nats]\nurl = "{nats_url}"\n'
+        f'[[worker]]\nid = "{POOL}"\nengine = "sglang"\ndp_size = 4\ndp_attention = true\n'
+        f'kv_endpoint = "tcp://*:{port}"\nprobe_extra_ports = 0\nmetrics_url = "{http}/metrics"\n'
+    )
+    return path
+
+
+def _prometheus(tmp: Path, target: str) -> tuple[subprocess.Popen[bytes], str]:
+    """A real Prometheus scraping the aggregator every second with the shipped rules."""
+    rules = tmp / "rules.yml"
+    rules.write_text(scale_for(RULES.read_text(), FOR_FACTOR))
+    (tmp / "prometheus.yml").write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        f"rule_files: ['{rules}']\n"
+        f"scrape_configs:\n  - job_name: kvobserve\n    static_configs: [{{targets: ['{target}']}}]\n"
+    )
+    port = free_port()
+    with open(tmp / "prometheus.log", "wb") as log:
+        proc = subprocess.Popen(
+            ["prometheus", f"--config.file={tmp / 'prometheus.yml'}",
+             f"--storage.tsdb.path={tmp / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
+            stdout=subprocess.DEVNULL, stderr=log,
+        )  # fmt: skip
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _pool_alerts(prom: str) -> dict[str, str]:
+    doc = _get(f"{prom}/api/v1/alerts")
+    return {
+        a["labels"]["alertname"]: a["state"]
+        for a in doc["data"]["alerts"]
+        if a["labels"].get("pool") == POOL
+    }
+
+
+def _replay(tmp: Path, route: str, capacity: int, seconds: float) -> Run:
+    """One replay through the whole pipeline; the processes stopped by PID in finally."""
+    tmp.mkdir()
+    truth_path = tmp / "truth.json"
+    procs: list[subprocess.Popen[bytes]] = []
+    nats = NatsServer(tmp / "js", jetstream=False)
+    nats.start()
+    try:
+        sim_log = tmp / "sim.log"
+        procs.append(_spawn(
+            ["simulate", "--trace", str(FIXTURE), "--trace-seconds", str(seconds), "--speed", "10",
+             "--route", route, "--dp-size", "4", "--nnodes", "2", "--all-nodes", "--node-hosts",
+             ",".join(HOSTS), "--capacity-tokens", str(capacity), "--page-size", "16",
+             "--start-delay", "4", "--no-replay", "--worker-id", POOL, "--truth",
+             str(truth_path), "--truth-interval", "1"], sim_log,
+        ))  # fmt: skip
+        eps = _endpoints(sim_log, time.monotonic() + 30)
+        port = free_port()
+        procs.append(_spawn(["aggregate", "--nats", nats.url, "--listen", f"127.0.0.1:{port}",
+                             "--cluster", "t"], tmp / "agg.log"))  # fmt: skip
+        prom_proc, prom = _prometheus(tmp, f"127.0.0.1:{port}")
+        procs.append(prom_proc)
+        for node in (0, 1):
+            cfg = _collector_toml(tmp / f"node-{node}.toml", node, eps["kv0"], eps["http"],
+                                  nats.url)  # fmt: skip
+            procs.append(_spawn(["collect", "-c", str(cfg)], tmp / f"node-{node}.log"))
+        api = f"http://127.0.0.1:{port}"
+        end = time.monotonic() + 60 + seconds / 10 * 3  # the replay, on a loaded machine
+        caught_up = None
+        while True:
+            assert time.monotonic() < end, (tmp / "agg.log").read_text()[-3000:]
+            time.sleep(0.5)  # polling the truth file and the aggregator, with a deadline
+            doc = _truth(truth_path)
+            replay = (doc or {}).get("replays", [{}])[0]
+            if not (replay.get("done") and replay.get("pending_events") == 0):
+                continue
+            try:
+                streams = _get(f"{api}/api/v1/streams")
+                pools = _get(f"{api}/api/v1/misses")["pools"]
+            except OSError:
+                continue
+            sent = {
+                int(r): inst[-1]["batches"]
+                for w in (doc or {})["workers"]
+                for r, rank in w["ranks"].items()
+                for inst in [rank["instances"]]
+            }
+            applied = {s["dp_rank"]: s["batches"] for s in streams}
+            if applied != sent:
+                continue
+            caught_up = caught_up or time.time()
+            # the merge applies every collector's changes up to the earliest `until` it has
+            # (their clock less 2 s): past the moment the last batch was applied
+            if pools and (pools[0]["as_of"] or 0) > caught_up:
+                break
+        metrics: dict[tuple[str, str], float] = {}
+        for fam in text_string_to_metric_families(_get(f"{api}/metrics")):
+            for s in fam.samples:
+                if s.name == "kvobserve_worker_kv_lookups_total":
+                    metrics[(s.labels["worker_id"], s.labels["result"])] = s.value
+        # the rule's window still holds the replay; its `for:` is 15 s here: wait for a random
+        # router's alert to fire (a KV-aware router's must not even be pending by then)
+        alerts: dict[str, str] = {}
+        t0 = time.monotonic()
+        while time.monotonic() < t0 + 45:
+            try:
+                alerts = _pool_alerts(prom)
+            except OSError:
+                alerts = {}
+            if alerts.get("KVCachePlacementMisses") == "firing":
+                break
+            if not alerts and time.monotonic() > t0 + 5:
+                break  # nothing pending after the whole replay was evaluated: it stays quiet
+            time.sleep(1.0)  # polling Prometheus's rule evaluation, with a deadline
+        conditions = {
+            a["kind"] for a in _get(f"{api}/api/v1/alerts") if dict(a["labels"]).get("pool") == POOL
+        }
+        truth = _truth(truth_path)
+        assert truth is not None
+        return Run(pools[0], truth["replays"][0], metrics, alerts, conditions)
+    finally:
+        for p in reversed(procs):
+            stop_process(p)
+        nats.stop()
+
+
+def _shares(counts: dict[str, int]) -> dict[str, float]:
+    total = sum(counts[k] for k in KINDS)
+    return {k: counts[k] / total for k in KINDS}
+
+
+def _check(run: Run) -> None:
+    """Every share within the stated bound of the truth, in the engine's pages and in trace
+    blocks (the units differ by what the truth itself shows: a trace block's last page)."""
+    split, pool = run.split, run.truth["pool"]
+    assert split["pool"] == POOL and split["trusted"], split["reason"]
+    bound = max(split["bound"], TARGET)
+    pages, blocks = _shares(pool["pages"]), _shares(pool["blocks"])
+    for k in KINDS:
+        got = split["shares"][k]
+        assert abs(got - pages[k]) <= bound, (k, got, pages, split["bound"])
+        assert abs(got - blocks[k]) <= bound + abs(pages[k] - blocks[k]), (k, got, blocks)
+    # the counters: each miss weighed by its sample rate, as many as the pool stored
+    stored = sum(pool["pages"][k] for k in KINDS)
+    served = sum(v for (_, result), v in run.metrics.items() if result in KINDS)
+    assert abs(served - stored) <= 0.05 * stored, (served, stored)
+    # SGLang's tokenizer counters: the whole worker's hit tokens, as blocks of 16 (the
+    # scheduler caps a hit one token short of the prompt: a page fewer on a full hit)
+    hits, want = run.metrics[(POOL, "hit")], pool["pages"]["hits"]
+    assert 0.9 * want <= hits <= want, (hits, want)
+
+
+def test_random_routing_shows_its_placement_misses_and_kv_aware_none(tmp_path: Path) -> None:
+    random_ = _replay(tmp_path / "random", "random", 2_000_000, 600.0)
+    _check(random_)
+    kv_aware = _replay(tmp_path / "kv_aware", "kv_aware", 2_000_000, 600.0)
+    _check(kv_aware)
+    r, k = random_.split["shares"], kv_aware.split["shares"]
+    assert r["placement"] > k["placement"] + 0.05, (r, k)
+    assert r["capacity"] > 0 and k["capacity"] > 0  # 2M tokens per rank evict
+    # the router ignores the cache: the alert on a real Prometheus, and the condition
+    assert random_.alerts.get("KVCachePlacementMisses") == "firing", random_.alerts
+    assert "placement_misses" in random_.conditions
+    assert "KVCachePlacementMisses" not in kv_aware.alerts, kv_aware.alerts
+    assert "placement_misses" not in kv_aware.conditions
+
+
+def test_unlimited_capacity_leaves_no_capacity_miss(tmp_path: Path) -> None:
+    run = _replay(tmp_path / "unlimited", "random", 10**10, 150.0)
+    _check(run)
+    assert run.split["shares"]["capacity"] == 0.0
+    assert run.truth["pool"]["blocks"]["capacity"] == 0
+    assert run.split["shares"]["placement"] > 0.05
