@@ -46,6 +46,7 @@ async def start_embedded(
     try:
         for c in emb.collectors:
             await c.start()
+            await bus.serve_overlap(c.info.collector_id, c.answer_overlap)
         if http is not None and http.listen:
             detail = any(c.aggregator.per_stream_detail for c in configs)
             ahead = min(c.aggregator.render_ahead_s for c in configs)

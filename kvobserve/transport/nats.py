@@ -1,7 +1,8 @@
 """Snapshots and condition events over NATS (nats-py), with an optional JetStream KV bucket.
 
 Subjects: `kvobserve.v1.<cluster>.snapshot.<bucket>.<collector_id>` (msgpack of one snapshot
-part, transport/subjects.py) and `kvobserve.v1.<cluster>.event.<kind>` (JSON transitions). With
+part, transport/subjects.py), `kvobserve.v1.<cluster>.event.<kind>` (JSON transitions) and
+`kvobserve.v1.<cluster>.overlap` (the aggregator's question, every collector answers). With
 `jetstream_kv`, collectors also put each part into `kvobserve_snapshots_<cluster>` (key
 `<bucket>.<collector_id>`, history 1, TTL `kv_ttl_s`) so a restarted aggregator (or shard) reads
 the last part of each of its collectors at once. See docs/nats.md and docs/scale.md.
@@ -28,7 +29,14 @@ from nats.aio.subscription import Subscription
 
 from kvobserve.aio import cancel_and_wait
 from kvobserve.config import NatsConfig
-from kvobserve.transport import Coalescer, Handler, TransportCounters, TransportStatus
+from kvobserve.transport import (
+    Answer,
+    Coalescer,
+    Handler,
+    Take,
+    TransportCounters,
+    TransportStatus,
+)
 from kvobserve.transport.nats_kv import SnapshotBucket
 from kvobserve.transport.subjects import (
     event_subject,
@@ -36,12 +44,14 @@ from kvobserve.transport.subjects import (
     kv_bucket,
     kv_filters,
     kv_key,
+    overlap_subject,
     snapshot_subject,
     snapshot_wildcards,
 )
 from kvobserve.wire.snapshot import WHOLE
 
 log = logging.getLogger(__name__)
+OVERLAP_PENDING = 64  # questions queued at a collector; more are dropped by nats-py (counted)
 
 
 class NatsConnectError(Exception):
@@ -333,6 +343,57 @@ class NatsTransport:
         if self._kv is None:
             return []
         return await self._kv.read_all(kv_filters(self.shard, self.shards))
+
+    async def serve_overlap(self, collector_id: str, answer: Answer) -> None:
+        """Answer every overlap question on `kvobserve.v1.<cluster>.overlap` on its reply
+        subject, one at a time (each takes microseconds of the ingest thread)."""
+        nc = self._nc
+        if nc is None:
+            raise RuntimeError("NatsTransport.connect() was not called")
+
+        async def on_question(msg: Msg) -> None:
+            if not msg.reply:
+                return
+            try:
+                data = await answer(msg.data)
+            except Exception:
+                self.counters.handler_errors += 1
+                if "overlap" not in self._warned:
+                    self._warned.add("overlap")
+                    log.warning("nats: answering an overlap question failed (warned once)",
+                                exc_info=True)  # fmt: skip
+                return
+            with contextlib.suppress(nats.errors.Error):  # the asker gives up, counts it missing
+                await nc.publish(msg.reply, data)
+
+        await nc.subscribe(
+            overlap_subject(self.cluster), cb=on_question, pending_msgs_limit=OVERLAP_PENDING
+        )
+        with contextlib.suppress(nats.errors.Error, TimeoutError):
+            await nc.flush(timeout=max(1, int(self._connect_timeout_s)))
+
+    async def ask_overlap(self, question: bytes, timeout_s: float, take: Take) -> None:
+        """Publish `question` with a reply inbox of its own; hand every answer to `take` until
+        it has what it waits for or `timeout_s` passed."""
+        nc = self._nc
+        if nc is None or self._closing or not nc.is_connected:
+            return  # nobody can answer: the asker reports every collector missing
+        answers: asyncio.Queue[bytes] = asyncio.Queue()
+
+        async def on_answer(msg: Msg) -> None:
+            answers.put_nowait(msg.data)
+
+        sub = await nc.subscribe(nc.new_inbox(), cb=on_answer)
+        try:
+            await nc.publish(overlap_subject(self.cluster), question, reply=sub.subject)
+            async with asyncio.timeout(timeout_s):
+                while not take(await answers.get()):
+                    pass
+        except (TimeoutError, nats.errors.Error):
+            pass  # who did not answer in time is the asker's to report
+        finally:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
 
     async def close(self) -> None:
         """Stop the KV writer, drain (or close) the connection within `close_timeout_s`."""
