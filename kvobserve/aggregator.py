@@ -211,7 +211,7 @@ class Aggregator:
         transport = via or self._transport
         if transport is None:
             raise RuntimeError("the aggregator has no transport to ask the collectors through")
-        view = self.view()
+        view = self.fleet.membership(self.clock())
         workers = pool_workers(view, pool)
         wait = awaited_collectors(view, workers)
         got: dict[str, OverlapReply] = {}

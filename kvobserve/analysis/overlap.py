@@ -51,8 +51,9 @@ class OverlapAnswer:
 
 
 def pool_workers(view: FleetView, pool: str | None) -> list[str]:
-    """The workers of the pool named `pool` (None: every worker the fleet knows)."""
-    known = sorted({w for w, _ in view.owners} | {s.stats.worker_id for s in view.streams})
+    """The workers of the pool named `pool` (None: every worker the fleet knows); `view`
+    needs only its membership (`FleetState.membership`)."""
+    known = sorted({w for w, _ in view.owners})  # every rank of every declared worker
     if pool is None:
         return known
     if pool in known:

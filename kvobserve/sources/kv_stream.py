@@ -190,6 +190,8 @@ class IngestLoop:
         while not self._stop.is_set():
             try:
                 ready = self._poller.poll(tick_ms)
+                if self._calls:  # a caller waits (an overlap question): before the batches
+                    self._run_calls()
                 now = self._clock()
                 for sock, _ in ready:
                     st = self._by_sock.get(sock)
@@ -223,7 +225,7 @@ class IngestLoop:
             while self._wake_rx.recv(4096):
                 pass
 
-    def _housekeeping(self, now: float) -> None:
+    def _run_calls(self) -> None:
         while self._calls:
             fn, fut = self._calls.popleft()
             if fut.set_running_or_notify_cancel():
@@ -231,6 +233,9 @@ class IngestLoop:
                     fut.set_result(fn())
                 except Exception as exc:
                     fut.set_exception(exc)
+
+    def _housekeeping(self, now: float) -> None:
+        self._run_calls()
         for st in self._streams.values():
             if st.seq is not None:
                 action = st.seq.expire(now)
