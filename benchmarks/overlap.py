@@ -26,7 +26,6 @@ import http.client
 import json
 import random
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -35,7 +34,17 @@ from typing import Any
 
 import msgspec
 
-from benchmarks._common import NatsServer, free_port, median, percentile, stop_process
+from benchmarks._common import (
+    HOSTS,
+    NatsServer,
+    free_port,
+    median,
+    node_collector_toml,
+    percentile,
+    sim_endpoints,
+    spawn_kvobserve,
+    stop_process,
+)
 from kvobserve.analysis.blocks import BlockIndex
 from kvobserve.analysis.sequence import StreamSequencer
 from kvobserve.simulate import SimConfig
@@ -44,8 +53,6 @@ from kvobserve.sources.overlap import rank_overlaps
 from kvobserve.wire.kv_events import decode_payload
 from kvobserve.wire.overlap import OverlapReply, encode_overlap
 
-ROOT = Path(__file__).resolve().parents[1]
-HOSTS = ("127.0.0.1", "127.0.0.2")
 CLUSTER = "bench"
 DYNAMO_US = 8.0  # Dynamo's indexer per question (issue 23; its README: p99 under 10 µs)
 CHAIN = 256  # blocks per stored chain
@@ -113,28 +120,6 @@ def lookup_costs(resident: int, calls: int = 20_000) -> dict[str, float]:
 # --- live: simulator, two collectors, NATS, the aggregator's API ---------------------------------
 
 
-def _spawn(argv: list[str], log: Path, pipe: bool = False) -> subprocess.Popen[bytes]:
-    with open(log, "wb") as f:
-        return subprocess.Popen(
-            [sys.executable, "-m", "kvobserve", *argv],
-            stdout=subprocess.PIPE if pipe else f,
-            stderr=f if pipe else subprocess.STDOUT,
-            cwd=ROOT,
-        )
-
-
-def _collector_toml(path: Path, node: int, ports: tuple[int, int], nats_url: str) -> Path:
-    """One node's collector: its 4 ranks of the 8 (and their replay), on its own address."""
-    path.write_text(
-        f'cluster = "{CLUSTER}"\n[collector]\nid = "node-{node}"\nnode_rank = {node}\nnnodes = 2\n'
-        f'interval_s = 1.0\nhost = "{HOSTS[node]}"\n[nats]\nurl = "{nats_url}"\n'
-        f'[[worker]]\nid = "{CLUSTER}"\nengine = "sglang"\ndp_size = {RANKS}\n'
-        f'dp_attention = true\nkv_endpoint = "tcp://*:{ports[0]}"\n'
-        f'replay_endpoint = "tcp://*:{ports[1]}"\nprobe_extra_ports = 0\n'
-    )
-    return path
-
-
 def _streams_up(base: str) -> bool:
     try:
         with urllib.request.urlopen(f"{base}/api/v1/streams", timeout=5) as r:
@@ -200,36 +185,26 @@ def live(requests: int, workdir: Path) -> dict[str, list[float]]:
     procs: list[subprocess.Popen[bytes]] = []
     with NatsServer(workdir / "nats.log") as nats_server:
         try:
-            sim = _spawn(
+            sim = spawn_kvobserve(
                 ["simulate", "--worker-id", CLUSTER, "--dp-size", str(RANKS), "--nnodes", "2",
                  "--all-nodes", "--node-hosts", ",".join(HOSTS), "--rate", "50",
                  "--start-delay", "4", "--no-http"],
                 workdir / "sim.log", pipe=True,
             )  # fmt: skip
             procs.append(sim)
-            kv: dict[int, str] = {}
-            replay: dict[int, str] = {}
-            assert sim.stdout is not None
-            for raw in sim.stdout:
-                line = raw.decode()
-                if line.startswith("ready"):
-                    break
-                parts = dict(p.split("=", 1) for p in line.split()[1:] if "=" in p)
-                if parts.get("kind") in ("kv", "replay"):
-                    (kv if parts["kind"] == "kv" else replay)[int(parts["dp_rank"])] = parts["url"]
-            ports = (int(kv[0].rsplit(":", 1)[1]), int(replay[0].rsplit(":", 1)[1]))
+            urls = sim_endpoints(sim)
+            kv, replay = (int(urls[k][0].rsplit(":", 1)[1]) for k in ("kv", "replay"))
             port = free_port()
             base = f"http://127.0.0.1:{port}"
             serve = ["aggregate", "--nats", nats_server.url, "--cluster", CLUSTER]
             serve += ["--listen", f"127.0.0.1:{port}"]
-            procs.append(_spawn(serve, workdir / "aggregate.log"))
+            procs.append(spawn_kvobserve(serve, workdir / "aggregate.log"))
             for node in (0, 1):
-                toml = _collector_toml(workdir / f"node-{node}.toml", node, ports, nats_server.url)
-                procs.append(
-                    _spawn(
-                        ["collect", "-c", str(toml), "--no-local-http"], workdir / f"n{node}.log"
-                    )
+                toml = node_collector_toml(
+                    workdir / f"node-{node}.toml", CLUSTER, node, RANKS, nats_server.url, kv, replay
                 )
+                argv = ["collect", "-c", str(toml), "--no-local-http"]
+                procs.append(spawn_kvobserve(argv, workdir / f"n{node}.log"))
             deadline = time.monotonic() + 60
             while not _streams_up(base):
                 if time.monotonic() > deadline:
@@ -279,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as d:
             lat = live(args.requests, Path(d))
         ms = {k: [1e3 * x for x in v] for k, v in lat.items() if k != "held"}
-        o, h, n = ms["overlap"], ms["healthz"], ms["nats"]
+        o, h, q = ms["overlap"], ms["healthz"], ms["nats"]
         print(
             f"GET /api/v1/overlap over NATS, 2 collectors ({', '.join(HOSTS)}), {RANKS} ranks, "
             f"{args.requests} requests of 12-24 blocks (at most {max(lat['held']):.0f} held):"
@@ -287,8 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  p50 {median(o):.2f} ms  p99 {percentile(o, 0.99):.2f} ms  max {max(o):.2f} ms")
         print(
             f"  of which HTTP alone (/healthz) p50 {median(h):.2f} ms, NATS alone (the question "
-            f"answered at once by 2 answerers here) p50 {median(n):.2f} ms p99 "
-            f"{percentile(n, 0.99):.2f} ms"
+            f"answered at once by 2 answerers here) p50 {median(q):.2f} ms p99 "
+            f"{percentile(q, 0.99):.2f} ms"
         )
         print(
             f"  p50 {1e3 * median(o) / DYNAMO_US:,.0f}x Dynamo's in-process lookup; the rest is "

@@ -299,9 +299,7 @@ class NatsTransport:
             subs.append(
                 await nc.subscribe(one, cb=self._on_msg(handler, subject, count, box, subs))
             )
-        # Make sure the server has registered the interest before callers rely on it.
-        with contextlib.suppress(nats.errors.Error, TimeoutError):
-            await nc.flush(timeout=max(1, int(self._connect_timeout_s)))
+        await self._registered(nc)  # before callers rely on the interest
 
     def _on_msg(
         self,
@@ -369,8 +367,23 @@ class NatsTransport:
         await nc.subscribe(
             overlap_subject(self.cluster), cb=on_question, pending_msgs_limit=OVERLAP_PENDING
         )
-        with contextlib.suppress(nats.errors.Error, TimeoutError):
-            await nc.flush(timeout=max(1, int(self._connect_timeout_s)))
+        await self._registered(nc)  # the first question finds it
+
+    async def _registered(self, nc: Client) -> None:
+        """Wait until the server has processed what this connection sent so far (its
+        subscriptions): a message to ourselves travels behind them. nats-py's flush() would not
+        do: it writes its PING ahead of the commands still buffered, so its PONG can come back
+        before a subscription sent just before it is registered (seen: a collector missing the
+        first question). Gives up silently after the connect timeout."""
+        probe = await nc.subscribe(nc.new_inbox(), max_msgs=1)
+        try:
+            await nc.publish(probe.subject, b"")
+            await probe.next_msg(timeout=max(1.0, self._connect_timeout_s))
+        except (nats.errors.Error, TimeoutError):
+            pass
+        finally:
+            with contextlib.suppress(nats.errors.Error):
+                await probe.unsubscribe()
 
     async def ask_overlap(self, question: bytes, timeout_s: float, take: Take) -> None:
         """Publish `question` with a reply inbox of its own; hand every answer to `take` until

@@ -373,3 +373,34 @@ def test_a_call_wakes_the_ingest_thread_at_once() -> None:
         loop.stop()
     with pytest.raises(RuntimeError, match="stopped"):
         loop.call(lambda: 0).result(timeout=1)
+
+
+async def test_a_collector_answers_the_first_question_after_it_subscribed(
+    nats_server: NatsServer,
+) -> None:
+    """serve_overlap returns once the server has the subscription: the very first question
+    reaches every collector. With nats-py's flush() alone a question missed one now and then
+    (its PING overtakes the buffered SUB), more often the busier the machine: 60 rounds."""
+    from kvobserve.transport.nats import NatsTransport
+
+    async def echo(data: bytes) -> bytes:
+        return data
+
+    for attempt in range(60):
+        ends = [NatsTransport(nats_server.url, f"first{attempt}", name=f"t{i}") for i in range(3)]
+        try:
+            for t in ends:
+                await t.connect()
+            for t in ends[1:]:
+                await t.serve_overlap("collector", echo)
+            got: list[bytes] = []
+
+            def take(data: bytes, got: list[bytes] = got) -> bool:
+                got.append(data)
+                return len(got) == 2
+
+            await ends[0].ask_overlap(b"q", 5.0, take)
+            assert got == [b"q", b"q"], f"attempt {attempt}: {len(got)} of 2 answered"
+        finally:
+            for t in ends:
+                await t.close()
