@@ -104,6 +104,7 @@ def merge_answers(
                                "stream not up: its blocks are unknown")
                 )  # fmt: skip
     node = {c.info.collector_id: c.info.node_rank for c in view.collectors}
+    down = {c.info.collector_id: c.age_s for c in view.collectors if not c.up}
     missing: set[str] = set()
     for (w, rank), ids in view.owners.items():
         if w not in mine:
@@ -124,6 +125,8 @@ def merge_answers(
                 why = f"collector {cid} could not answer: {failed[cid]}"
             elif cid in replied:  # its plan has no stream for the rank (yet)
                 why = f"collector {cid} has no stream of this rank"
+            elif cid in down:  # asked with the others when any was live; not waited for
+                why = f"collector {cid} is down (no snapshot for {down[cid]:.0f} s)"
             else:
                 why = f"collector {cid} did not answer within {timeout_s:g} s"
             if cid not in replied or cid in failed:

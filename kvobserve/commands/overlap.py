@@ -137,7 +137,7 @@ def _check(texts: list[str]) -> list[str]:
 
 
 def render(doc: dict[str, Any]) -> str:
-    """The answer as a terminal table, the ranks holding the most first in a summary line."""
+    """The answer as a terminal table, then which ranks hold the most and who did not answer."""
     head = ("WORKER", "NODE", "RANK", "LEADING", "TRUST", "COLLECTOR", "REASON")
     rows = [
         (

@@ -220,7 +220,7 @@ class IngestLoop:
         self._close_all()
 
     def _drain_wake(self) -> None:
-        """Empty the wake-up socket (the calls it announced run in _housekeeping)."""
+        """Empty the wake-up socket (the calls it announced run in this turn)."""
         with contextlib.suppress(BlockingIOError):  # drained
             while self._wake_rx.recv(4096):
                 pass

@@ -163,9 +163,10 @@ def test_merge_lists_every_rank_of_the_pool_and_who_did_not_answer() -> None:
     now = 1000.0
     fleet = _fleet(
         now,
-        (_snap("node-0", 0, [0, 1], dp_size=6), now),
-        (_snap("node-1", 1, [2, 3], dp_size=6), now),
-        (_snap("node-2", 2, [4], dp_size=6), now - 60),  # down: its rank has no live owner
+        (_snap("node-0", 0, [0, 1], dp_size=7), now),
+        (_snap("node-1", 1, [2, 3], dp_size=7), now),
+        (_snap("node-2", 2, [4], dp_size=7), now - 60),  # down: its rank has no live owner
+        (_snap("node-3", 3, [5], dp_size=7), now - 30),  # down, and it does not answer
     )
     view = fleet.view(now)
     assert pool_workers(view, None) == ["w0"] and pool_workers(view, "w0") == ["w0"]
@@ -192,15 +193,16 @@ def test_merge_lists_every_rank_of_the_pool_and_who_did_not_answer() -> None:
         (2, "node-1"): (None, 1, "collector node-1 did not answer within 0.5 s"),
         (3, "node-1"): (None, 1, "collector node-1 did not answer within 0.5 s"),
         (4, "node-2"): (None, 2, "collector node-2 could not answer: overlap request: schema: ..."),
-        (5, None): (None, None, "no collector watches this rank"),
+        (5, "node-3"): (None, 3, "collector node-3 is down (no snapshot for 30 s)"),
+        (6, None): (None, None, "no collector watches this rank"),
     }
-    assert a.missing == ["node-1", "node-2"]
+    assert a.missing == ["node-1", "node-2", "node-3"]
     doc = overlap_json(a)
     assert doc["ranks"][0] == {
         "worker_id": "w0", "node_rank": 0, "dp_rank": 0, "leading_blocks": 5,
         "collector": "node-0", "trust": "complete", "reason": None,
     }  # fmt: skip
-    assert doc["missing"] == ["node-1", "node-2"] and doc["hashes"] == 12
+    assert doc["missing"] == ["node-1", "node-2", "node-3"] and doc["hashes"] == 12
 
 
 def test_a_collector_that_answers_without_a_rank_is_not_missing() -> None:
