@@ -55,6 +55,8 @@ bench: venv
 	$(BIN)/python -m benchmarks.relay
 	$(BIN)/python -m benchmarks.scale
 	$(BIN)/python -m benchmarks.memory
+	$(BIN)/python -m benchmarks.overlap
+	$(BIN)/python -m benchmarks.misses
 
 # Coverage-guided fuzzing of the wire decoders (atheris); not part of `make test`.
 fuzz: venv

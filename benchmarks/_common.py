@@ -1,4 +1,5 @@
-"""Shared pieces of the benchmarks: a KV-event publisher process, a nats-server, /proc readings.
+"""Shared pieces of the benchmarks: a KV-event publisher process, a nats-server, /proc readings,
+kvobserve processes over two loopback nodes.
 
 The publisher runs in its own process (spawned, so it shares no state with the consumer) and
 sends pre-encoded SGLang 0.5.23-style batches: `[ts, events, dp_rank]` with tagged-map events.
@@ -318,3 +319,51 @@ def stop_process(proc: subprocess.Popen[bytes] | None) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout=5)
+
+
+# --- kvobserve processes: a simulated worker over two loopback nodes, a collector per node -------
+
+ROOT = Path(__file__).resolve().parents[1]
+HOSTS = ("127.0.0.1", "127.0.0.2")  # node 0, node 1: each on its own loopback address
+
+
+def spawn_kvobserve(argv: list[str], log: Path, pipe: bool = False) -> subprocess.Popen[bytes]:
+    """`python -m kvobserve ARGV` with its output (its stderr, with `pipe`) in `log`."""
+    with open(log, "wb") as f:
+        return subprocess.Popen(
+            [sys.executable, "-m", "kvobserve", *argv],
+            stdout=subprocess.PIPE if pipe else f,
+            stderr=f if pipe else subprocess.STDOUT,
+            cwd=ROOT,
+        )
+
+
+def sim_endpoints(sim: subprocess.Popen[bytes]) -> dict[str, dict[int, str]]:
+    """Kind (kv, replay, ...) -> dp_rank -> URL, as `kvobserve simulate` (spawned with `pipe`)
+    prints them before `ready`."""
+    out: dict[str, dict[int, str]] = {}
+    assert sim.stdout is not None
+    for raw in sim.stdout:
+        line = raw.decode()
+        if line.startswith("ready"):
+            return out
+        parts = dict(p.split("=", 1) for p in line.split()[1:] if "=" in p)
+        if "kind" in parts and "dp_rank" in parts:
+            out.setdefault(parts["kind"], {})[int(parts["dp_rank"])] = parts["url"]
+    raise RuntimeError(f"kvobserve simulate ended before it was ready (exit {sim.wait()})")
+
+
+def node_collector_toml(
+    path: Path, cluster: str, node: int, dp_size: int, nats_url: str, kv_port: int,
+    replay_port: int | None = None,
+) -> Path:  # fmt: skip
+    """Node `node`'s collector of an SGLang worker named `cluster` over the two HOSTS: its own
+    ranks, on its own address."""
+    replay = f'replay_endpoint = "tcp://*:{replay_port}"\n' if replay_port else ""
+    path.write_text(
+        f'cluster = "{cluster}"\n[collector]\nid = "node-{node}"\nnode_rank = {node}\nnnodes = 2\n'
+        f'interval_s = 1.0\nhost = "{HOSTS[node]}"\n[nats]\nurl = "{nats_url}"\n'
+        f'[[worker]]\nid = "{cluster}"\nengine = "sglang"\ndp_size = {dp_size}\n'
+        f'dp_attention = true\nkv_endpoint = "tcp://*:{kv_port}"\n{replay}probe_extra_ports = 0\n'
+    )
+    return path

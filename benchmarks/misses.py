@@ -40,7 +40,15 @@ from typing import Any
 
 import msgspec
 
-from benchmarks._common import NatsServer, stop_process
+from benchmarks._common import (
+    HOSTS,
+    ROOT,
+    NatsServer,
+    node_collector_toml,
+    sim_endpoints,
+    spawn_kvobserve,
+    stop_process,
+)
 from kvobserve.aggregator import Aggregator
 from kvobserve.analysis.blocks import BlockIndex
 from kvobserve.analysis.fleet import FleetState
@@ -54,9 +62,7 @@ from kvobserve.wire.kv_events import decode_payload
 from kvobserve.wire.misses import decode_delta, encode_delta
 from kvobserve.wire.snapshot import decode_snapshot, encode_snapshot
 
-ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "traces" / "mooncake-conversation.jsonl.gz"
-HOSTS = ("127.0.0.1", "127.0.0.2")
 CLUSTER = "bench"
 TARGET_PP, TARGET_TRAFFIC, TARGET_BYTES = 2.0, 0.10, 10.0
 CHECKPOINTS = (10_000, 100_000)
@@ -230,17 +236,6 @@ def whole(args: argparse.Namespace) -> Whole:
 # --- live: the simulator, two collectors, NATS, the aggregator's merge ------------------------
 
 
-def collector_toml(path: Path, node: int, kv_port: int, nats_url: str) -> Path:
-    """One node's collector: its 2 ranks of the 4, on its own address."""
-    path.write_text(
-        f'cluster = "{CLUSTER}"\n[collector]\nid = "node-{node}"\nnode_rank = {node}\nnnodes = 2\n'
-        f'interval_s = 1.0\nhost = "{HOSTS[node]}"\n[http]\nlisten = ""\n[nats]\nurl = "{nats_url}"\n'
-        f'[[worker]]\nid = "{CLUSTER}"\nengine = "sglang"\ndp_size = 4\ndp_attention = true\n'
-        f'kv_endpoint = "tcp://*:{kv_port}"\nprobe_extra_ports = 0\n'
-    )
-    return path
-
-
 @dataclass
 class Live:
     """What the live run measured."""
@@ -336,24 +331,13 @@ def _truth(path: Path) -> dict[str, Any] | None:
     return replays[0] if replays else None
 
 
-def _spawn(argv: list[str], log: Path, pipe: bool = False) -> subprocess.Popen[bytes]:
-    """`python -m kvobserve ARGV` with its output (its stderr, with `pipe`) in `log`."""
-    with open(log, "wb") as f:
-        return subprocess.Popen(
-            [sys.executable, "-m", "kvobserve", *argv],
-            stdout=subprocess.PIPE if pipe else f,
-            stderr=f if pipe else subprocess.STDOUT,
-            cwd=ROOT,
-        )
-
-
 def live(args: argparse.Namespace, workdir: Path) -> Live:
     """The simulator and two collectors as processes, one nats-server; see the module doc."""
     truth_path = workdir / "truth.json"
     procs: list[subprocess.Popen[bytes]] = []
     with NatsServer(workdir / "nats.log") as nats_server:
         try:
-            sim = _spawn(
+            sim = spawn_kvobserve(
                 ["simulate", "--trace", str(FIXTURE), "--trace-seconds", str(args.trace_seconds),
                  "--speed", str(args.speed), "--route", args.route, "--dp-size", "4", "--nnodes",
                  "2", "--all-nodes", "--node-hosts", ",".join(HOSTS), "--capacity-tokens",
@@ -363,19 +347,13 @@ def live(args: argparse.Namespace, workdir: Path) -> Live:
                 workdir / "sim.log", pipe=True,
             )  # fmt: skip
             procs.append(sim)
-            kv: dict[int, str] = {}
-            assert sim.stdout is not None
-            for raw in sim.stdout:
-                line = raw.decode()
-                if line.startswith("ready"):
-                    break
-                parts = dict(p.split("=", 1) for p in line.split()[1:])
-                if parts.get("kind") == "kv":
-                    kv[int(parts["dp_rank"])] = parts["url"]
+            kv = sim_endpoints(sim)["kv"]
             base = int(kv[0].rsplit(":", 1)[1])
             for node in (0, 1):
-                cfg = collector_toml(workdir / f"node-{node}.toml", node, base, nats_server.url)
-                procs.append(_spawn(["collect", "-c", str(cfg)], workdir / f"node-{node}.log"))
+                toml = workdir / f"node-{node}.toml"
+                cfg = node_collector_toml(toml, CLUSTER, node, 4, nats_server.url, base)
+                argv = ["collect", "-c", str(cfg), "--no-local-http"]
+                procs.append(spawn_kvobserve(argv, workdir / f"node-{node}.log"))
             out = asyncio.run(_observe(args, nats_server, truth_path))
         finally:
             for p in reversed(procs):

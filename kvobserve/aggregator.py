@@ -1,7 +1,8 @@
 """The fleet aggregator: snapshots from a transport -> FleetState; condition transitions -> events.
 
 It also keeps the fleet's recent events (MAX_EVENTS): those the collectors report in their
-snapshots, each (collector process, seq) once, and its own condition transitions.
+snapshots, each (collector process, seq) once, and its own condition transitions; and it asks
+the collectors where a request would hit (`overlap`, docs/cache-analytics.md).
 
 Transport-agnostic: `kvobserve run` and `demo` use it with the in-process bus, `kvobserve
 aggregate` with NATS (kvobserve/commands/ wires it to a transport and to the HTTP export).
@@ -22,10 +23,18 @@ from typing import Any
 from kvobserve.aio import cancel_and_wait
 from kvobserve.analysis.conditions import Condition, active, began
 from kvobserve.analysis.fleet import FleetState
+from kvobserve.analysis.overlap import (
+    OverlapAnswer,
+    awaited_collectors,
+    merge_answers,
+    pool_workers,
+)
 from kvobserve.analysis.views import FleetView, Key
 from kvobserve.transport import Transport
 from kvobserve.wire.errors import WireError
+from kvobserve.wire.kv_events import BlockHash
 from kvobserve.wire.misses import encode_feedback
+from kvobserve.wire.overlap import OverlapReply, OverlapRequest, decode_reply, encode_overlap
 from kvobserve.wire.snapshot import Snapshot, decode_snapshot
 
 log = logging.getLogger(__name__)
@@ -33,6 +42,7 @@ SWITCH_INTERVAL_S = 0.001  # tune_runtime()
 CHECK_SHARE = 40  # the condition check takes at most 1/40 of a core (a check's CPU x 40 apart)
 
 MAX_EVENTS = 256  # recent events kept for /api/v1/events and the status page
+OVERLAP_TIMEOUT_S = 1.0  # how long an overlap question waits for the live collectors' answers
 
 
 class Aggregator:
@@ -188,6 +198,41 @@ class Aggregator:
             )
             if self._transport is not None:
                 await self._transport.publish_event(ev["kind"], json.dumps(ev).encode())
+
+    async def overlap(
+        self,
+        hashes: list[BlockHash],
+        pool: str | None = None,
+        timeout_s: float = OVERLAP_TIMEOUT_S,
+        via: Transport | None = None,
+    ) -> OverlapAnswer:
+        """For every rank of the pool, how many leading blocks of `hashes` it holds now, as
+        its collector answers (through `via`, default the transport of `start`); PoolError for
+        a pool the fleet does not know. Waits for the live collectors of the pool's ranks, at
+        most `timeout_s`; a rank whose collector did not answer is listed without a count."""
+        transport = via or self._transport
+        if transport is None:
+            raise RuntimeError("the aggregator has no transport to ask the collectors through")
+        view = self.fleet.membership(self.clock())
+        workers = pool_workers(view, pool)
+        wait = awaited_collectors(view, workers)
+        got: dict[str, OverlapReply] = {}
+
+        def take(data: bytes) -> bool:
+            try:
+                reply = decode_reply(data)
+            except WireError as exc:
+                self.decode_errors[exc.reason] = self.decode_errors.get(exc.reason, 0) + 1
+                return False
+            got[reply.collector_id] = reply
+            return wait <= got.keys()
+
+        if wait:
+            # a named pool asks for its workers only; every worker (None) also gets the ranks
+            # of collectors the view does not show yet
+            question = OverlapRequest(hashes, workers if pool is not None else None)
+            await transport.ask_overlap(encode_overlap(question), timeout_s, take)
+        return merge_answers(view, pool, workers, len(hashes), got.values(), timeout_s)
 
     async def start(self, transport: Transport) -> None:
         """Subscribe live, warm up from retained snapshots, start the condition task."""

@@ -6,6 +6,7 @@ import argparse
 import difflib
 import importlib
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -24,6 +25,7 @@ COMMANDS: dict[str, str] = {
     "simulate": "simulated engine workers with faults and ground truth",
     "tap": "decode a live or recorded KV-event stream, one JSON line per batch",
     "status": "the aggregator's view as a terminal table",
+    "overlap": "where would a request hit: the leading blocks each rank holds now",
     "check": "validate a config and print what would be watched",
 }
 
@@ -68,6 +70,11 @@ def _suggestion(parser: argparse.ArgumentParser, message: str) -> str:
             if chosen in action.choices:
                 known += _options(action.choices[chosen])
     for word in message.split(":", 1)[1].split():
+        if re.match(r"-[0-9]", word):  # argparse takes only a plain negative number as a value
+            return (
+                f"; {word!r} looks like values starting with a negative number: separate them "
+                "with spaces, or put `--` before them"
+            )
         if word.startswith("-"):
             flag = word.split("=", 1)[0]
             close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)

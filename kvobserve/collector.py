@@ -44,6 +44,7 @@ from kvobserve.sources.scheduler import SchedulerSources, SchedulerValues
 from kvobserve.sources.stream_events import RecentEvents
 from kvobserve.wire.errors import WireError
 from kvobserve.wire.misses import decode_feedback
+from kvobserve.wire.overlap import OverlapReply, decode_request, encode_overlap
 from kvobserve.wire.parts import split_parts
 from kvobserve.wire.snapshot import (
     CollectorCounters,
@@ -459,6 +460,26 @@ class Collector:
                     SourceState(wid, s.name, where, h.state, h.reason, h.since, s.messages_total)
                 )
         return out
+
+    async def answer_overlap(self, data: bytes) -> bytes:
+        """The answer to one overlap question (wire/overlap.py): for every rank of the asked
+        workers this collector watches, the leading blocks of the request it holds now, walked
+        in the ingest threads between two batches (docs/cache-analytics.md)."""
+        info = self.info
+        try:
+            req = decode_request(data)
+        except WireError as exc:
+            return encode_overlap(OverlapReply(info.collector_id, info.node_rank, error=str(exc)))
+        workers = frozenset(req.workers) if req.workers is not None else None
+        asked = [
+            x.overlap(req.hashes, workers) for x in (self.ingest, self.dynamo) if x is not None
+        ]
+        try:
+            parts = await asyncio.gather(*map(asyncio.wrap_future, asked))
+        except RuntimeError as exc:  # an ingest thread stopped (the collector is closing)
+            return encode_overlap(OverlapReply(info.collector_id, info.node_rank, error=str(exc)))
+        ranks = [r for part in parts for r in part]
+        return encode_overlap(OverlapReply(info.collector_id, info.node_rank, ranks))
 
     async def publish_once(self) -> Snapshot:
         """Build and publish one snapshot."""

@@ -28,9 +28,10 @@ from typing import cast
 from kvobserve.analysis.analytics import CacheAnalytics
 from kvobserve.analysis.histogram import LifetimeHistogram
 from kvobserve.analysis.misses import RankMisses
-from kvobserve.analysis.tiers import DEFAULT_MEDIUM, Tier
+from kvobserve.analysis.tiers import DEFAULT_MEDIUM, TOP_MEDIA, Tier
 from kvobserve.wire.kv_events import BlockHash, BlockStored, KvBatch
 
+_TOP_ORDER = (DEFAULT_MEDIUM, *sorted(TOP_MEDIA - {DEFAULT_MEDIUM}))  # where the engine computes
 DEFAULT_MAX_MEDIA = 8  # storage tiers per stream; engines have 1-4 (GPU, CPU_PINNED, DISK, ...)
 # seconds: prefix-cache blocks live from sub-second (evicted under pressure) to hours (system prompts)
 DEFAULT_LIFETIME_BUCKETS: tuple[float, ...] = (
@@ -276,6 +277,24 @@ class BlockIndex:
         for name, tier in self._tiers.items():
             tier.thrash = a.recent_for(name) if a is not None else None
             tier.recent = tier.thrash.removed if tier.thrash is not None else None
+
+    def top_resident(self) -> dict[BlockHash, float]:
+        """The resident hashes of the top tier (GPU, or DEVICE) as kept: hash -> store ts;
+        empty if none yet. Read it where the index is applied (the ingest thread)."""
+        for name in _TOP_ORDER:
+            tier = self._tiers.get(name)
+            if tier is not None:
+                return tier.resident
+        return {}
+
+    def leading_blocks(self, hashes: Sequence[BlockHash]) -> int:
+        """How many of `hashes`, from the first, the top tier holds now: a dictionary walk
+        that stops at the first miss (docs/cache-analytics.md "Checking a router's decision")."""
+        resident = self.top_resident()
+        for n, h in enumerate(hashes):
+            if h not in resident:
+                return n
+        return len(hashes)
 
     def resident_hashes(self) -> dict[str, set[BlockHash]]:
         """Medium -> resident hashes (a copy; for tests and ground-truth checks)."""

@@ -261,6 +261,14 @@ class FleetState:
         self.misses.collectors_down(gone)
         v.misses = self.misses.views(v)
 
+    def membership(self, now: float) -> FleetView:
+        """The view's membership only (collectors, dp sizes, rank owners, leaders, the last
+        owners of uncovered ranks), without streams: a tenth of a whole view's cost (what
+        /api/v1/overlap reads per request)."""
+        v = FleetView(now=now)
+        self._membership(v, self._entries(now), now)
+        return v
+
     def conditions(self, now: float, began: dict[Key, float] | None = None) -> list[Condition]:
         """The conditions of view(now) (analysis/conditions.py `active`), building views only
         of the streams some condition's pre-check lets through (the per-second check); `began`

@@ -12,6 +12,7 @@ from kvobserve.collector import Collector
 from kvobserve.commands.common import Stop, fail, load, setup_logging, start_http, stop_event
 from kvobserve.config import COLLECT_DEFAULTS, Config, ConfigError, add_config_flags
 from kvobserve.transport import Transport
+from kvobserve.transport.local import LocalBus
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +55,13 @@ async def _collect(cfg: Config, local_http: bool) -> int:
     try:
         await collector.start()
         await transport.subscribe_feedback(collector.on_feedback)  # the miss split's levels
+        await transport.serve_overlap(cfg.collector.id, collector.answer_overlap)
         if local_http and cfg.http.listen:
+            # the node's own /api/v1/overlap asks this collector only, in process
+            own = LocalBus()
+            await own.serve_overlap(cfg.collector.id, collector.answer_overlap)
             try:
-                stop_http = await start_http(local, cfg.http, transport=transport)
+                stop_http = await start_http(local, cfg.http, transport=transport, overlap_via=own)
             except OSError as exc:
                 log.warning("local /metrics not served: %s", exc)
         log.info("collector %s watching %d workers", cfg.collector.id, len(cfg.workers))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -66,8 +67,13 @@ async def start_http(
     per_stream_detail: bool = False,
     shard: str = "",
     render_ahead_s: float = 2.0,
+    overlap_via: Transport | None = None,
 ) -> Stop:
-    """Serve `agg` on [http] listen (and push OTLP when asked); returns the function that stops both."""
+    """Serve `agg` on [http] listen (and push OTLP when asked); returns the function that stops both.
+
+    /api/v1/overlap asks the collectors through `overlap_via`, default the transport `agg` was
+    started with; an aggregator started with none (`collect`'s own view) serves it only with one.
+    """
     from kvobserve.export import server
     from kvobserve.export.otlp import OtlpPush
     from kvobserve.export.prometheus import aggregator_metrics
@@ -85,6 +91,7 @@ async def start_http(
         runbook_url=http.runbook_url,
         shard=shard,
         render_ahead_s=render_ahead_s,
+        overlap=functools.partial(agg.overlap, via=overlap_via),
     )
     tls = server.make_ssl_context(*http.tls) if http.tls else None
     served = await server.serve(app, http.listen, tls)

@@ -47,6 +47,7 @@ async def start_embedded(
         for c in emb.collectors:
             await c.start()
             await bus.subscribe_feedback(c.on_feedback)  # the miss split's levels, resyncs
+            await bus.serve_overlap(c.info.collector_id, c.answer_overlap)
         if http is not None and http.listen:
             detail = any(c.aggregator.per_stream_detail for c in configs)
             ahead = min(c.aggregator.render_ahead_s for c in configs)

@@ -41,7 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def fetch(url: str, timeout: float, user: str = "", cacert: str = "") -> Any:
-    """GET a JSON document; FetchError names the URL on any failure."""
+    """GET a JSON document; FetchError names the URL (without its query) on any failure, with
+    the body of an error answer (the API says there what was wrong with the request)."""
+    shown = url.split("?", 1)[0]
     req = urllib.request.Request(url, headers={"Accept": "application/json"})
     if user:
         token = base64.b64encode(f"{user}:{os.environ.get(PASSWORD_ENV, '')}".encode()).decode()
@@ -52,12 +54,14 @@ def fetch(url: str, timeout: float, user: str = "", cacert: str = "") -> Any:
             return json.loads(resp.read(16 * 1024 * 1024))
     except urllib.error.HTTPError as exc:
         hint = " (pass --user and set $" + PASSWORD_ENV + ")" if exc.code == 401 else ""
-        raise FetchError(f"{url}: HTTP {exc.code} {exc.reason}{hint}") from None
+        body = exc.read(2000).decode("utf-8", "replace").strip().split("\n", 1)[0]
+        said = f": {body}" if body and exc.code != 401 else ""
+        raise FetchError(f"{shown}: HTTP {exc.code} {exc.reason}{hint}{said}") from None
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
-        raise FetchError(f"cannot reach {url}: {reason}") from None
+        raise FetchError(f"cannot reach {shown}: {reason}") from None
     except ValueError as exc:
-        raise FetchError(f"{url}: not JSON: {exc}") from None
+        raise FetchError(f"{shown}: not JSON: {exc}") from None
 
 
 def base_url(url: str) -> str:

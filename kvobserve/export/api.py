@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
+from kvobserve.aggregator import OVERLAP_TIMEOUT_S
 from kvobserve.analysis.conditions import (
     DEFAULT_RUNBOOK_URL,
     KINDS,
@@ -13,9 +14,12 @@ from kvobserve.analysis.conditions import (
     severity_rank,
 )
 from kvobserve.analysis.hot import merge_top
+from kvobserve.analysis.overlap import OverlapAnswer
 from kvobserve.analysis.placement import PlacementEstimate
 from kvobserve.analysis.views import KINDS as MISS_KINDS
 from kvobserve.analysis.views import FleetView, PoolSplit, StreamView
+from kvobserve.wire.kv_events import BlockHash
+from kvobserve.wire.overlap import MAX_HASHES, HashError, parse_hash
 from kvobserve.wire.snapshot import RelayStats
 
 Json = dict[str, Any]
@@ -356,3 +360,69 @@ def split_json(p: PoolSplit) -> Json:
 def misses_json(v: FleetView) -> Json:
     """GET /api/v1/misses: where each pool's misses come from."""
     return {"pools": [split_json(p) for _, p in sorted(v.misses.items())]}
+
+
+MAX_OVERLAP_TIMEOUT_S = 10.0
+
+
+class QueryError(ValueError):
+    """A bad query parameter; the message names it and the value (a 400)."""
+
+
+def overlap_query(query: Mapping[str, str], all_hashes: list[str]) -> tuple[
+    list[BlockHash], str | None, float
+]:  # fmt: skip
+    """(hashes, pool, timeout_s) of GET /api/v1/overlap?hashes=h1,h2,...[&pool=P][&timeout_s=S];
+    `all_hashes`: every `hashes` parameter given (they are joined). QueryError names the problem."""
+    if not all_hashes:
+        raise QueryError(
+            "hashes: required, e.g. ?hashes=h1,h2,h3: a request's block hashes in order, "
+            "as `kvobserve tap` prints them"
+        )
+    items = [x for one in all_hashes for x in one.split(",")]
+    if len(items) > MAX_HASHES:
+        raise QueryError(f"hashes: {len(items)} given, at most {MAX_HASHES} per request")
+    hashes: list[BlockHash] = []
+    for i, text in enumerate(items, 1):
+        if not text.strip():
+            raise QueryError(f"hashes: item {i} of {len(items)} is empty")
+        try:
+            hashes.append(parse_hash(text))
+        except HashError as exc:
+            raise QueryError(f"hashes: item {i}: {exc}") from None
+    pool = query.get("pool") or None
+    raw = query.get("timeout_s")
+    timeout = OVERLAP_TIMEOUT_S
+    if raw is not None:
+        try:
+            timeout = float(raw)
+        except ValueError:
+            timeout = float("nan")
+        if not 0 < timeout <= MAX_OVERLAP_TIMEOUT_S:
+            raise QueryError(
+                f"timeout_s: {raw!r} is not a number in (0, {MAX_OVERLAP_TIMEOUT_S:g}]"
+            )
+    return hashes, pool, timeout
+
+
+def overlap_json(a: OverlapAnswer) -> Json:
+    """GET /api/v1/overlap: every rank of the pool with the leading blocks of the request it
+    holds now (null and the reason when unknown), and the collectors that did not answer."""
+    return {
+        "pool": a.pool,
+        "workers": list(a.workers),
+        "hashes": a.hashes,
+        "ranks": [
+            {
+                "worker_id": r.worker_id,
+                "node_rank": r.node_rank,
+                "dp_rank": r.dp_rank,
+                "leading_blocks": r.leading_blocks,
+                "collector": r.collector,
+                "trust": r.trust,
+                "reason": r.reason or None,
+            }
+            for r in a.ranks
+        ],
+        "missing": list(a.missing),
+    }

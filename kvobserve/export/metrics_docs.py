@@ -90,7 +90,8 @@ requests, evictable cached blocks left out. `KVCacheNearFull` watches token usag
 
 **Endpoints.** `/metrics` (text format 0.0.4, or OpenMetrics when the `Accept` header asks for
 `application/openmetrics-text`), `/healthz`, `/readyz` (503 until the first snapshot),
-`/api/v1/streams`, `/api/v1/alerts`, `/api/v1/fleet`, `/api/v1/hot`, `/api/v1/misses` (JSON; docs/cache-analytics.md)
+`/api/v1/streams`, `/api/v1/alerts`, `/api/v1/fleet`, `/api/v1/hot`, `/api/v1/misses` (JSON; docs/cache-analytics.md),
+`/api/v1/overlap?hashes=...` (where a request would hit, asked of the collectors: docs/cache-analytics.md)
 and the status page `/`.
 
 **Shards.** With `[aggregator] shards` > 1 (docs/scale.md) each aggregator serves the workers of

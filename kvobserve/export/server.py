@@ -22,13 +22,19 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encode
 from prometheus_client.metrics_core import Metric
 
 from kvobserve.analysis.conditions import DEFAULT_RUNBOOK_URL
+from kvobserve.analysis.overlap import OverlapAnswer, PoolError
 from kvobserve.config import split_host_port
 from kvobserve.export import api, status_page
 from kvobserve.export.ahead import Format, RenderAhead
 from kvobserve.export.prometheus import ExtraProvider, FleetCollector, ViewProvider
 from kvobserve.export.scrape import GZIP_LEVEL, ScrapeCache
+from kvobserve.wire.kv_events import BlockHash
+from kvobserve.wire.overlap import MAX_HASHES
 
 MAX_REQUEST_BYTES = 4096
+# the request line: /api/v1/overlap carries up to MAX_HASHES hashes of 64 hex digits, each
+# with a comma that a client may send as %2C
+MAX_LINE_BYTES = MAX_HASHES * 68 + 4096
 REGISTRY = web.AppKey("registry", CollectorRegistry)
 FLEET = web.AppKey("fleet", FleetCollector)
 CACHE = web.AppKey("scrape_cache", object)  # ScrapeCache, or None: render every scrape afresh
@@ -39,8 +45,11 @@ AUTH = web.AppKey("auth", object)
 REFRESH = web.AppKey("refresh_s", float)
 EVENTS = web.AppKey("events", object)  # () -> recent events (dicts), or None
 RUNBOOK = web.AppKey("runbook_url", str)
+OVERLAP = web.AppKey("overlap", object)  # OverlapAsk, or None: not served here
 _OPEN_PATHS = frozenset({"/healthz", "/readyz"})  # probes carry no credentials
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# (hashes, pool, timeout_s) -> the collectors' answers (Aggregator.overlap)
+OverlapAsk = Callable[[list[BlockHash], str | None, float], Awaitable[OverlapAnswer]]
 
 
 def _view(request: web.Request) -> Any:
@@ -188,6 +197,23 @@ async def _misses(request: web.Request) -> web.Response:
     return _json(api.misses_json(_view(request)))
 
 
+async def _overlap(request: web.Request) -> web.Response:
+    """GET /api/v1/overlap?hashes=h1,h2,...[&pool=P][&timeout_s=S] (docs/cache-analytics.md)."""
+    ask: OverlapAsk | None = request.app[OVERLAP]  # type: ignore[assignment]
+    if ask is None:
+        return web.Response(status=404, text="overlap: not served here\n")
+    try:
+        hashes, pool, timeout_s = api.overlap_query(
+            request.query, request.query.getall("hashes", [])
+        )
+        answer = await ask(hashes, pool, timeout_s)
+    except (api.QueryError, PoolError) as exc:
+        return web.Response(status=400, text=f"{exc}\n")
+    except RuntimeError as exc:  # no transport yet (an aggregator still starting)
+        return web.Response(status=503, text=f"overlap: {exc}\n")
+    return _json(api.overlap_json(answer))
+
+
 async def _index(request: web.Request) -> web.Response:
     v = _view(request)
     page = status_page.render(
@@ -254,6 +280,7 @@ def create_app(
     events: Callable[[], list[dict[str, Any]]] | None = None,
     runbook_url: str = DEFAULT_RUNBOOK_URL,
     shard: str = "",
+    overlap: OverlapAsk | None = None,
 ) -> web.Application:
     """The aiohttp application; `ready` defaults to "at least one collector snapshot".
 
@@ -263,7 +290,8 @@ def create_app(
     `render_ahead_s`: bodies for steady scrapers are rendered just before their requests and at
     most this old when served (export/ahead.py; 0: on request only);
     `events` gives the recent events of /api/v1/events; `runbook_url` is docs/alerts.md's URL.
-    `shard` (one of several sharded aggregators) labels the per-collector series.
+    `shard` (one of several sharded aggregators) labels the per-collector series; `overlap`
+    answers /api/v1/overlap (None: 404).
     """
     middlewares: list[Any] = [_limits]
     if basic_auth is not None:
@@ -289,6 +317,7 @@ def create_app(
     app[REFRESH] = float(refresh_s)
     app[EVENTS] = events
     app[RUNBOOK] = runbook_url.rstrip("#")
+    app[OVERLAP] = overlap
     app.router.add_get("/", _index)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/healthz", _healthz)
@@ -299,6 +328,7 @@ def create_app(
     app.router.add_get("/api/v1/events", _events)
     app.router.add_get("/api/v1/hot", _hot)
     app.router.add_get("/api/v1/misses", _misses)
+    app.router.add_get("/api/v1/overlap", _overlap)
     return app
 
 
@@ -349,7 +379,13 @@ async def serve(
 ) -> HttpServer:
     """Start `app` on `listen` ('host:port'; port 0 picks a free one)."""
     host, port = parse_listen(listen)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
+    runner = web.AppRunner(
+        app,
+        access_log=None,
+        handle_signals=False,
+        shutdown_timeout=1.0,
+        max_line_size=MAX_LINE_BYTES,
+    )
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port, ssl_context=ssl_context)

@@ -16,9 +16,8 @@ from kvobserve.analysis.blocks import BlockIndex
 from kvobserve.analysis.histogram import LifetimeHistogram
 from kvobserve.analysis.placement import local_placement
 from kvobserve.analysis.sequence import StreamSequencer
-from kvobserve.analysis.tiers import DEFAULT_MEDIUM, TOP_MEDIA
+from kvobserve.analysis.tiers import TOP_MEDIA
 from kvobserve.engines import profile
-from kvobserve.wire.kv_events import BlockHash
 from kvobserve.wire.snapshot import Histogram, HotBlock, StreamStats, WorkerPlacement
 
 
@@ -39,15 +38,6 @@ def link_peers(streams: Iterable[tuple[str, StreamSequencer]]) -> None:
                 idx.analytics.peers = [o.tiers for o in indexes if o is not idx]
 
 
-def top_tier(idx: BlockIndex) -> dict[BlockHash, float]:
-    """The resident hashes of the index's top tier (GPU, or DEVICE), empty if none yet."""
-    for name in (DEFAULT_MEDIUM, *TOP_MEDIA):
-        tier = idx.tiers.get(name)
-        if tier is not None:
-            return tier.resident
-    return {}
-
-
 def fill_stream(
     s: StreamStats, seq: StreamSequencer, holders: Sequence[BlockIndex], wall: float = 0.0
 ) -> None:
@@ -65,7 +55,7 @@ def fill_stream(
     s.restore_refused = a.restore_refused
     s.recomputed_elsewhere = a.recomputed_elsewhere
     s.lora_refused = a.lora_refused
-    tops = [top_tier(i) for i in holders]
+    tops = [i.top_resident() for i in holders]
     s.hot = [
         HotBlock(h, n, sum(1 for t in tops if h in t)) for h, n in a.hot.top(a.options.hot_top)
     ]
@@ -116,7 +106,7 @@ class Placements:
             )
             p = local_placement(
                 worker_id,
-                {r: top_tier(s.index) for r, _, s in ranks},
+                {r: s.index.top_resident() for r, _, s in ranks},
                 k=self.options.sketch_k,
                 signed=profile(ranks[0][1]).signed_hashes,
                 sketch=worker_id not in whole,

@@ -27,6 +27,8 @@ from zmq.utils.monitor import parse_monitor_message
 from kvobserve.sources.dynamo_plan import DynamoPlan
 from kvobserve.sources.dynamo_state import DynamoOptions, DynamoStats
 from kvobserve.sources.dynamo_streams import DynamoTable
+from kvobserve.wire.kv_events import BlockHash
+from kvobserve.wire.overlap import RankOverlap
 
 if TYPE_CHECKING:  # nats-py is imported only when a NATS plane runs (`run` without NATS)
     from nats.aio.client import Client
@@ -257,6 +259,12 @@ class DynamoIngest:
         except RuntimeError as exc:  # the loop closed meanwhile
             fut.set_exception(exc)
         return fut
+
+    def overlap(
+        self, hashes: list[BlockHash], workers: frozenset[str] | None = None
+    ) -> concurrent.futures.Future[list[RankOverlap]]:
+        """The leading blocks of `hashes` each stream holds (DynamoTable.overlap), in the loop."""
+        return self.call(lambda: self.table.overlap(hashes, workers))
 
     def stats(self) -> concurrent.futures.Future[DynamoStats]:
         """A consistent picture of every Dynamo stream, built in the ingest thread."""

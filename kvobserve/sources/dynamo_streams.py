@@ -26,6 +26,7 @@ from kvobserve.sources.dynamo_state import (
     Touched,
     touch,
 )
+from kvobserve.sources.overlap import rank_overlaps
 from kvobserve.sources.plan import StreamSpec
 from kvobserve.sources.scheduler import SchedulerValues, merge_values
 from kvobserve.sources.stream_state import stream_stats
@@ -40,6 +41,8 @@ from kvobserve.wire.dynamo import (
 )
 from kvobserve.wire.dynamo_subject import FPM_TOPIC, KV_EVENTS_TOPIC, KV_METRICS_TOPIC
 from kvobserve.wire.errors import WireError
+from kvobserve.wire.kv_events import BlockHash
+from kvobserve.wire.overlap import RankOverlap
 from kvobserve.wire.snapshot import (
     DynamoPlaneStats,
     DynamoStreamStats,
@@ -264,18 +267,36 @@ class DynamoTable:
             self.streams.pop(key, None)
             self.sched.pop(key, None)
 
+    def _update_connected(self, key: Key, st: DynamoStream, now: float) -> float:
+        """Update whether the stream counts as connected now; returns its silence in seconds."""
+        w = st.watched
+        age = now - self.last_seen.get(key, w.last_seen)
+        ps = self.planes[st.plan.index]
+        w.connected = w.spec.endpoint in ps.connected and age < self.options.quiet_s
+        return age
+
+    def overlap(
+        self, hashes: list[BlockHash], workers: frozenset[str] | None = None
+    ) -> list[RankOverlap]:
+        """For each stream of `workers` (None: all), the leading blocks of `hashes` it holds."""
+        now = self._clock()
+        mine = [
+            (key, st) for key, st in self.streams.items() if workers is None or key[0] in workers
+        ]
+        for key, st in mine:
+            self._update_connected(key, st, now)
+        return rank_overlaps(((k[0], k[1], st.seq, st.watched.connected) for k, st in mine), hashes)
+
     def stats(self) -> DynamoStats:
         """Everything the collector's snapshot takes from the Dynamo planes."""
         self.expire()
-        now, quiet = self._clock(), self.options.quiet_s
+        now = self._clock()
         out = DynamoStats([], [], [], [], [], self.refused_total)
         ranks: dict[str, set[int]] = {}
         plan_of: dict[str, DynamoPlan] = {}
         for key, st in sorted(self.streams.items()):
             w, sq = st.watched, st.seq
-            ps = self.planes[st.plan.index]
-            age = now - self.last_seen.get(key, w.last_seen)
-            w.connected = w.spec.endpoint in ps.connected and age < quiet
+            age = self._update_connected(key, st, now)
             out.streams.append(stream_stats(w, sq, now))
             out.dynamo.append(
                 DynamoStreamStats(

@@ -3,7 +3,7 @@
 One thread owns every socket and every StreamSequencer, so the hot path takes no locks: it
 drains each readable SUB without blocking, decodes, and hands the batch to the stream's
 sequencer. Other threads talk to it only through `call()`, which runs a function in the
-ingest thread at its next wake-up (at most `tick_s` later) and returns a Future.
+ingest thread at once (it wakes the poll through a socket pair) and returns a Future.
 ZMQ reconnects by itself with backoff (RECONNECT_IVL .. RECONNECT_IVL_MAX), so an engine that is
 not up yet is simply `up 0` until it is; each SUB's socket monitor says why (sources/link.py).
 In bind mode the loop also drains the endpoints it binds (sources/bind.py), routing each message
@@ -13,7 +13,9 @@ to its stream by topic; a relayed endpoint is read by the relay process first (s
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
+import socket
 import threading
 import time
 from collections import deque
@@ -31,6 +33,7 @@ from kvobserve.sources.bind import Listener
 from kvobserve.sources.ingest_options import IngestOptions
 from kvobserve.sources.link import MONITOR_EVENTS, Link
 from kvobserve.sources.miss_stats import UNTIL_SLACK_S, MissSamplers
+from kvobserve.sources.overlap import rank_overlaps
 from kvobserve.sources.plan import ListenSpec, StreamSpec
 from kvobserve.sources.relay import Relay
 from kvobserve.sources.replays import DRAIN_LIMIT, ReplayClient
@@ -38,8 +41,9 @@ from kvobserve.sources.stream_events import RecentEvents, StreamHistory
 from kvobserve.sources.stream_state import WatchedStream, count_bad, new_link, stream_stats
 from kvobserve.sources.topic_probe import TopicProbes
 from kvobserve.wire.errors import WireError
-from kvobserve.wire.kv_events import decode_message
+from kvobserve.wire.kv_events import BlockHash, decode_message
 from kvobserve.wire.misses import MissDelta, MissFeedback
+from kvobserve.wire.overlap import RankOverlap
 from kvobserve.wire.snapshot import BindStats, StreamStats, UnexpectedStream, WorkerPlacement
 
 log = logging.getLogger(__name__)
@@ -93,6 +97,12 @@ class IngestLoop:
         self.topic_probes = TopicProbes(self._ctx, self._poller)
         self._next_tick = 0.0
         self._calls: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
+        # call() writes a byte to wake the poll: a call waits for no tick (an overlap question
+        # is answered in microseconds, not in up to tick_s)
+        self._wake_rx, self._wake_tx = socket.socketpair()
+        self._wake_rx.setblocking(False)
+        self._wake_tx.setblocking(False)
+        self._poller.register(self._wake_rx, zmq.POLLIN)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvobserve-ingest", daemon=True)
         self._initial = list(specs)
@@ -128,20 +138,43 @@ class IngestLoop:
             self._thread.join(timeout)
         if not self._ctx.closed:
             self._ctx.destroy(linger=0)
+        self._wake_tx.close()
+        self._wake_rx.close()
 
     def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         """Run `fn` in the ingest thread; the Future gets its result."""
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
         if self._stop.is_set():
             fut.set_exception(RuntimeError("ingest loop stopped"))
-        else:
-            self._calls.append((fn, fut))
+            return fut
+        self._calls.append((fn, fut))
+        with contextlib.suppress(OSError):  # full (a wake-up is pending anyway), or closed
+            self._wake_tx.send(b"\0")
         return fut
 
     def stats(self, whole: frozenset[str] = frozenset()) -> concurrent.futures.Future[IngestStats]:
         """A consistent picture of every stream, built in the ingest thread; `whole`: workers
         whose every rank this collector watches (their placement needs no sketch)."""
         return self.call(lambda: self._build_stats(whole))
+
+    def overlap(
+        self, hashes: list[BlockHash], workers: frozenset[str] | None = None
+    ) -> concurrent.futures.Future[list[RankOverlap]]:
+        """For each stream of `workers` (None: every stream), how many leading blocks of
+        `hashes` its top tier holds now (sources/overlap.py), walked in the ingest thread."""
+
+        def answer() -> list[RankOverlap]:
+            return rank_overlaps(
+                (
+                    (st.spec.worker_id, st.spec.dp_rank, st.seq,
+                     st.link.health.up if st.link is not None else st.connected)
+                    for st in self._streams.values()
+                    if st.seq is not None and (workers is None or st.spec.worker_id in workers)
+                ),
+                hashes,
+            )  # fmt: skip
+
+        return self.call(answer)
 
     def set_specs(
         self, specs: Sequence[StreamSpec], listens: Sequence[ListenSpec] | None = None
@@ -172,6 +205,8 @@ class IngestLoop:
         while not self._stop.is_set():
             try:
                 ready = self._poller.poll(tick_ms)
+                if self._calls:  # a caller waits (an overlap question): before the batches
+                    self._run_calls()
                 now = self._clock()
                 for sock, _ in ready:
                     st = self._by_sock.get(sock)
@@ -189,6 +224,8 @@ class IngestLoop:
                         self._on_monitor(st, sock, now)
                     elif sock in self.topic_probes.by_sock:
                         self.topic_probes.drain(sock)
+                    elif sock is self._wake_rx:
+                        self._drain_wake()
                 self._housekeeping(self._clock())
             except zmq.ContextTerminated:
                 break
@@ -197,7 +234,13 @@ class IngestLoop:
                 log.exception("ingest loop error (continuing)")
         self._close_all()
 
-    def _housekeeping(self, now: float) -> None:
+    def _drain_wake(self) -> None:
+        """Empty the wake-up socket (the calls it announced run in this turn)."""
+        with contextlib.suppress(BlockingIOError):  # drained
+            while self._wake_rx.recv(4096):
+                pass
+
+    def _run_calls(self) -> None:
         while self._calls:
             fn, fut = self._calls.popleft()
             if fut.set_running_or_notify_cancel():
@@ -205,6 +248,9 @@ class IngestLoop:
                     fut.set_result(fn())
                 except Exception as exc:
                     fut.set_exception(exc)
+
+    def _housekeeping(self, now: float) -> None:
+        self._run_calls()
         for st in self._streams.values():
             if st.seq is not None:
                 action = st.seq.expire(now)

@@ -15,7 +15,6 @@ from collections.abc import Mapping
 from kvobserve.analysis.miss_sample import FLOOR, MissSampler, Rank
 from kvobserve.analysis.sequence import StreamSequencer
 from kvobserve.engines import profile
-from kvobserve.sources.cache_stats import top_tier
 from kvobserve.wire.misses import MissDelta, MissFeedback
 
 # A delta covers every batch of engine time up to this long before the collector's clock: a
@@ -82,7 +81,7 @@ class MissSamplers:
         for pool in sorted(self._resync):
             ranks = self._streams.get(pool, {})
             residents: dict[Rank | int, list[object]] = {
-                r: list(top_tier(seq.index)) for r, seq in sorted(ranks.items())
+                r: list(seq.index.top_resident()) for r, seq in sorted(ranks.items())
             }
             out.append(self.samplers[pool].full(residents, until))  # type: ignore[arg-type]
         self._resync.clear()

@@ -1,4 +1,5 @@
-"""How snapshots and condition events travel from collectors to the aggregator.
+"""How snapshots and condition events travel from collectors to the aggregator, and how the
+aggregator asks the collectors a question (where would a request hit: wire/overlap.py).
 
 Two implementations: `local.LocalBus` (in-process, the embedded default) and `nats.NatsTransport`.
 This module imports neither, so the embedded path never loads the NATS client.
@@ -12,10 +13,22 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-__all__ = ["Coalescer", "Handler", "Transport", "TransportCounters", "TransportStatus"]
+__all__ = [
+    "Answer",
+    "Coalescer",
+    "Handler",
+    "Take",
+    "Transport",
+    "TransportCounters",
+    "TransportStatus",
+]
 
 # Receives the raw bytes of one message; may be a plain function or a coroutine function.
 Handler = Callable[[bytes], Awaitable[None] | None]
+# A collector's answer (bytes) to one question (bytes).
+Answer = Callable[[bytes], Awaitable[bytes]]
+# Takes one answer; True when every answer the asker waits for is in.
+Take = Callable[[bytes], bool]
 
 
 class TransportStatus(enum.Enum):
@@ -75,6 +88,15 @@ class Transport(Protocol):
 
     async def retained_snapshots(self) -> list[tuple[bytes, float]]:
         """(bytes, wall-clock time stored) of each collector's last kept snapshot; [] if none kept."""
+        ...
+
+    async def serve_overlap(self, collector_id: str, answer: Answer) -> None:
+        """Answer every overlap question of the cluster with `answer` (a collector)."""
+        ...
+
+    async def ask_overlap(self, question: bytes, timeout_s: float, take: Take) -> None:
+        """Ask every collector; hand each answer to `take` until it returns True or `timeout_s`
+        passed (the asker then knows who did not answer)."""
         ...
 
     async def close(self) -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 
-from kvobserve.transport import Handler, TransportCounters, TransportStatus
+from kvobserve.aio import cancel_and_wait
+from kvobserve.transport import Answer, Handler, Take, TransportCounters, TransportStatus
 
 log = logging.getLogger(__name__)
 
@@ -19,6 +21,7 @@ class LocalBus:
         self._snapshot_handlers: list[Handler] = []
         self._event_handlers: list[Handler] = []
         self._feedback_handlers: list[Handler] = []
+        self._answers: dict[str, Answer] = {}  # collector id -> its overlap answer
         self._warned = False
 
     async def publish_snapshot(self, collector_id: str, data: bytes, bucket: int = -1) -> None:
@@ -64,12 +67,37 @@ class LocalBus:
         """Nothing is retained: in one process the aggregator lives as long as the collectors."""
         return []
 
+    async def serve_overlap(self, collector_id: str, answer: Answer) -> None:
+        """Answer the overlap questions asked on this bus with `answer`."""
+        self._answers[collector_id] = answer
+
+    async def ask_overlap(self, question: bytes, timeout_s: float, take: Take) -> None:
+        """Ask every answering collector at once; hand each answer to `take` as it comes,
+        until `take` has what it waits for or `timeout_s` passed."""
+        if self.status is TransportStatus.CLOSED:
+            return
+        pending = {asyncio.ensure_future(a(question)) for a in self._answers.values()}
+        try:
+            async with asyncio.timeout(timeout_s):
+                while pending:
+                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    for t in done:
+                        if t.exception() is not None:
+                            self.counters.handler_errors += 1
+                        elif take(t.result()):
+                            return
+        except TimeoutError:
+            pass  # who did not answer in time is the asker's to report
+        finally:
+            await cancel_and_wait(*pending)
+
     async def close(self) -> None:
         """Stop delivering; later publishes are counted as dropped."""
         self.status = TransportStatus.CLOSED
         self._snapshot_handlers.clear()
         self._event_handlers.clear()
         self._feedback_handlers.clear()
+        self._answers.clear()
 
     async def _call(self, handler: Handler, data: bytes) -> bool:
         """Run one handler; a failing subscriber must not break the publisher's loop."""

@@ -1,8 +1,9 @@
 """Snapshots and condition events over NATS (nats-py), with an optional JetStream KV bucket.
 
 Subjects: `kvobserve.v1.<cluster>.snapshot.<bucket>.<collector_id>` (msgpack of one snapshot
-part, transport/subjects.py), `kvobserve.v1.<cluster>.event.<kind>` (JSON transitions) and
-`kvobserve.v1.<cluster>.misses` (the aggregator's miss-split feedback to the collectors). With
+part, transport/subjects.py), `kvobserve.v1.<cluster>.event.<kind>` (JSON transitions),
+`kvobserve.v1.<cluster>.misses` (the aggregator's miss-split feedback to the collectors) and
+`kvobserve.v1.<cluster>.overlap` (the aggregator's question, every collector answers). With
 `jetstream_kv`, collectors also put each part into `kvobserve_snapshots_<cluster>` (key
 `<bucket>.<collector_id>`, history 1, TTL `kv_ttl_s`) so a restarted aggregator (or shard) reads
 the last part of each of its collectors at once. See docs/nats.md and docs/scale.md.
@@ -29,7 +30,14 @@ from nats.aio.subscription import Subscription
 
 from kvobserve.aio import cancel_and_wait
 from kvobserve.config import NatsConfig
-from kvobserve.transport import Coalescer, Handler, TransportCounters, TransportStatus
+from kvobserve.transport import (
+    Answer,
+    Coalescer,
+    Handler,
+    Take,
+    TransportCounters,
+    TransportStatus,
+)
 from kvobserve.transport.nats_kv import SnapshotBucket
 from kvobserve.transport.subjects import (
     event_subject,
@@ -38,12 +46,14 @@ from kvobserve.transport.subjects import (
     kv_filters,
     kv_key,
     misses_subject,
+    overlap_subject,
     snapshot_subject,
     snapshot_wildcards,
 )
 from kvobserve.wire.snapshot import WHOLE
 
 log = logging.getLogger(__name__)
+OVERLAP_PENDING = 64  # questions queued at a collector; more are dropped by nats-py (counted)
 
 
 class NatsConnectError(Exception):
@@ -299,9 +309,7 @@ class NatsTransport:
             subs.append(
                 await nc.subscribe(one, cb=self._on_msg(handler, subject, count, box, subs))
             )
-        # Make sure the server has registered the interest before callers rely on it.
-        with contextlib.suppress(nats.errors.Error, TimeoutError):
-            await nc.flush(timeout=max(1, int(self._connect_timeout_s)))
+        await self._registered(nc)  # before callers rely on the interest
 
     def _on_msg(
         self,
@@ -343,6 +351,72 @@ class NatsTransport:
         if self._kv is None:
             return []
         return await self._kv.read_all(kv_filters(self.shard, self.shards))
+
+    async def serve_overlap(self, collector_id: str, answer: Answer) -> None:
+        """Answer every overlap question on `kvobserve.v1.<cluster>.overlap` on its reply
+        subject, one at a time (each takes microseconds of the ingest thread)."""
+        nc = self._nc
+        if nc is None:
+            raise RuntimeError("NatsTransport.connect() was not called")
+
+        async def on_question(msg: Msg) -> None:
+            if not msg.reply:
+                return
+            try:
+                data = await answer(msg.data)
+            except Exception:
+                self.counters.handler_errors += 1
+                if "overlap" not in self._warned:
+                    self._warned.add("overlap")
+                    log.warning("nats: answering an overlap question failed (warned once)",
+                                exc_info=True)  # fmt: skip
+                return
+            with contextlib.suppress(nats.errors.Error):  # the asker gives up, counts it missing
+                await nc.publish(msg.reply, data)
+
+        await nc.subscribe(
+            overlap_subject(self.cluster), cb=on_question, pending_msgs_limit=OVERLAP_PENDING
+        )
+        await self._registered(nc)  # the first question finds it
+
+    async def _registered(self, nc: Client) -> None:
+        """Wait until the server has processed what this connection sent so far (its
+        subscriptions): a message to ourselves travels behind them. nats-py's flush() would not
+        do: it writes its PING ahead of the commands still buffered, so its PONG can come back
+        before a subscription sent just before it is registered (seen: a collector missing the
+        first question). Gives up silently after the connect timeout."""
+        probe = await nc.subscribe(nc.new_inbox(), max_msgs=1)
+        try:
+            await nc.publish(probe.subject, b"")
+            await probe.next_msg(timeout=max(1.0, self._connect_timeout_s))
+        except (nats.errors.Error, TimeoutError):
+            pass
+        finally:
+            with contextlib.suppress(nats.errors.Error):
+                await probe.unsubscribe()
+
+    async def ask_overlap(self, question: bytes, timeout_s: float, take: Take) -> None:
+        """Publish `question` with a reply inbox of its own; hand every answer to `take` until
+        it has what it waits for or `timeout_s` passed."""
+        nc = self._nc
+        if nc is None or self._closing or not nc.is_connected:
+            return  # nobody can answer: the asker reports every collector missing
+        answers: asyncio.Queue[bytes] = asyncio.Queue()
+
+        async def on_answer(msg: Msg) -> None:
+            answers.put_nowait(msg.data)
+
+        sub = await nc.subscribe(nc.new_inbox(), cb=on_answer)
+        try:
+            await nc.publish(overlap_subject(self.cluster), question, reply=sub.subject)
+            async with asyncio.timeout(timeout_s):
+                while not take(await answers.get()):
+                    pass
+        except (TimeoutError, nats.errors.Error):
+            pass  # who did not answer in time is the asker's to report
+        finally:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
 
     async def close(self) -> None:
         """Stop the KV writer, drain (or close) the connection within `close_timeout_s`."""

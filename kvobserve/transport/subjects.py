@@ -4,7 +4,8 @@ A collector publishes one snapshot part per shard bucket of its workers (`worker
 wire/parts.py), on `kvobserve.v1.<cluster>.snapshot.<bucket>.<collector_id>`. Shard `i` of
 `n` aggregators subscribes to the buckets `b` with `b % n == i`, so NATS delivers each worker to
 exactly one shard; a single aggregator subscribes to every bucket, and to the version-1 subject
-`kvobserve.v1.<cluster>.snapshot.<collector_id>` of older collectors.
+`kvobserve.v1.<cluster>.snapshot.<collector_id>` of older collectors. The aggregator asks every
+collector where a request would hit on `kvobserve.v1.<cluster>.overlap` (request-reply).
 """
 
 from __future__ import annotations
@@ -67,6 +68,12 @@ def misses_subject(cluster: str) -> str:
     """The subject the aggregator tells every collector the miss split's levels and resyncs on
     (wire/misses.py MissFeedback); sharded aggregators each publish their pools' here."""
     return f"kvobserve.v1.{subject_token(cluster)}.misses"
+
+
+def overlap_subject(cluster: str) -> str:
+    """Where the aggregator asks every collector where a request would hit (request-reply:
+    every collector answers on the question's reply subject)."""
+    return f"kvobserve.v1.{subject_token(cluster)}.overlap"
 
 
 def kv_bucket(cluster: str) -> str:

@@ -39,7 +39,7 @@ from tests.integration.test_dynamo_source import expected, observed
 pytestmark = pytest.mark.integration
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-COMMANDS = ("demo", "run", "collect", "aggregate", "simulate", "tap", "status", "check")
+COMMANDS = ("demo", "run", "collect", "aggregate", "simulate", "tap", "status", "check", "overlap")
 CAPTURE = ROOT / "tests/fixtures/engine-captures/vllm-0.33.0/frames.jsonl"
 
 
@@ -115,6 +115,7 @@ def _map(line: str, env: Env) -> tuple[list[str], dict[str, str], str | None]:
         (r"tcp://(10\.0\.0\.5|127\.0\.0\.1):5657", env.replay),
         (r"tcp://(10\.0\.0\.5|127\.0\.0\.1):(5557|41230)|tcp://<host>:<port>|tcp://host:port", env.kv),
         (r"(?<= )(ENDPOINT|<endpoint>)", env.kv),
+        (r"(?<= )HASH\b", "-8257400165350477486"),  # a block hash as tap prints it
         (r"--file frames\.jsonl", f"--file {CAPTURE}"),
         (r"--record frames\.jsonl", f"--record {env.recorded}"),
         (r"/etc/kvobserve/tls\.crt", env.cert),
@@ -275,16 +276,54 @@ def test_the_docs_show_command_lines() -> None:
     assert {line.split()[1] for _, line in LINES if line.startswith("kvobserve")} >= set(COMMANDS)
 
 
+def _pipeline(stages: list[tuple[list[str], dict[str, str]]], tmp: Path) -> str:
+    """`kvobserve A | kvobserve B`: one-shot commands, each one's stdout the next one's stdin;
+    what the last printed (stdout and stderr). Every stage must succeed."""
+    procs: list[subprocess.Popen[bytes]] = []
+    out_path = tmp / f"out-{time.monotonic_ns()}.log"
+    with open(out_path, "wb") as out:
+        stdin = None
+        for i, (args, extra) in enumerate(stages):
+            last = i == len(stages) - 1
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "kvobserve", *args], stdin=stdin,
+                stdout=out if last else subprocess.PIPE, stderr=subprocess.STDOUT if last else None,
+                env=clean_env(**extra), cwd=ROOT,
+            )  # fmt: skip
+            if stdin is not None:
+                stdin.close()  # the next stage owns it now
+            stdin = proc.stdout
+            procs.append(proc)
+        try:
+            codes = [p.wait(timeout=60) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait(timeout=5)
+    text = out_path.read_text()
+    assert codes == [0] * len(procs), f"exits {codes}:\n{text}"
+    return text
+
+
 @pytest.mark.parametrize(("where", "line"), LINES, ids=[f"{w}: {c}" for w, c in LINES])
 def test_documented_command_line_runs(env: Env, where: str, line: str) -> None:
-    args, extra, base = _map(line, env)
-    text = _run(args, extra, base, env.tmp)
+    if " | " in line:  # a pipeline of one-shot commands
+        stages = [_map(stage, env) for stage in line.split(" | ")]
+        assert all(base is None for _, _, base in stages), line
+        text = _pipeline([(args, extra) for args, extra, _ in stages], env.tmp)
+        args = stages[-1][0]
+    else:
+        args, extra, base = _map(line, env)
+        text = _run(args, extra, base, env.tmp)
     if args[0] == "check":
         assert ": valid" in text
     elif args[0] == "status":
         assert "WORKER" in text and "docs" in text  # the table, with the running worker
     elif args[0] == "tap":
         assert '"events"' in text
+    elif args[0] == "overlap":
+        assert "WORKER" in text and "docs" in text  # the table, with the running worker's ranks
 
 
 # --- docs/deployment.md "One worker over several nodes", run as written, node 1's engine killed ---

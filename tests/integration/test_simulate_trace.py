@@ -97,7 +97,9 @@ def test_a_trace_on_two_nodes_puts_the_truth_on_the_wire() -> None:
                     batches[r].append(b)
         # Applied in the order the publishers made them (their stamps), not the order this loop
         # read them: a loaded machine drains one socket far ahead of the others.
-        made = heapq.merge(*([(r, b) for b in bs] for r, bs in batches.items()), key=lambda x: x[1].ts)
+        made = heapq.merge(
+            *([(r, b) for b in bs] for r, bs in batches.items()), key=lambda x: x[1].ts
+        )
         for r, b in made:
             indexes[r].apply_batch(b)
         truth = _replay(group)

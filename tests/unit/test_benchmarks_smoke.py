@@ -15,7 +15,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.openmetrics.exposition import generate_latest as om_generate_latest
 from prometheus_client.utils import floatToGoString
 
-from benchmarks import e2e, ingest, memory, misses, relay, scale, sketch
+from benchmarks import e2e, ingest, memory, misses, overlap, relay, scale, sketch
 from benchmarks._common import build_cycle
 from kvobserve.analysis.analytics import CacheAnalytics
 from kvobserve.analysis.blocks import BlockIndex
@@ -59,6 +59,14 @@ def test_bare_and_naive_handlers_track_the_same_blocks_as_the_index() -> None:
         idx.apply_batch(decode_payload("kv-events", seq, p))
     assert bare_resident == set(naive_resident) == idx.resident_hashes()["GPU"]
     assert len(bare_resident) == 32 * 16
+
+
+def test_overlap_lookup_walks_the_requests_it_times() -> None:
+    stored = overlap.chains(1024)
+    assert len(stored) == 4 and len({h for c in stored for h in c}) == 1024
+    costs = overlap.lookup_costs(1024, calls=16)  # asserts each request's walk inside
+    assert set(costs) == {"held 16", "held 64", "held 256", "miss first", "answer", "encode"}
+    assert all(v > 0 for v in costs.values())
 
 
 def test_memory_fill_counts_every_block() -> None:

@@ -103,6 +103,17 @@ def test_silent_streams_go_down_then_are_forgotten() -> None:
     assert (snap.streams, snap.workers, snap.scheduler) == ([], [], [])
 
 
+def test_overlap_walks_each_streams_blocks_and_says_when_it_is_down() -> None:
+    """Where would a request hit (docs/cache-analytics.md), on the Dynamo plane's streams."""
+    t, clock = table(DynamoOptions(quiet_s=30))
+    t.on_nats(0, SUBJ, body([store(1, [1, 2, 3], 0), store(1, [1, 5], 1)]))
+    got = {(r.worker_id, r.dp_rank): (r.leading_blocks, r.up) for r in t.overlap([1, 2, 3, 4])}
+    assert got == {(f"dynamo/{W}", 0): (3, True), (f"dynamo/{W}", 1): (1, True)}
+    assert t.overlap([1], frozenset({"other"})) == []
+    clock.t += 31  # silent: the rank's blocks are no longer known to be the engine's
+    assert [r.up for r in t.overlap([1])] == [False, False]
+
+
 def test_scheduler_values_from_load_and_forward_pass_metrics() -> None:
     t, _ = table(block_size=16, capacity_tokens=1600)
     load = enc.envelope("kv_metrics", 3, 0, 1, enc.active_load(W, 1, 7, None, 25, 4))
