@@ -13,6 +13,7 @@ its stream is not up or when they are older than `stale_intervals` periods of th
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from kvobserve.analysis.conditions import Condition, active, may_have_condition
@@ -47,12 +48,16 @@ def _period(source: str) -> float:
     return got
 
 
+_SERIALS = itertools.count(1)  # CollectorView.serial
+
+
 @dataclass(slots=True)
 class _Entry:
     snapshot: Snapshot
     received: float
     # its scheduler entries split into (fresh, stale), worked out once per snapshot
     sched: tuple[list[SchedulerStats], list[SchedulerStats]] | None = None
+    serial: int = field(default_factory=_SERIALS.__next__)
 
     def scheduler(
         self, stale_intervals: float
@@ -173,7 +178,7 @@ class FleetState:
             ups.append(up)
             info = snap.collector
             cid = info.collector_id
-            cv = CollectorView(info, up, max(0.0, now - e.received), snap)
+            cv = CollectorView(info, up, max(0.0, now - e.received), snap, e.serial)
             v.collectors.append(cv)
             for w in snap.workers:
                 w_id = w.worker_id

@@ -32,6 +32,7 @@ class CollectorView:
     up: bool
     age_s: float  # seconds since its last snapshot arrived
     snapshot: Snapshot
+    serial: int  # a number of its own for each snapshot the fleet state serves (never reused)
 
 
 @dataclass(frozen=True, slots=True)

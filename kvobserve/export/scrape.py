@@ -6,9 +6,10 @@ rendered again are read in blocks of BLOCK (export/series.py: row by row over a 
 items then stay in the CPU's cache) and their lines written from each family's templates
 (export/templates.py). When every collector was read again (a one-off scrape, or one every
 15 s), each family's lines are laid out whole, not collector by collector. The cache key is
-everything a chunk depends on: the snapshot object (FleetState replaces it, never mutates it),
-whether the collector is up (stale streams drop their gauges), every stream's capacity and the
-scheduler entries of its ranks (both joined per rank from whichever collector read them).
+everything a chunk depends on: the snapshot (by its serial, not the object: FleetState replaces
+snapshots, never mutates them, and a replaced one is freed by the intake, not by the next
+render), whether the collector is up (stale streams drop their gauges), every stream's capacity
+and the scheduler entries of its ranks (both joined per rank from whichever collector read them).
 Rebuilt per scrape: build info, ownership, snapshot ages (wall clock), the per-worker sums,
 extras and passthrough families.
 
@@ -101,7 +102,9 @@ class ScrapeCache:
         self.block = block
         self._plan = Plan(self.detail)
         self._lock = threading.Lock()
-        self._cache: dict[str, tuple[object, tuple[Any, ...], Chunk]] = {}
+        # per collector: its snapshot's serial (not the snapshot: a replaced one is freed by the
+        # intake, not by a render), the rest of its key and its chunk
+        self._cache: dict[str, tuple[int, tuple[Any, ...], Chunk]] = {}
         self._headers: dict[tuple[str, bool], tuple[bytes, bytes]] = {}
         # per block of the changed collectors, the lines of each family
         self._texts: dict[int, dict[str, FamilyText]] = {}
@@ -221,7 +224,7 @@ class ScrapeCache:
         """Each collector's chunk, in order: reused when its key is unchanged; and when all of
         them were read now, each block's lines per family."""
         by_c = groups(view)
-        fresh: dict[str, tuple[object, tuple[Any, ...], Chunk]] = {}
+        fresh: dict[str, tuple[int, tuple[Any, ...], Chunk]] = {}
         out: list[Chunk | None] = []
         todo: list[int] = []
         keys = []
@@ -232,7 +235,7 @@ class ScrapeCache:
             key = (c.up, tuple([s.capacity_tokens for s in g.streams]), tuple(g.scheduler))
             keys.append(key)
             hit = self._cache.get(cid)
-            if hit is not None and hit[0] is c.snapshot and hit[1] == key:
+            if hit is not None and hit[0] == c.serial and hit[1] == key:
                 out.append(hit[2])
             else:
                 out.append(None)
@@ -255,7 +258,7 @@ class ScrapeCache:
             self.rendered += len(todo)
         done = [ch for ch in out if ch is not None]
         for c, key, ch in zip(order, keys, done, strict=True):
-            fresh[c.info.collector_id] = (c.snapshot, key, ch)
+            fresh[c.info.collector_id] = (c.serial, key, ch)
         if len(fresh) < len(self._cache):  # a forgotten collector leaves the cache
             for name, per in self._per.items():
                 self._per[name] = {k: v for k, v in per.items() if k in fresh}
