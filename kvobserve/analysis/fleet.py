@@ -14,7 +14,10 @@ its stream is not up or when they are older than `stale_intervals` periods of th
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import compress
+from operator import attrgetter
 
 from kvobserve.analysis.conditions import Condition, active, may_have_condition
 from kvobserve.analysis.placement import merge_placement
@@ -49,6 +52,8 @@ def _period(source: str) -> float:
 
 
 _SERIALS = itertools.count(1)  # CollectorView.serial
+_SOURCE, _UPDATED = attrgetter("source"), attrgetter("updated")
+_RANK, _CAPACITY = attrgetter("worker_id", "dp_rank"), attrgetter("max_total_tokens")
 
 
 @dataclass(slots=True)
@@ -68,9 +73,16 @@ class _Entry:
         if self.sched is None:
             snap = self.snapshot
             t, every = snap.time, snap.interval_s
+            got = snap.scheduler
+            names = set(map(_SOURCE, got))
+            if len(names) == 1:  # the usual case: one source, all of it fresh
+                oldest = t - stale_intervals * max(every, _period(names.pop()))
+                if min(filter(None, map(_UPDATED, got)), default=oldest) >= oldest:
+                    self.sched = (got, [])
+                    return self.sched
             since: dict[str, float] = {}  # source -> the oldest `updated` still fresh
             stale = []
-            for s in snap.scheduler:
+            for s in got:
                 u = s.updated
                 if not u:
                     continue
@@ -79,10 +91,10 @@ class _Entry:
                     oldest = since[s.source] = t - stale_intervals * max(every, _period(s.source))
                 if u < oldest:
                     stale.append(s)
-            fresh = snap.scheduler  # the usual case: all of them
+            fresh = got
             if stale:
                 ids = {id(s) for s in stale}
-                fresh = [s for s in snap.scheduler if id(s) not in ids]
+                fresh = [s for s in got if id(s) not in ids]
             self.sched = (fresh, stale)
         return self.sched
 
@@ -170,7 +182,7 @@ class FleetState:
         streams of the view; returns whether each entry is up, the scheduler sources and the
         capacity reported per (worker_id, dp_rank)."""
         ups = []
-        reported: dict[tuple[str, int], list[tuple[SchedulerStats, CollectorInfo]]] = {}
+        reported: list[tuple[list[SchedulerStats], CollectorInfo]] = []  # fresh, by collector
         lost: dict[tuple[str, int], CollectorView] = {}  # the ranks of down collectors
         quiet: dict[tuple[str, int], tuple[str, float | None]] = {}  # stale: source, capacity
         for e in entries:
@@ -200,8 +212,8 @@ class FleetState:
                     leaders.append(cid)
             if up:
                 fresh, stale = e.scheduler(self.stale_intervals)
-                for s in fresh:
-                    reported.setdefault((s.worker_id, s.dp_rank), []).append((s, info))
+                if fresh:
+                    reported.append((fresh, info))
                 for s in stale:  # not served; still who reports the rank, and its capacity
                     quiet[(s.worker_id, s.dp_rank)] = (s.source, s.max_total_tokens)
                 v.unexpected.extend([(u, info) for u in snap.unexpected])
@@ -227,29 +239,34 @@ class FleetState:
         v = FleetView(now=now)
         entries = self._entries(now)
         ups, sources, capacity = self._membership(v, entries, now)
-        streams = v.streams
+        built: list[StreamView] = []
+        place: list[tuple[str, int, str]] = []  # each one's place in the view
         placements: dict[str, list[WorkerPlacement]] = {}
         down: set[tuple[str, int]] = set()  # ranks with a stream that is not up
         for e, up in zip(entries, ups, strict=True):
             snap = e.snapshot
             info = snap.collector
+            cid = info.collector_id
             configured = {w.worker_id: w.capacity_tokens for w in snap.workers}
             for st in snap.streams:
-                key = (st.worker_id, st.dp_rank)
+                w_id, rank = st.worker_id, st.dp_rank
+                key = (w_id, rank)
                 if not (up and st.up):
                     down.add(key)
-                cap: float | None = configured.get(st.worker_id) or None
+                cap: float | None = configured.get(w_id) or None
                 if cap is None:
                     cap = capacity.get(key)
                 gpu = 0
                 for m in st.media:
                     if m.medium in TOP_MEDIA:
                         gpu += m.tokens
-                streams.append(StreamView(st, info, up, cap, gpu, sources.get(key), snap.time))
+                built.append(StreamView(st, info, up, cap, gpu, sources.get(key), snap.time))
+                place.append((w_id, rank, cid))
             if up:
                 for p in snap.placement:
                     placements.setdefault(p.worker_id, []).append(p)
-        streams.sort(key=lambda s: (s.stats.worker_id, s.stats.dp_rank, s.collector.collector_id))
+        # by worker, rank and collector (sorting the places: no key function per stream)
+        v.streams = list(map(built.__getitem__, sorted(range(len(built)), key=place.__getitem__)))
         v.placement = {w: merge_placement(ps) for w, ps in sorted(placements.items())}
         _drop_dead_ranks(v, entries, ups, down)
         return v
@@ -276,38 +293,48 @@ class FleetState:
     @staticmethod
     def _join_scheduler(
         v: FleetView,
-        reported: dict[tuple[str, int], list[tuple[SchedulerStats, CollectorInfo]]],
+        reported: list[tuple[list[SchedulerStats], CollectorInfo]],
         capacity: dict[tuple[str, int], float],
     ) -> dict[tuple[str, int], str]:
         """One scheduler entry per (worker_id, dp_rank), whoever read it, under the rank's owner.
 
         The leader reads worker-wide sources, every node its own ranks' channels: the same rank
-        can come from two collectors. Per field the freshest value wins; the entry is served
-        with the node_rank of the collector that owns the rank (the reader's when none does).
-        Returns (worker_id, dp_rank) -> the sources that reported it.
+        can come from two collectors (`reported`: each live collector's fresh entries). Per
+        field the freshest value wins; the entry is served with the node_rank of the collector
+        that owns the rank (the reader's when none does). Returns (worker_id, dp_rank) -> the
+        sources that reported it.
         """
         infos = {c.info.collector_id: c.info for c in v.collectors if c.up}
-        names: dict[tuple[str, int], str] = {}
         owners = v.owners
-        for key, got in reported.items():
-            ids = owners.get(key, ())
-            if len(got) == 1:  # the usual case: one reader, one source (a rank per scrape)
-                stats = got[0][0]
-                source = stats.source
-                if "+" in source:
-                    source = "+".join(sorted({n for n in source.split("+") if n}))
+        keys: list[tuple[str, int]] = []
+        stats: list[SchedulerStats] = []
+        readers: list[CollectorInfo] = []
+        for got, info in reported:
+            keys.extend(map(_RANK, got))
+            stats.extend(got)
+            readers.extend([info] * len(got))
+        if len(set(keys)) < len(keys):  # a rank read by two collectors: joined per field
+            by: dict[tuple[str, int], list[tuple[SchedulerStats, CollectorInfo]]] = {}
+            for key, s, info in zip(keys, stats, readers, strict=True):
+                by.setdefault(key, []).append((s, info))
+            keys = list(by)
+            stats = [got[0][0] if len(got) == 1 else _merge_stats([s for s, _ in got])
+                     for got in by.values()]  # fmt: skip
+            readers = [got[0][1] for got in by.values()]
+            sources = [_sources(s for s, _ in got) for got in by.values()]
+        else:  # the usual case: one reader, one source (a rank per scrape)
+            sources = list(map(_SOURCE, stats))
+            if any("+" in n for n in set(sources)):
+                sources = [_sources([s]) if "+" in s.source else s.source for s in stats]
+        joined = v.scheduler
+        for s, ids, reader in zip(stats, map(owners.get, keys), readers, strict=True):
+            if ids is not None and len(ids) == 1 and ids[0] in infos:
+                joined.append((s, infos[ids[0]]))
             else:
-                stats = _merge_stats([s for s, _ in got])
-                source = "+".join(sorted({n for s, _ in got for n in s.source.split("+") if n}))
-            if len(ids) == 1 and ids[0] in infos:
-                owner = infos[ids[0]]
-            else:
-                owner = next((infos[c] for c in ids if c in infos), got[0][1])
-            v.scheduler.append((stats, owner))
-            if stats.max_total_tokens:
-                capacity[key] = stats.max_total_tokens
-            names[key] = source
-        return names
+                joined.append((s, next((infos[c] for c in ids or () if c in infos), reader)))
+        caps = list(map(_CAPACITY, stats))
+        capacity.update(compress(zip(keys, caps), caps))
+        return dict(zip(keys, sources, strict=True))
 
 
 def _drop_dead_ranks(
@@ -345,8 +372,14 @@ def _merge_stats(got: list[SchedulerStats]) -> SchedulerStats:
         f: next((getattr(s, f) for s in newest if getattr(s, f) is not None), None)
         for f in _STAT_FIELDS
     }
-    source = "+".join(sorted({n for s in got for n in s.source.split("+") if n}))
-    return SchedulerStats(top.worker_id, top.dp_rank, source, **vals, updated=top.updated)
+    return SchedulerStats(
+        top.worker_id, top.dp_rank, _sources(got), **vals, updated=top.updated
+    )
+
+
+def _sources(got: Iterable[SchedulerStats]) -> str:
+    """The sources of entries of one rank, each once, sorted and `+`-joined."""
+    return "+".join(sorted({n for s in got for n in s.source.split("+") if n}))
 
 
 def _merge(c: _Collector) -> _Entry:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from msgspec import Struct
+
 from kvobserve.analysis.placement import PlacementEstimate
 from kvobserve.wire.snapshot import (
     CollectorInfo,
@@ -35,9 +37,9 @@ class CollectorView:
     serial: int  # a number of its own for each snapshot the fleet state serves (never reused)
 
 
-@dataclass(frozen=True, slots=True)
-class StreamView:
-    """One stream with its collector, liveness and derived usage."""
+class StreamView(Struct, frozen=True, gc=False):
+    """One stream with its collector, liveness and derived usage (a Struct: one view per stream
+    per scrape, built at C speed)."""
 
     stats: StreamStats
     collector: CollectorInfo
