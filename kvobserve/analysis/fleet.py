@@ -76,8 +76,8 @@ class _Entry:
             got = snap.scheduler
             names = set(map(_SOURCE, got))
             if len(names) == 1:  # the usual case: one source, all of it fresh
-                oldest = t - stale_intervals * max(every, _period(names.pop()))
-                if min(filter(None, map(_UPDATED, got)), default=oldest) >= oldest:
+                bound = t - stale_intervals * max(every, _period(names.pop()))
+                if min(filter(None, map(_UPDATED, got)), default=bound) >= bound:
                     self.sched = (got, [])
                     return self.sched
             since: dict[str, float] = {}  # source -> the oldest `updated` still fresh
@@ -333,7 +333,7 @@ class FleetState:
             else:
                 joined.append((s, next((infos[c] for c in ids or () if c in infos), reader)))
         caps = list(map(_CAPACITY, stats))
-        capacity.update(compress(zip(keys, caps), caps))
+        capacity.update(compress(zip(keys, caps, strict=True), caps))
         return dict(zip(keys, sources, strict=True))
 
 
@@ -372,9 +372,7 @@ def _merge_stats(got: list[SchedulerStats]) -> SchedulerStats:
         f: next((getattr(s, f) for s in newest if getattr(s, f) is not None), None)
         for f in _STAT_FIELDS
     }
-    return SchedulerStats(
-        top.worker_id, top.dp_rank, _sources(got), **vals, updated=top.updated
-    )
+    return SchedulerStats(top.worker_id, top.dp_rank, _sources(got), **vals, updated=top.updated)
 
 
 def _sources(got: Iterable[SchedulerStats]) -> str:
