@@ -28,6 +28,7 @@ from kvobserve.wire.snapshot import (
     CollectorInfo,
     SchedulerStats,
     Snapshot,
+    WorkerInfo,
     WorkerPlacement,
 )
 
@@ -100,6 +101,31 @@ class _Entry:
 
 
 @dataclass(slots=True)
+class _Ownership:
+    """What the collectors' workers said at a view (each collector's id, whether it was up and
+    its workers), and the dp sizes, live owners and leaders that follows: kept while they say
+    the same (read-only, shared by the views)."""
+
+    said: list[tuple[str, bool, list[WorkerInfo]]]
+    dp_size: dict[str, int]
+    owners: dict[tuple[str, int], list[str]]
+    leaders: dict[str, list[str]]
+
+
+@dataclass(slots=True)
+class _Join:
+    """A scheduler join where each rank was read once: the ranks in order, who read how many,
+    the collector each rank is served under (its owner, else its reader), and its sources."""
+
+    own: _Ownership
+    keys: list[tuple[str, int]]
+    readers: list[tuple[str, int]]
+    under: list[str]
+    names: list[str]
+    sources: dict[tuple[str, int], str]
+
+
+@dataclass(slots=True)
 class _Collector:
     """One collector's parts (one per shard bucket; one WHOLE part from older collectors)."""
 
@@ -115,6 +141,8 @@ class FleetState:
         self.forget_after_s = forget_after_s
         self._collectors: dict[str, _Collector] = {}
         self._order: list[str] = []  # collector ids, sorted; rebuilt when the set changes
+        self._own: _Ownership | None = None  # the last view's ownership, and its join
+        self._join: _Join | None = None
         self.snapshots_applied = 0
         self.snapshots_ignored = 0  # older than the one we have (reordered or replayed)
 
@@ -181,58 +209,77 @@ class FleetState:
         """Collectors, dp sizes, owners, leaders, the joined scheduler stats and unexpected
         streams of the view; returns whether each entry is up, the scheduler sources and the
         capacity reported per (worker_id, dp_rank)."""
-        ups = []
+        ups = [self._is_up(e, now) for e in entries]
+        own = self._ownership(entries, ups)
+        v.dp_size, v.owners, v.leaders = dict(own.dp_size), dict(own.owners), dict(own.leaders)
         reported: list[tuple[list[SchedulerStats], CollectorInfo]] = []  # fresh, by collector
         lost: dict[tuple[str, int], CollectorView] = {}  # the ranks of down collectors
         quiet: dict[tuple[str, int], tuple[str, float | None]] = {}  # stale: source, capacity
-        for e in entries:
-            snap, up = e.snapshot, self._is_up(e, now)
-            ups.append(up)
+        for e, up in zip(entries, ups, strict=True):
+            snap = e.snapshot
             info = snap.collector
-            cid = info.collector_id
             cv = CollectorView(info, up, max(0.0, now - e.received), snap, e.serial)
             v.collectors.append(cv)
-            for w in snap.workers:
-                w_id = w.worker_id
-                v.dp_size[w_id] = max(v.dp_size.get(w_id, 0), w.dp_size)
-                leaders = v.leaders.setdefault(w_id, [])
-                if not up:
+            if not up:
+                for w in snap.workers:
                     for r in w.ranks_owned:  # by id: the latest snapshot wins, ties the last id
-                        had = lost.get((w_id, r))
+                        had = lost.get((w.worker_id, r))
                         if had is None or snap.time >= had.snapshot.time:
-                            lost[(w_id, r)] = cv
-                    continue
-                for r in w.ranks_owned:
-                    ids = v.owners.get((w_id, r))
-                    if ids is None:
-                        v.owners[(w_id, r)] = [cid]
-                    else:
-                        ids.append(cid)
-                if w.leader:
-                    leaders.append(cid)
-            if up:
-                fresh, stale = e.scheduler(self.stale_intervals)
-                if fresh:
-                    reported.append((fresh, info))
-                for s in stale:  # not served; still who reports the rank, and its capacity
-                    quiet[(s.worker_id, s.dp_rank)] = (s.source, s.max_total_tokens)
-                v.unexpected.extend([(u, info) for u in snap.unexpected])
-                v.workers.extend([(w, info) for w in snap.workers])
-                v.sources.extend([(src, info) for src in snap.sources])
-        for w_id, size in v.dp_size.items():
-            for r in range(size):
-                if (w_id, r) not in v.owners:
-                    v.owners[(w_id, r)] = []
+                            lost[(w.worker_id, r)] = cv
+                continue
+            fresh, stale = e.scheduler(self.stale_intervals)
+            if fresh:
+                reported.append((fresh, info))
+            for s in stale:  # not served; still who reports the rank, and its capacity
+                quiet[(s.worker_id, s.dp_rank)] = (s.source, s.max_total_tokens)
+            v.unexpected.extend([(u, info) for u in snap.unexpected])
+            v.workers.extend([(w, info) for w in snap.workers])
+            v.sources.extend([(src, info) for src in snap.sources])
         for key, cv in lost.items():
             if key in v.owners and not v.owners[key]:  # no live collector owns it
                 v.last_owner[key] = cv
         capacity: dict[tuple[str, int], float] = {}
-        sources = self._join_scheduler(v, reported, capacity)
+        sources = self._join_scheduler(v, own, reported, capacity)
         for key, (source, cap) in quiet.items():
             sources.setdefault(key, source)
             if cap:  # a constant of the engine process: still the capacity
                 capacity.setdefault(key, cap)
         return ups, sources, capacity
+
+    def _ownership(self, entries: list[_Entry], ups: list[bool]) -> _Ownership:
+        """Dp sizes (every collector's word), live owners of each rank (none: uncovered) and
+        scheduler leaders; the last view's while every collector says the same."""
+        said = [
+            (e.snapshot.collector.collector_id, up, e.snapshot.workers)
+            for e, up in zip(entries, ups, strict=True)
+        ]
+        own = self._own
+        if own is not None and own.said == said:
+            return own
+        dp_size: dict[str, int] = {}
+        owners: dict[tuple[str, int], list[str]] = {}
+        leaders: dict[str, list[str]] = {}
+        for cid, up, workers in said:
+            for w in workers:
+                w_id = w.worker_id
+                dp_size[w_id] = max(dp_size.get(w_id, 0), w.dp_size)
+                led = leaders.setdefault(w_id, [])
+                if not up:
+                    continue
+                for r in w.ranks_owned:
+                    ids = owners.get((w_id, r))
+                    if ids is None:
+                        owners[(w_id, r)] = [cid]
+                    else:
+                        ids.append(cid)
+                if w.leader:
+                    led.append(cid)
+        for w_id, size in dp_size.items():
+            for r in range(size):
+                if (w_id, r) not in owners:
+                    owners[(w_id, r)] = []
+        self._own = own = _Ownership(said, dp_size, owners, leaders)
+        return own
 
     def view(self, now: float) -> FleetView:
         """The fleet as of `now` (its conditions: analysis/conditions.py `active`)."""
@@ -290,9 +337,10 @@ class FleetState:
         _drop_dead_ranks(v, entries, ups, down)
         return active(v)
 
-    @staticmethod
     def _join_scheduler(
+        self,
         v: FleetView,
+        own: _Ownership,
         reported: list[tuple[list[SchedulerStats], CollectorInfo]],
         capacity: dict[tuple[str, int], float],
     ) -> dict[tuple[str, int], str]:
@@ -305,36 +353,64 @@ class FleetState:
         sources that reported it.
         """
         infos = {c.info.collector_id: c.info for c in v.collectors if c.up}
-        owners = v.owners
         keys: list[tuple[str, int]] = []
         stats: list[SchedulerStats] = []
-        readers: list[CollectorInfo] = []
-        for got, info in reported:
+        for got, _ in reported:
             keys.extend(map(_RANK, got))
             stats.extend(got)
-            readers.extend([info] * len(got))
-        if len(set(keys)) < len(keys):  # a rank read by two collectors: joined per field
-            by: dict[tuple[str, int], list[tuple[SchedulerStats, CollectorInfo]]] = {}
-            for key, s, info in zip(keys, stats, readers, strict=True):
-                by.setdefault(key, []).append((s, info))
-            keys = list(by)
-            stats = [got[0][0] if len(got) == 1 else _merge_stats([s for s, _ in got])
-                     for got in by.values()]  # fmt: skip
-            readers = [got[0][1] for got in by.values()]
-            sources = [_sources(s for s, _ in got) for got in by.values()]
-        else:  # the usual case: one reader, one source (a rank per scrape)
-            sources = list(map(_SOURCE, stats))
-            if any("+" in n for n in set(sources)):
-                sources = [_sources([s]) if "+" in s.source else s.source for s in stats]
-        joined = v.scheduler
-        for s, ids, reader in zip(stats, map(owners.get, keys), readers, strict=True):
-            if ids is not None and len(ids) == 1 and ids[0] in infos:
-                joined.append((s, infos[ids[0]]))
-            else:
-                joined.append((s, next((infos[c] for c in ids or () if c in infos), reader)))
-        caps = list(map(_CAPACITY, stats))
-        capacity.update(compress(zip(keys, caps, strict=True), caps))
-        return dict(zip(keys, sources, strict=True))
+        readers = [(info.collector_id, len(got)) for got, info in reported]
+        names = list(map(_SOURCE, stats))
+        j = self._join
+        if (
+            j is None
+            or j.own is not own
+            or j.keys != keys
+            or j.readers != readers
+            or j.names != names
+        ):
+            j = self._joined(own, keys, stats, readers, names, reported)
+        if j is not None:  # the usual case: each rank read once, as at the last view
+            v.scheduler = list(zip(stats, map(infos.__getitem__, j.under), strict=True))
+            caps = list(map(_CAPACITY, stats))
+            capacity.update(compress(zip(keys, caps, strict=True), caps))
+            return j.sources
+        # a rank read by two collectors: joined per field
+        by: dict[tuple[str, int], list[tuple[SchedulerStats, CollectorInfo]]] = {}
+        for got, info in reported:
+            for s in got:
+                by.setdefault((s.worker_id, s.dp_rank), []).append((s, info))
+        out = {}
+        for key, copies in by.items():
+            read = [s for s, _ in copies]
+            one = read[0] if len(read) == 1 else _merge_stats(read)
+            ids = own.owners.get(key)  # live collectors only
+            v.scheduler.append((one, infos[ids[0]] if ids else copies[0][1]))
+            if one.max_total_tokens:
+                capacity[key] = one.max_total_tokens
+            out[key] = _sources(read)
+        return out
+
+    def _joined(
+        self,
+        own: _Ownership,
+        keys: list[tuple[str, int]],
+        stats: list[SchedulerStats],
+        readers: list[tuple[str, int]],
+        names: list[str],
+        reported: list[tuple[list[SchedulerStats], CollectorInfo]],
+    ) -> _Join | None:
+        """The join where each rank was read once (kept for the next views); None otherwise."""
+        self._join = None
+        if len(set(keys)) < len(keys):
+            return None
+        read_by = [info.collector_id for got, info in reported for _ in got]
+        under = []
+        for key, reader in zip(keys, read_by, strict=True):
+            ids = own.owners.get(key)  # live collectors only
+            under.append(ids[0] if ids else reader)
+        fixed = [_sources([s]) if "+" in s.source else s.source for s in stats]
+        self._join = _Join(own, keys, readers, under, names, dict(zip(keys, fixed, strict=True)))
+        return self._join
 
 
 def _drop_dead_ranks(
