@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from itertools import chain, compress, repeat
-from operator import add, and_, attrgetter, getitem, is_not, methodcaller, not_, truth
+from operator import add, and_, attrgetter, getitem, is_not, not_, truth
 from typing import Any
 
 from kvobserve.analysis.views import CollectorView, FleetView, StreamView
@@ -298,7 +298,8 @@ class _Row:
         if self.each is not None:
             dicts = list(map(self.each, items))
             parts = [
-                (k, keys, owner, list(map(methodcaller("get", k, 0), dicts))) for k in self.first
+                (k, keys, owner, list(map(dict.get, dicts, repeat(k), repeat(0))))
+                for k in self.first
             ]
             first = frozenset(self.first)
             odd = list(compress(range(len(dicts)), map(not_, map(first.issuperset, dicts))))
@@ -311,9 +312,9 @@ class _Row:
             parts = [(lv, keys, owner, list(map(get, items))) for lv, get in self.fixed]
         else:
             parts = [(None, keys, owner, self._values(items))]
-        labels: list[Labels] = []
         values: list[Any] = []
         groupings = sc.memo.last if sc.memo is not None else {}
+        used: list[tuple[str | None, Grouping]] = []
         for k, ks, os, vs in parts:
             mask = self._served(vs)
             if mask is not None:
@@ -328,10 +329,21 @@ class _Row:
             if g is None or g.keys != ks or g.owner != os:
                 g = groupings[("sums", self.name, k)] = Grouping(ks, os)
             values.extend(g.histograms(vs) if self.hist else g.sums(vs))
-            labels.extend(g.labels if k is None else [(*b[:put], k, *b[put:]) for b in g.labels])
-        if len(parts) > 1:
-            order = sorted(range(len(labels)), key=labels.__getitem__)
-            labels = list(map(labels.__getitem__, order))
+            used.append((k, g))
+        # the label sets, sorted (and how the values follow them): kept while the groupings are
+        merged = groupings.get(("merged", self.name))
+        if merged is None or [(k, id(g)) for k, g in merged[0]] != [(k, id(g)) for k, g in used]:
+            labels: list[Labels] = []
+            for k, g in used:
+                labels.extend(
+                    g.labels if k is None else [(*b[:put], k, *b[put:]) for b in g.labels]
+                )
+            order = sorted(range(len(labels)), key=labels.__getitem__) if len(used) > 1 else None
+            if order is not None:
+                labels = list(map(labels.__getitem__, order))
+            merged = groupings[("merged", self.name)] = (used, labels, order)
+        _, labels, order = merged
+        if order is not None:
             values = list(map(values.__getitem__, order))
         return Column(labels, values, [0] * len(values))
 
@@ -355,7 +367,7 @@ class _Row:
         elif all(map(frozenset(first).issuperset, dicts)):  # no keys besides the first ones
             pos = list(chain.from_iterable(map(repeat, range(n), repeat(len(first)))))
             names = list(first) * n
-            got = [map(methodcaller("get", k, 0), dicts) for k in first]
+            got = [map(dict.get, dicts, repeat(k), repeat(0)) for k in first]
             values = list(chain.from_iterable(zip(*got, strict=True)))
         else:
             pos, names, values = [], [], []
