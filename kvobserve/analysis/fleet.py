@@ -13,7 +13,11 @@ its stream is not up or when they are older than `stale_intervals` periods of th
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import compress
+from operator import attrgetter
 
 from kvobserve.analysis.conditions import Condition, active, may_have_condition
 from kvobserve.analysis.miss_fleet import MissMerge
@@ -25,6 +29,7 @@ from kvobserve.wire.snapshot import (
     CollectorInfo,
     SchedulerStats,
     Snapshot,
+    WorkerInfo,
     WorkerPlacement,
 )
 
@@ -48,12 +53,18 @@ def _period(source: str) -> float:
     return got
 
 
+_SERIALS = itertools.count(1)  # CollectorView.serial
+_SOURCE, _UPDATED = attrgetter("source"), attrgetter("updated")
+_RANK, _CAPACITY = attrgetter("worker_id", "dp_rank"), attrgetter("max_total_tokens")
+
+
 @dataclass(slots=True)
 class _Entry:
     snapshot: Snapshot
     received: float
     # its scheduler entries split into (fresh, stale), worked out once per snapshot
     sched: tuple[list[SchedulerStats], list[SchedulerStats]] | None = None
+    serial: int = field(default_factory=_SERIALS.__next__)
 
     def scheduler(
         self, stale_intervals: float
@@ -64,9 +75,16 @@ class _Entry:
         if self.sched is None:
             snap = self.snapshot
             t, every = snap.time, snap.interval_s
+            got = snap.scheduler
+            names = set(map(_SOURCE, got))
+            if len(names) == 1:  # the usual case: one source, all of it fresh
+                bound = t - stale_intervals * max(every, _period(names.pop()))
+                if min(filter(None, map(_UPDATED, got)), default=bound) >= bound:
+                    self.sched = (got, [])
+                    return self.sched
             since: dict[str, float] = {}  # source -> the oldest `updated` still fresh
             stale = []
-            for s in snap.scheduler:
+            for s in got:
                 u = s.updated
                 if not u:
                     continue
@@ -75,12 +93,37 @@ class _Entry:
                     oldest = since[s.source] = t - stale_intervals * max(every, _period(s.source))
                 if u < oldest:
                     stale.append(s)
-            fresh = snap.scheduler  # the usual case: all of them
+            fresh = got
             if stale:
                 ids = {id(s) for s in stale}
-                fresh = [s for s in snap.scheduler if id(s) not in ids]
+                fresh = [s for s in got if id(s) not in ids]
             self.sched = (fresh, stale)
         return self.sched
+
+
+@dataclass(slots=True)
+class _Ownership:
+    """What the collectors' workers said at a view (each collector's id, whether it was up and
+    its workers), and the dp sizes, live owners and leaders that follows: kept while they say
+    the same (read-only, shared by the views)."""
+
+    said: list[tuple[str, bool, list[WorkerInfo]]]
+    dp_size: dict[str, int]
+    owners: dict[tuple[str, int], list[str]]
+    leaders: dict[str, list[str]]
+
+
+@dataclass(slots=True)
+class _Join:
+    """A scheduler join where each rank was read once: the ranks in order, who read how many,
+    the collector each rank is served under (its owner, else its reader), and its sources."""
+
+    own: _Ownership
+    keys: list[tuple[str, int]]
+    readers: list[tuple[str, int]]
+    under: list[str]
+    names: list[str]
+    sources: dict[tuple[str, int], str]
 
 
 @dataclass(slots=True)
@@ -99,6 +142,8 @@ class FleetState:
         self.forget_after_s = forget_after_s
         self._collectors: dict[str, _Collector] = {}
         self._order: list[str] = []  # collector ids, sorted; rebuilt when the set changes
+        self._own: _Ownership | None = None  # the last view's ownership, and its join
+        self._join: _Join | None = None
         self.snapshots_applied = 0
         self.snapshots_ignored = 0  # older than the one we have (reordered or replayed)
         self.misses = MissMerge()  # where the misses come from: every pool's sampled split
@@ -168,87 +213,111 @@ class FleetState:
         """Collectors, dp sizes, owners, leaders, the joined scheduler stats and unexpected
         streams of the view; returns whether each entry is up, the scheduler sources and the
         capacity reported per (worker_id, dp_rank)."""
-        ups = []
-        reported: dict[tuple[str, int], list[tuple[SchedulerStats, CollectorInfo]]] = {}
+        ups = [self._is_up(e, now) for e in entries]
+        own = self._ownership(entries, ups)
+        v.dp_size, v.owners, v.leaders = dict(own.dp_size), dict(own.owners), dict(own.leaders)
+        reported: list[tuple[list[SchedulerStats], CollectorInfo]] = []  # fresh, by collector
         lost: dict[tuple[str, int], CollectorView] = {}  # the ranks of down collectors
         quiet: dict[tuple[str, int], tuple[str, float | None]] = {}  # stale: source, capacity
-        for e in entries:
-            snap, up = e.snapshot, self._is_up(e, now)
-            ups.append(up)
+        for e, up in zip(entries, ups, strict=True):
+            snap = e.snapshot
             info = snap.collector
-            cid = info.collector_id
-            cv = CollectorView(info, up, max(0.0, now - e.received), snap)
+            cv = CollectorView(info, up, max(0.0, now - e.received), snap, e.serial)
             v.collectors.append(cv)
-            for w in snap.workers:
-                w_id = w.worker_id
-                v.dp_size[w_id] = max(v.dp_size.get(w_id, 0), w.dp_size)
-                leaders = v.leaders.setdefault(w_id, [])
-                if not up:
+            if not up:
+                for w in snap.workers:
                     for r in w.ranks_owned:  # by id: the latest snapshot wins, ties the last id
-                        had = lost.get((w_id, r))
+                        had = lost.get((w.worker_id, r))
                         if had is None or snap.time >= had.snapshot.time:
-                            lost[(w_id, r)] = cv
-                    continue
-                for r in w.ranks_owned:
-                    ids = v.owners.get((w_id, r))
-                    if ids is None:
-                        v.owners[(w_id, r)] = [cid]
-                    else:
-                        ids.append(cid)
-                if w.leader:
-                    leaders.append(cid)
-            if up:
-                fresh, stale = e.scheduler(self.stale_intervals)
-                for s in fresh:
-                    reported.setdefault((s.worker_id, s.dp_rank), []).append((s, info))
-                for s in stale:  # not served; still who reports the rank, and its capacity
-                    quiet[(s.worker_id, s.dp_rank)] = (s.source, s.max_total_tokens)
-                v.unexpected.extend([(u, info) for u in snap.unexpected])
-                v.workers.extend([(w, info) for w in snap.workers])
-                v.sources.extend([(src, info) for src in snap.sources])
-        for w_id, size in v.dp_size.items():
-            for r in range(size):
-                if (w_id, r) not in v.owners:
-                    v.owners[(w_id, r)] = []
+                            lost[(w.worker_id, r)] = cv
+                continue
+            fresh, stale = e.scheduler(self.stale_intervals)
+            if fresh:
+                reported.append((fresh, info))
+            for s in stale:  # not served; still who reports the rank, and its capacity
+                quiet[(s.worker_id, s.dp_rank)] = (s.source, s.max_total_tokens)
+            v.unexpected.extend([(u, info) for u in snap.unexpected])
+            v.workers.extend([(w, info) for w in snap.workers])
+            v.sources.extend([(src, info) for src in snap.sources])
         for key, cv in lost.items():
             if key in v.owners and not v.owners[key]:  # no live collector owns it
                 v.last_owner[key] = cv
         capacity: dict[tuple[str, int], float] = {}
-        sources = self._join_scheduler(v, reported, capacity)
+        sources = self._join_scheduler(v, own, reported, capacity)
         for key, (source, cap) in quiet.items():
             sources.setdefault(key, source)
             if cap:  # a constant of the engine process: still the capacity
                 capacity.setdefault(key, cap)
         return ups, sources, capacity
 
+    def _ownership(self, entries: list[_Entry], ups: list[bool]) -> _Ownership:
+        """Dp sizes (every collector's word), live owners of each rank (none: uncovered) and
+        scheduler leaders; the last view's while every collector says the same."""
+        said = [
+            (e.snapshot.collector.collector_id, up, e.snapshot.workers)
+            for e, up in zip(entries, ups, strict=True)
+        ]
+        own = self._own
+        if own is not None and own.said == said:
+            return own
+        dp_size: dict[str, int] = {}
+        owners: dict[tuple[str, int], list[str]] = {}
+        leaders: dict[str, list[str]] = {}
+        for cid, up, workers in said:
+            for w in workers:
+                w_id = w.worker_id
+                dp_size[w_id] = max(dp_size.get(w_id, 0), w.dp_size)
+                led = leaders.setdefault(w_id, [])
+                if not up:
+                    continue
+                for r in w.ranks_owned:
+                    ids = owners.get((w_id, r))
+                    if ids is None:
+                        owners[(w_id, r)] = [cid]
+                    else:
+                        ids.append(cid)
+                if w.leader:
+                    led.append(cid)
+        for w_id, size in dp_size.items():
+            for r in range(size):
+                if (w_id, r) not in owners:
+                    owners[(w_id, r)] = []
+        self._own = own = _Ownership(said, dp_size, owners, leaders)
+        return own
+
     def view(self, now: float) -> FleetView:
         """The fleet as of `now` (its conditions: analysis/conditions.py `active`)."""
         v = FleetView(now=now)
         entries = self._entries(now)
         ups, sources, capacity = self._membership(v, entries, now)
-        streams = v.streams
+        built: list[StreamView] = []
+        place: list[tuple[str, int, str]] = []  # each one's place in the view
         placements: dict[str, list[WorkerPlacement]] = {}
         down: set[tuple[str, int]] = set()  # ranks with a stream that is not up
         for e, up in zip(entries, ups, strict=True):
             snap = e.snapshot
             info = snap.collector
+            cid = info.collector_id
             configured = {w.worker_id: w.capacity_tokens for w in snap.workers}
             for st in snap.streams:
-                key = (st.worker_id, st.dp_rank)
+                w_id, rank = st.worker_id, st.dp_rank
+                key = (w_id, rank)
                 if not (up and st.up):
                     down.add(key)
-                cap: float | None = configured.get(st.worker_id) or None
+                cap: float | None = configured.get(w_id) or None
                 if cap is None:
                     cap = capacity.get(key)
                 gpu = 0
                 for m in st.media:
                     if m.medium in TOP_MEDIA:
                         gpu += m.tokens
-                streams.append(StreamView(st, info, up, cap, gpu, sources.get(key), snap.time))
+                built.append(StreamView(st, info, up, cap, gpu, sources.get(key), snap.time))
+                place.append((w_id, rank, cid))
             if up:
                 for p in snap.placement:
                     placements.setdefault(p.worker_id, []).append(p)
-        streams.sort(key=lambda s: (s.stats.worker_id, s.stats.dp_rank, s.collector.collector_id))
+        # by worker, rank and collector (sorting the places: no key function per stream)
+        v.streams = list(map(built.__getitem__, sorted(range(len(built)), key=place.__getitem__)))
         v.placement = {w: merge_placement(ps) for w, ps in sorted(placements.items())}
         _drop_dead_ranks(v, entries, ups, down)
         self._misses(v, entries, ups)
@@ -290,41 +359,80 @@ class FleetState:
             self._misses(v, entries, ups)
         return active(v)
 
-    @staticmethod
     def _join_scheduler(
+        self,
         v: FleetView,
-        reported: dict[tuple[str, int], list[tuple[SchedulerStats, CollectorInfo]]],
+        own: _Ownership,
+        reported: list[tuple[list[SchedulerStats], CollectorInfo]],
         capacity: dict[tuple[str, int], float],
     ) -> dict[tuple[str, int], str]:
         """One scheduler entry per (worker_id, dp_rank), whoever read it, under the rank's owner.
 
         The leader reads worker-wide sources, every node its own ranks' channels: the same rank
-        can come from two collectors. Per field the freshest value wins; the entry is served
-        with the node_rank of the collector that owns the rank (the reader's when none does).
-        Returns (worker_id, dp_rank) -> the sources that reported it.
+        can come from two collectors (`reported`: each live collector's fresh entries). Per
+        field the freshest value wins; the entry is served with the node_rank of the collector
+        that owns the rank (the reader's when none does). Returns (worker_id, dp_rank) -> the
+        sources that reported it.
         """
         infos = {c.info.collector_id: c.info for c in v.collectors if c.up}
-        names: dict[tuple[str, int], str] = {}
-        owners = v.owners
-        for key, got in reported.items():
-            ids = owners.get(key, ())
-            if len(got) == 1:  # the usual case: one reader, one source (a rank per scrape)
-                stats = got[0][0]
-                source = stats.source
-                if "+" in source:
-                    source = "+".join(sorted({n for n in source.split("+") if n}))
-            else:
-                stats = _merge_stats([s for s, _ in got])
-                source = "+".join(sorted({n for s, _ in got for n in s.source.split("+") if n}))
-            if len(ids) == 1 and ids[0] in infos:
-                owner = infos[ids[0]]
-            else:
-                owner = next((infos[c] for c in ids if c in infos), got[0][1])
-            v.scheduler.append((stats, owner))
-            if stats.max_total_tokens:
-                capacity[key] = stats.max_total_tokens
-            names[key] = source
-        return names
+        keys: list[tuple[str, int]] = []
+        stats: list[SchedulerStats] = []
+        for got, _ in reported:
+            keys.extend(map(_RANK, got))
+            stats.extend(got)
+        readers = [(info.collector_id, len(got)) for got, info in reported]
+        names = list(map(_SOURCE, stats))
+        j = self._join
+        if (
+            j is None
+            or j.own is not own
+            or j.keys != keys
+            or j.readers != readers
+            or j.names != names
+        ):
+            j = self._joined(own, keys, stats, readers, names, reported)
+        if j is not None:  # the usual case: each rank read once, as at the last view
+            v.scheduler = list(zip(stats, map(infos.__getitem__, j.under), strict=True))
+            caps = list(map(_CAPACITY, stats))
+            capacity.update(compress(zip(keys, caps, strict=True), caps))
+            return j.sources
+        # a rank read by two collectors: joined per field
+        by: dict[tuple[str, int], list[tuple[SchedulerStats, CollectorInfo]]] = {}
+        for got, info in reported:
+            for s in got:
+                by.setdefault((s.worker_id, s.dp_rank), []).append((s, info))
+        out = {}
+        for key, copies in by.items():
+            read = [s for s, _ in copies]
+            one = read[0] if len(read) == 1 else _merge_stats(read)
+            ids = own.owners.get(key)  # live collectors only
+            v.scheduler.append((one, infos[ids[0]] if ids else copies[0][1]))
+            if one.max_total_tokens:
+                capacity[key] = one.max_total_tokens
+            out[key] = _sources(read)
+        return out
+
+    def _joined(
+        self,
+        own: _Ownership,
+        keys: list[tuple[str, int]],
+        stats: list[SchedulerStats],
+        readers: list[tuple[str, int]],
+        names: list[str],
+        reported: list[tuple[list[SchedulerStats], CollectorInfo]],
+    ) -> _Join | None:
+        """The join where each rank was read once (kept for the next views); None otherwise."""
+        self._join = None
+        if len(set(keys)) < len(keys):
+            return None
+        read_by = [info.collector_id for got, info in reported for _ in got]
+        under = []
+        for key, reader in zip(keys, read_by, strict=True):
+            ids = own.owners.get(key)  # live collectors only
+            under.append(ids[0] if ids else reader)
+        fixed = [_sources([s]) if "+" in s.source else s.source for s in stats]
+        self._join = _Join(own, keys, readers, under, names, dict(zip(keys, fixed, strict=True)))
+        return self._join
 
 
 def _drop_dead_ranks(
@@ -362,8 +470,12 @@ def _merge_stats(got: list[SchedulerStats]) -> SchedulerStats:
         f: next((getattr(s, f) for s in newest if getattr(s, f) is not None), None)
         for f in _STAT_FIELDS
     }
-    source = "+".join(sorted({n for s in got for n in s.source.split("+") if n}))
-    return SchedulerStats(top.worker_id, top.dp_rank, source, **vals, updated=top.updated)
+    return SchedulerStats(top.worker_id, top.dp_rank, _sources(got), **vals, updated=top.updated)
+
+
+def _sources(got: Iterable[SchedulerStats]) -> str:
+    """The sources of entries of one rank, each once, sorted and `+`-joined."""
+    return "+".join(sorted({n for s in got for n in s.source.split("+") if n}))
 
 
 def _merge(c: _Collector) -> _Entry:

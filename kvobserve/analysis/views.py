@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from msgspec import Struct
+
 from kvobserve.analysis.placement import PlacementEstimate
 from kvobserve.wire.snapshot import (
     CollectorInfo,
@@ -32,11 +34,12 @@ class CollectorView:
     up: bool
     age_s: float  # seconds since its last snapshot arrived
     snapshot: Snapshot
+    serial: int  # a number of its own for each snapshot the fleet state serves (never reused)
 
 
-@dataclass(frozen=True, slots=True)
-class StreamView:
-    """One stream with its collector, liveness and derived usage."""
+class StreamView(Struct, frozen=True, gc=False):
+    """One stream with its collector, liveness and derived usage (a Struct: one view per stream
+    per scrape, built at C speed)."""
 
     stats: StreamStats
     collector: CollectorInfo

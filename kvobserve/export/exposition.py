@@ -34,6 +34,9 @@ def label_text(names: Sequence[str], values: Sequence[str]) -> str:
     return "{" + ",".join([f'{k}="{escape(v)}"' for k, v in pairs]) + "}"
 
 
+_EXP = [f"e+{k:02d}" for k in range(17)]  # Go's exponent, by the digits before the point - 1
+
+
 def format_value(v: float) -> str:
     """A sample value exactly as floatToGoString writes it."""
     # floatToGoString(int) is repr(float(v)) below a million: skip the float round trip
@@ -43,14 +46,14 @@ def format_value(v: float) -> str:
             return f"{v}.0"
         if 1_000_000 <= v < 2**53:  # exact as a float: repr(float(v)) is str(v) + ".0"
             s = str(v)
-            return f"{s[0]}.{s[1:]}0".rstrip("0.") + f"e+{len(s) - 1:02d}"
+            return f"{s[0]}.{s[1:]}".rstrip("0.") + _EXP[len(s) - 1]
     elif t is float:
         if -1_000_000.0 < v < 1_000_000.0:
             return repr(v)  # Go's exponent form only starts at a million (NaN fails the test)
         if 1_000_000.0 <= v < 1e16:  # the form floatToGoString gives, without its calls
             s = repr(v)
             dot = s.find(".")
-            return f"{s[0]}.{s[1:dot]}{s[dot + 1 :]}".rstrip("0.") + f"e+{dot - 1:02d}"
+            return f"{s[0]}.{s[1:dot]}{s[dot + 1 :]}".rstrip("0.") + _EXP[dot - 1]
     return floatToGoString(v)
 
 

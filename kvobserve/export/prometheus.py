@@ -21,7 +21,6 @@ from kvobserve.export.exposition import cumulative
 from kvobserve.export.metrics_docs import render_docs
 from kvobserve.export.passthrough import passthrough
 from kvobserve.export.series import EMPTY, Detail, Plan, groups, ordered
-from kvobserve.export.sums import Sums
 from kvobserve.transport import Transport, TransportStatus
 
 ViewProvider = Callable[[], FleetView]
@@ -78,10 +77,7 @@ def fleet_metrics(plan: Plan, v: FleetView) -> list[Metric]:
     order = ordered(v)
     by_c = groups(v)
     batch = plan.batch([(c, by_c.get(c.info.collector_id, EMPTY)) for c in order], set())
-    sums = Sums()
-    for s in batch.sums:
-        sums.merge(s)
-    level = plan.fleet(v, order, sums)
+    level = plan.fleet(v, order, batch.summed)
     out = []
     for d in CATALOG:
         cols = [col for col in (level.get(d.name), batch.columns.get(d.name)) if col is not None]

@@ -1,21 +1,21 @@
 """The series a FleetView serves, read off it by the catalog's rows (export/catalog.py).
 
-Collectors are read in batches (live ones first, then by id: a label clash keeps the first live
-copy). Each family's series over a batch is one `Column` (label values, value, the collector it
-belongs to), read column-wise: a row's values for every item of the batch at once
-(operator.attrgetter over the items), so the cost per sample stays in C. Values that the series
-budget sums per worker go into each collector's `Sums` instead, served by the fleet-level part.
+Collectors are read in order (live ones first, then by id: a label clash keeps the first live
+copy). Each family's series are one `Column` (label values, value, the collector it belongs
+to), read column-wise: a row's values for every item at once (operator.attrgetter over the
+items), so the cost per sample stays in C. Values that the series budget sums per worker are
+summed per worker instead (export/sums.py), served by the fleet-level part.
 
 export/prometheus.py turns the columns into prometheus_client Metric objects (the reference);
-export/scrape.py turns them into text kept per collector (export/templates.py).
+export/scrape.py turns them into text (export/templates.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from itertools import chain, compress, groupby, repeat
-from operator import attrgetter, is_not, methodcaller, not_, truth
+from itertools import chain, compress, repeat
+from operator import add, and_, attrgetter, getitem, is_not, not_, truth
 from typing import Any
 
 from kvobserve.analysis.views import CollectorView, FleetView, StreamView
@@ -29,7 +29,7 @@ from kvobserve.export.catalog import (
     Scope,
     When,
 )
-from kvobserve.export.sums import Labels, Sums
+from kvobserve.export.sums import Grouping, Labels, Sums
 from kvobserve.wire.snapshot import SchedulerStats, UnexpectedStream
 
 
@@ -94,12 +94,11 @@ class Column:
 
 @dataclass
 class Batch:
-    """A batch's series: per family a Column; per collector its sums and its claims."""
+    """What a Plan reads of some collectors: per family a Column, and the per-worker sums."""
 
     columns: dict[str, Column]
-    sums: list[Sums]
-    claims: list[frozenset[Labels]]  # label sets another collector's series could repeat
-    clean: list[bool]  # False: a collector whose own items repeat (read it with a seen-set)
+    summed: dict[str, Column]  # the per-worker sums, label sets sorted
+    sums: list[Sums]  # with a seen-set (Plan.batch's `dedupe`): each collector's sums
 
 
 _WORKER, _DP = attrgetter("worker_id"), attrgetter("dp_rank")
@@ -107,14 +106,10 @@ _WORKER, _DP = attrgetter("worker_id"), attrgetter("dp_rank")
 
 @dataclass
 class Memo:
-    """Label sets read before, kept from one batch to the next by whoever reads them."""
+    """What one read of the fleet leaves for the next: label sets (so that equal ones are the
+    same objects, compared by identity), the groupings of the per-worker sums, and more."""
 
-    batch: dict[object, list[Labels]] = field(default_factory=dict)  # a block's, by row kind
-    collectors: dict[tuple[object, str], list[Labels]] = field(default_factory=dict)
-
-    def forget(self, keep: set[str] | dict[str, Any]) -> None:
-        """Drop what collectors not in `keep` had."""
-        self.collectors = {k: v for k, v in self.collectors.items() if k[1] in keep}
+    last: dict[object, Any] = field(default_factory=dict)
 
 
 class _Items:
@@ -128,6 +123,7 @@ class _Items:
         labels: dict[str, Callable[[], list[str]]],
         live: Callable[[], list[bool] | None] = lambda: None,
     ) -> None:
+        self.scope: Scope | None = None  # set by _scopes
         self.items = items
         self.owner = owner
         self._make = labels
@@ -135,44 +131,29 @@ class _Items:
         self._live = live
         self._live_got: tuple[list[bool] | None] | None = None
         self.keys: dict[object, list[Labels]] = {}  # label value tuples by (labels, selection)
-        self.memo: Memo | None = None  # the label sets read before, to reuse (Plan.batch)
-        self.ids: list[str] = []  # the batch's collectors
-        self._runs: dict[object, list[Run]] = {}
+        self.memo: Memo | None = None  # what the last read left, to reuse (Plan.batch)
 
-    def runs(self, cache: object, owner: list[int], keys: list[Labels]) -> list[Run]:
-        """The runs of items with the same collector and labels (cached for `cache`)."""
-        got = self._runs.get(cache) if cache is not None else None
-        if got is None:
-            got = _spans(owner, keys)
-            if cache is not None:
-                self._runs[cache] = got
-        return got
-
-    def interned(self, key: object, keys: list[Labels], owner: list[int]) -> list[Labels]:
-        """`keys`, made of the label sets read before where they are equal (so that comparing
-        a template's labels with the last ones is an identity check): the batch's before,
-        else each collector's."""
+    def interned(self, key: object, keys: list[Labels]) -> list[Labels]:
+        """`keys`, or the last read's list under `key` when equal (so that comparing a
+        template's label sets with the last ones is an identity check)."""
         memo = self.memo
         if memo is None:
             return keys
-        last = memo.batch.get(key)
+        last = memo.last.get((self.scope, key))
         if last is not None and last == keys:
             return last
-        out: list[Labels] = []
-        start = 0
-        ids, mine = self.ids, memo.collectors
-        for o, run in groupby(owner):  # each collector's items are consecutive
-            end = start + len(list(run))
-            new = keys[start:end]
-            had = mine.get((key, ids[o]))
-            if had is not None and had == new:
-                out.extend(had)
-            else:
-                mine[(key, ids[o])] = new
-                out.extend(new)
-            start = end
-        memo.batch[key] = out
-        return out
+        memo.last[(self.scope, key)] = keys
+        return keys
+
+    def keys_of(self, item_labels: tuple[tuple[str, str], ...]) -> list[Labels]:
+        """Every item's label values (label, path) as tuples, interned."""
+        cache = (item_labels, True)
+        got = self.keys.get(cache)
+        if got is None:
+            cols = [self.label(n, p) for n, p in item_labels]
+            got = list(zip(*cols, strict=True)) if cols else [()] * len(self.items)
+            got = self.keys[cache] = self.interned(cache, got)
+        return got
 
     def label(self, name: str, path: str = "") -> list[str]:
         """Label `name` of every item: the scope's own, else read at `path` (by default the
@@ -231,33 +212,32 @@ class _Row:
 
     def _select(
         self, sc: _Items, track: bool
-    ) -> tuple[list[Any], list[int], list[Labels], list[int] | None, object]:
+    ) -> tuple[list[Any], list[int], list[Labels], list[int] | None]:
         """(the items served, their collectors, their labels but the key, with `track` their
-        positions in the scope, the key their label sets are cached under or None)."""
+        positions in the scope)."""
         items, owner = sc.items, sc.owner
         sel = sc.live if self.live else None
         if self.only is not None:
             mask = list(map(truth, map(self.only, items)))
-            sel = mask if sel is None else [a and b for a, b in zip(sel, mask, strict=True)]
-        shared = sel is None or sel is sc.live
-        cache = (self.item_labels, sel is None)
-        keys = sc.keys.get(cache) if shared else None
-        at: list[int] | None = None
-        if sel is not None:
-            if track:
-                at = list(compress(range(len(items)), sel))
-            items = list(compress(items, sel))
-            owner = list(compress(owner, sel))
-        elif track:
-            at = list(range(len(items)))
+            sel = mask if sel is None else list(map(and_, sel, mask))
+        if sel is None:
+            return (
+                items,
+                owner,
+                sc.keys_of(self.item_labels),
+                (list(range(len(items))) if track else None),
+            )
+        at = list(compress(range(len(items)), sel)) if track else None
+        items = list(compress(items, sel))
+        owner = list(compress(owner, sel))
+        cache = (self.item_labels, False)
+        keys = sc.keys.get(cache) if sel is sc.live else None
         if keys is None:
-            cols = [sc.label(n, p) for n, p in self.item_labels]
-            if sel is not None:
-                cols = [list(compress(c, sel)) for c in cols]
+            cols = [list(compress(sc.label(n, p), sel)) for n, p in self.item_labels]
             keys = list(zip(*cols, strict=True)) if cols else [()] * len(items)
-            if shared:
-                keys = sc.keys[cache] = sc.interned((self.scope, cache), keys, owner)
-        return items, owner, keys, at, cache if shared else None
+            if sel is sc.live:
+                keys = sc.keys[cache] = sc.interned(cache, keys)
+        return items, owner, keys, at
 
     def _values(self, items: list[Any]) -> list[Any]:
         if self.const is not None:
@@ -278,9 +258,9 @@ class _Row:
     def read(self, sc: _Items, track: bool = False) -> tuple[Column, list[int] | None]:
         """The row's series over the scope's items (label values in `names` order), and with
         `track`, the item each one was read from."""
-        items, owner, keys, at, _ = self._select(sc, track)
+        items, owner, keys, at = self._select(sc, track)
         if self.each is not None:
-            labels, values, pos = self._each(items, keys)
+            labels, values, pos = self._each(items, keys, sc.memo)
             owner = list(map(owner.__getitem__, pos))
             if at is not None:
                 at = list(map(at.__getitem__, pos))
@@ -306,106 +286,107 @@ class _Row:
             labels = [(*k, self.shard) for k in labels]
         return Column(labels, values, owner), at
 
-    def sum_into(self, sc: _Items, sums: list[Sums]) -> None:
-        """Add the row's values to each collector's per-worker sums, a run of items with the
-        same labels at a time (in item order: the floats add() one by one would give)."""
-        items, owner, keys, _, cache = self._select(sc, False)
+    def totals(self, sc: _Items) -> Column | None:
+        """The row's values summed per label set (its worker's, ...) over the scope's items,
+        label sets sorted; none of the items repeats a stream (else: Plan.batch's `dedupe`)."""
+        items, owner, keys, _ = self._select(sc, False)
         if not items:
-            return
-
-        def add(values: list[Any], insert: Insert) -> None:
-            mask = self._served(values)
-            if mask is None:
-                runs = sc.runs(cache, owner, keys)
-            else:
-                values = list(compress(values, mask))
-                runs = _spans(list(compress(owner, mask)), list(compress(keys, mask)))
-            _sum_runs(sums, self.name, self.hist, runs, values, insert)
-
+            return None
+        put = self.names.index(self.key) if self.key else 0  # where a key's label goes
+        # (key label or None, the items' label sets, collectors, values) to sum
+        parts: list[tuple[str | None, list[Labels], list[int], list[Any]]]
         if self.each is not None:
-            at = self.names.index(self.key)
             dicts = list(map(self.each, items))
-            for k in self.first:
-                add(list(map(methodcaller("get", k, 0), dicts)), (at, k))
+            parts = [
+                (k, keys, owner, list(map(dict.get, dicts, repeat(k), repeat(0))))
+                for k in self.first
+            ]
             first = frozenset(self.first)
-            for i in compress(range(len(dicts)), map(not_, map(first.issuperset, dicts))):
-                d = dicts[i]  # keys besides the `first` ones: few, one by one
-                for k in sorted(k for k in d if k not in first):
-                    if self._served([d[k]]) is None:
-                        run = [(owner[i], keys[i], 0, 1)]
-                        _sum_runs(sums, self.name, self.hist, run, [d[k]], (at, k))
+            odd = list(compress(range(len(dicts)), map(not_, map(first.issuperset, dicts))))
+            for k in sorted({k for i in odd for k in dicts[i] if k not in first}):
+                has = [i for i in odd if k in dicts[i]]  # keys besides the `first` ones: few
+                parts.append(
+                    (k, [keys[i] for i in has], [owner[i] for i in has], [dicts[i][k] for i in has])
+                )
         elif self.fixed:
-            at = self.names.index(self.key)
-            for lv, get in self.fixed:
-                add(list(map(get, items)), (at, lv))
+            parts = [(lv, keys, owner, list(map(get, items))) for lv, get in self.fixed]
         else:
-            add(self._values(items), None)
+            parts = [(None, keys, owner, self._values(items))]
+        values: list[Any] = []
+        groupings = sc.memo.last if sc.memo is not None else {}
+        used: list[tuple[str | None, Grouping]] = []
+        for k, ks, os, vs in parts:
+            mask = self._served(vs)
+            if mask is not None:
+                ks, os, vs = (
+                    list(compress(ks, mask)),
+                    list(compress(os, mask)),
+                    list(compress(vs, mask)),
+                )
+            if not vs:
+                continue
+            g = groupings.get(("sums", self.name, k))
+            if g is None or g.keys != ks or g.owner != os:
+                g = groupings[("sums", self.name, k)] = Grouping(ks, os)
+            values.extend(g.histograms(vs) if self.hist else g.sums(vs))
+            used.append((k, g))
+        # the label sets, sorted (and how the values follow them): kept while the groupings are
+        merged = groupings.get(("merged", self.name))
+        if merged is None or [(k, id(g)) for k, g in merged[0]] != [(k, id(g)) for k, g in used]:
+            labels: list[Labels] = []
+            for k, g in used:
+                labels.extend(
+                    g.labels if k is None else [(*b[:put], k, *b[put:]) for b in g.labels]
+                )
+            order = sorted(range(len(labels)), key=labels.__getitem__) if len(used) > 1 else None
+            if order is not None:
+                labels = list(map(labels.__getitem__, order))
+            merged = groupings[("merged", self.name)] = (used, labels, order)
+        _, labels, order = merged
+        if order is not None:
+            values = list(map(values.__getitem__, order))
+        return Column(labels, values, [0] * len(values))
 
     def _each(
-        self, items: list[Any], keys: list[Labels]
+        self, items: list[Any], keys: list[Labels], memo: Memo | None
     ) -> tuple[list[Labels], list[Any], list[int]]:
         """One series per key of each item's dict (the `first` keys always, then the others
-        sorted), the key where the row's labels name it; and the item each one was read from."""
+        sorted), the key where the row's labels name it; and the item each one was read from.
+        Column-wise: the usual dicts (none, or only `first` keys) without a loop per item;
+        the label sets made again only when the items' keys or label sets changed."""
         assert self.each is not None
         first = self.first
-        at = self.names.index(self.key)
-        last = not keys or at == len(keys[0])
-        labels: list[Labels] = []
-        values: list[Any] = []
-        pos: list[int] = []
-        for i, d in enumerate(map(self.each, items)):
-            if not d and not first:
-                continue
-            base = keys[i]
-            if len(d) == 1 and not first:  # the usual case: one result, one reason, ...
-                for k, v in d.items():
-                    labels.append((*base, k) if last else (*base[:at], k, *base[at:]))
-                    values.append(v)
+        dicts = list(map(self.each, items))
+        n = len(dicts)
+        if not first and not any(dicts):
+            return [], [], []
+        if not first:
+            pos = list(chain.from_iterable(map(repeat, range(n), map(len, dicts))))
+            names = list(chain.from_iterable(map(sorted, dicts)))
+            values = list(map(getitem, map(dicts.__getitem__, pos), names))
+        elif all(map(frozenset(first).issuperset, dicts)):  # no keys besides the first ones
+            pos = list(chain.from_iterable(map(repeat, range(n), repeat(len(first)))))
+            names = list(first) * n
+            got = [map(dict.get, dicts, repeat(k), repeat(0)) for k in first]
+            values = list(chain.from_iterable(zip(*got, strict=True)))
+        else:
+            pos, names, values = [], [], []
+            for i, d in enumerate(dicts):
+                for k in (*first, *sorted(k for k in d if k not in first)):
                     pos.append(i)
-                continue
-            rest = sorted(k for k in d if k not in first) if first else sorted(d)
-            for k in (*first, *rest):
-                labels.append((*base, k) if last else (*base[:at], k, *base[at:]))
-                values.append(d.get(k, 0))
-                pos.append(i)
+                    names.append(k)
+                    values.append(d.get(k, 0))
+        at = self.names.index(self.key)
+        cached = memo.last.get((self.name, "each")) if memo is not None else None
+        if cached is not None and cached[0] is keys and cached[1] == names and cached[2] == pos:
+            return cached[3], values, pos
+        if keys and at == len(keys[0]):  # the key is the last label
+            labels = list(map(add, map(keys.__getitem__, pos), zip(names)))
+        else:
+            labels = [(*keys[i][:at], k, *keys[i][at:]) for i, k in zip(pos, names, strict=True)]
+        if memo is not None:
+            memo.last[(self.name, "each")] = (keys, names, pos, labels)
         return labels, values, pos
-
-
-Run = tuple[int, Labels, int, int]  # (collector, label values, first item, item past the last)
-Insert = tuple[int, str] | None  # (position, label value) added to each label set, or None
-
-
-def _spans(owner: list[int], keys: list[Labels]) -> list[Run]:
-    """The runs of consecutive items with the same collector and labels."""
-    out: list[Run] = []
-    start = 0
-    for o, run in groupby(owner):  # a collector's items are consecutive
-        end = start + len(list(run))
-        first = keys[start]
-        if keys[start:end].count(first) == end - start:  # the usual case: one worker
-            out.append((o, first, start, end))
-        else:
-            i = start
-            for k, same in groupby(keys[start:end]):
-                j = i + len(list(same))
-                out.append((o, k, i, j))
-                i = j
-        start = end
-    return out
-
-
-def _sum_runs(
-    sums: list[Sums], name: str, hist: bool, runs: list[Run], values: list[Any], insert: Insert
-) -> None:
-    """Add each run's values to its collector's sums, under its labels (plus `insert`)."""
-    for o, k, a, b in runs:
-        if insert is not None:
-            at, value = insert
-            k = (*k[:at], value, *k[at:])
-        if hist:
-            sums[o].add_histograms(name, k, values[a:b])
-        else:
-            sums[o].add_all(name, k, values[a:b])
 
 
 def _concat(parts: Iterable[list[Any]]) -> list[Any]:
@@ -419,7 +400,7 @@ class Plan:
         self.detail = d = detail or Detail()
         self.rows: list[_Row] = []
         self.fleet_rows: list[tuple[MetricDef, FromFleet]] = []
-        self.summed: list[str] = []  # families served from the merged sums, in catalog order
+        self.summed_names: list[str] = []  # families served from the sums, in catalog order
         self.names: dict[str, tuple[str, ...]] = {}  # label names of each family as served
         for m in CATALOG:
             src = m.source
@@ -434,7 +415,7 @@ class Plan:
             self.rows.append(row)
             self.names[m.name] = row.names
             if row.summed:
-                self.summed.append(m.name)
+                self.summed_names.append(m.name)
 
     def batch(
         self,
@@ -442,20 +423,25 @@ class Plan:
         dedupe: set[object] | None = None,
         memo: Memo | None = None,
     ) -> Batch:
-        """The series of these collectors (in this order). `dedupe`: a seen-set shared by
-        collectors whose label sets may repeat: the first copy of a series wins, and a stream
-        is summed into its worker's series once. `memo`: kept by the caller from one batch to
-        the next, so that label sets equal to the last batch's are the same objects."""
+        """The series of these collectors (in this order). `dedupe`: a seen-set: the first copy
+        of a series wins, and a stream is summed into its worker's series once, one series at a
+        time into each collector's Sums (the reference; any read where some collector's items
+        repeat a label set is made so). Else a row's values are summed at once (_Row.totals).
+        `memo`: what the last read left, kept by the caller."""
         scopes = _scopes(cgs)
-        ids = [c.info.collector_id for c, _ in cgs]
         for sc in scopes.values():
-            sc.memo, sc.ids = memo, ids
-        sums = [Sums() for _ in cgs]
+            sc.memo = memo
+        if dedupe is None and _repeats(scopes):
+            dedupe = set()
+        sums = [Sums() for _ in cgs] if dedupe is not None else []
         columns: dict[str, Column] = {}
+        summed: dict[str, Column] = {}
         for row in self.rows:
             sc = scopes[row.scope]
             if row.summed and dedupe is None:
-                row.sum_into(sc, sums)
+                got = row.totals(sc)
+                if got is not None and got.values:
+                    summed[row.name] = got
                 continue
             col, at = row.read(sc, dedupe is not None)
             if not col.values:
@@ -469,10 +455,21 @@ class Plan:
             add = Sums.add_histogram if row.hist else Sums.add
             for labels, v, o in zip(col.labels, col.values, col.owner, strict=True):
                 add(sums[o], row.name, labels, v)
-        return Batch(columns, sums, *_claims(scopes, len(cgs)))
+        if dedupe is not None:
+            total = Sums()
+            for s in sums:
+                total.merge(s)
+            for name in self.summed_names:
+                keys, values = total.series(name)
+                if values:
+                    summed[name] = Column(keys, values, [0] * len(values))
+        return Batch(columns, summed, sums)
 
-    def fleet(self, v: FleetView, order: list[CollectorView], sums: Sums) -> dict[str, Column]:
-        """The fleet-level series: the rows read off the whole view, and the per-worker sums."""
+    def fleet(
+        self, v: FleetView, order: list[CollectorView], summed: dict[str, Column]
+    ) -> dict[str, Column]:
+        """The fleet-level series: the rows read off the whole view, and the per-worker sums
+        (`summed`: Batch.summed), in catalog order."""
         out: dict[str, Column] = {}
         shard = self.detail.shard
         for m, src in self.fleet_rows:
@@ -483,10 +480,10 @@ class Plan:
             if shard and m.name in SHARD_LABELLED:
                 labels = [(*k, shard) for k in labels]
             out[m.name] = Column(labels, [x for _, x in got], [0] * len(got))
-        for name in self.summed:
-            labels, values = sums.series(name)
-            if values:
-                out[name] = Column(labels, values, [0] * len(values))
+        for name in self.summed_names:
+            col = summed.get(name)
+            if col is not None:
+                out[name] = col
         return out
 
 
@@ -597,7 +594,7 @@ def _scopes(cgs: list[tuple[CollectorView, Group]]) -> dict[Scope, _Items]:
 
     collectors = [c for c, _ in cgs]
     co_owner = list(range(len(cgs)))
-    return {
+    out = {
         Scope.STREAM: st,
         Scope.MEDIUM: md,
         Scope.SCHEDULER: ranked(sched, sched_owner),
@@ -632,6 +629,9 @@ def _scopes(cgs: list[tuple[CollectorView, Group]]) -> dict[Scope, _Items]:
             },
         ),
     }
+    for scope, sc in out.items():
+        sc.scope = scope
+    return out
 
 
 def _drift(c: CollectorView, g: Group) -> list[Any]:
@@ -644,52 +644,38 @@ def _drift(c: CollectorView, g: Group) -> list[Any]:
     return [d for d in drift if (d.worker_id, d.dp_rank) not in down] if down else list(drift)
 
 
-# the labels that tell a scope's items apart (with those _claims adds), STREAM's by default
-_IDENTITY = {
-    Scope.SOURCE_ERROR: ("worker_id", "node_rank"),
-    Scope.DRIFT_SOURCE: ("worker_id",),
-    Scope.WORKER: ("worker_id",),
-    Scope.SOURCE: ("worker_id",),
-    Scope.BIND: ("worker_id", "dp_rank"),
+# the labels that tell a scope's items apart: every row of the scope serves them, so no two of
+# its series are the same while no two items are (the collector scope: one item per collector)
+_IDENTITY: dict[Scope, tuple[str, ...]] = {
+    Scope.STREAM: STREAM,
+    Scope.MEDIUM: (*STREAM, "medium"),
+    Scope.SCHEDULER: STREAM,
+    Scope.UNEXPECTED: (*STREAM, "endpoint"),
+    Scope.DRIFT: (*STREAM, "medium", "method"),
+    Scope.SOURCE_ERROR: ("worker_id", "node_rank", "source", "reason"),
+    Scope.DRIFT_SOURCE: ("collector", "worker_id"),
+    Scope.WORKER: ("collector", "worker_id", "state"),
+    Scope.SOURCE: ("collector", "worker_id", "source", "state"),
+    Scope.BIND: ("collector", "worker_id", "dp_rank"),
 }
 
 
-def _claims(scopes: dict[Scope, _Items], n: int) -> tuple[list[frozenset[Labels]], list[bool]]:
-    """Per collector of the batch: the label sets of its series that another collector's could
-    repeat (those without a `collector` label: its streams', ranks' and errors'), and whether
-    none of its own items repeats another (else its series are read with a seen-set)."""
-    claims: list[set[Labels]] = [set() for _ in range(n)]
-    clean = [True] * n
-    for scope, extra in (
-        (Scope.STREAM, ()),
-        (Scope.MEDIUM, ("medium",)),
-        (Scope.SCHEDULER, ()),
-        (Scope.UNEXPECTED, ("endpoint",)),
-        (Scope.DRIFT, ("medium", "method")),
-        (Scope.SOURCE_ERROR, ("source", "reason")),
-        (Scope.DRIFT_SOURCE, ()),
-        (Scope.WORKER, ("state",)),
-        (Scope.SOURCE, ("source", "state")),
-        (Scope.BIND, ()),
-    ):
+def _repeats(scopes: dict[Scope, _Items]) -> bool:
+    """Whether two items of a scope have the same label sets (two collectors claim a stream,
+    a collector repeats one of its own): then the first copy of each series wins."""
+    for scope, names in _IDENTITY.items():
         sc = scopes[scope]
-        if not sc.items:
+        if len(sc.items) < 2:
             continue
-        names = _IDENTITY.get(scope, STREAM)
-        cols = [sc.label(name) for name in names]
-        full = list(zip(*cols, *(sc.label(e, e) for e in extra), strict=True))
-        claim: list[Labels] | None = None  # a collector-labelled scope: no clash possible
-        if scope in (Scope.STREAM, Scope.SCHEDULER, Scope.SOURCE_ERROR):
-            claim = full
-        elif scope in (Scope.UNEXPECTED, Scope.DRIFT):
-            claim = list(zip(*cols, strict=True))
-        start = 0
-        for o, run in groupby(sc.owner):  # each collector's items are consecutive
-            end = start + len(list(run))
-            own = set(full[start:end])
-            if len(own) < end - start:
-                clean[o] = False
-            if claim is not None:
-                claims[o].update(own if claim is full else claim[start:end])
-            start = end
-    return [frozenset(s) for s in claims], clean
+        keys = sc.keys_of(tuple((n, "") for n in names))
+        memo = sc.memo
+        hit = memo.last.get(("unique", scope)) if memo is not None else None
+        if hit is not None and hit[0] is keys:
+            unique = hit[1]
+        else:
+            unique = len(set(keys)) == len(keys)
+            if memo is not None:
+                memo.last[("unique", scope)] = (keys, unique)
+        if not unique:
+            return True
+    return False

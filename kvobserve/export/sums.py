@@ -1,7 +1,9 @@
 """Per-worker sums of values read per stream (the default series budget, docs/metrics.md).
 
-Each collector's streams are summed into one `Sums`; a scrape merges them in collector order, so
-the cached text and prometheus_client's collector add the same floats in the same order.
+A worker's value is summed over each collector's streams first, then over the collectors in
+order: prometheus_client's collector (export/prometheus.py) adds one stream at a time into a
+`Sums` per collector and merges them; the cached text (export/scrape.py) sums a whole row at
+once over a `Grouping` of the fleet's items. Both add the same floats in the same order.
 """
 
 from __future__ import annotations
@@ -39,6 +41,20 @@ class _Hist:
         """The sum so far (counts not yet made non-decreasing: exposition.cumulative does)."""
         return Histogram(self.bounds, self.cum, self.count, self.sum)
 
+    def add_all(self, hs: list[Histogram]) -> None:
+        """add() each of `hs`, in order; at once when they have its bounds."""
+        counts = list(map(_COUNTS, hs))
+        n = len(self.bounds)
+        if list(map(_BOUNDS, hs)).count(self.bounds) == len(hs) and list(map(len, counts)).count(
+            n
+        ) == len(hs):
+            self.cum = list(map(add, self.cum, map(sum, zip(*counts, strict=True))))
+            self.count += sum(map(_COUNT, hs))
+            self.sum = sum(map(_SUM, hs), self.sum)
+            return
+        for h in hs:
+            self.add(h.bounds, h.counts, h.count, h.sum)
+
 
 def _onto(bounds: list[float], counts: list[int], onto: list[float]) -> list[int]:
     """Cumulative counts at `onto`'s bounds: the count at the largest own bound <= each."""
@@ -69,31 +85,6 @@ class Sums:
         if got is None:
             got = self.families[name] = {}
         got[labels] = got.get(labels, 0) + v
-
-    def add_all(self, name: str, labels: Labels, values: list[float]) -> None:
-        """Add several streams' values, in order (the floats as add() one by one would)."""
-        got = self.families.get(name)
-        if got is None:
-            got = self.families[name] = {}
-        got[labels] = sum(values, got.get(labels, 0))
-
-    def add_histograms(self, name: str, labels: Labels, hs: list[Histogram]) -> None:
-        """add_histogram() of each of `hs`, in order; at once when they share the bounds."""
-        got = self.families.get(name)
-        if got is None:
-            got = self.families[name] = {}
-        acc = got.get(labels)
-        if acc is None:
-            acc = got[labels] = _Hist(hs[0].bounds)
-        counts = list(map(_COUNTS, hs))
-        same = list(map(_BOUNDS, hs)).count(acc.bounds) == len(hs)
-        if same and list(map(len, counts)).count(len(acc.bounds)) == len(hs):
-            acc.cum = list(map(add, acc.cum, map(sum, zip(*counts, strict=True))))
-            acc.count += sum(map(_COUNT, hs))
-            acc.sum = sum(map(_SUM, hs), acc.sum)
-            return
-        for h in hs:
-            acc.add(h.bounds, h.counts, h.count, h.sum)
 
     def add_histogram(self, name: str, labels: Labels, h: Histogram) -> None:
         """Add one stream's histogram."""
@@ -132,3 +123,59 @@ class Sums:
         if values and type(values[0]) is _Hist:
             values = [h.histogram() for h in values]
         return keys, values
+
+
+class Grouping:
+    """Items in collector order grouped by label set, to sum a row's values over them in C:
+    the runs of one collector and label set, and the runs of each label set (sorted)."""
+
+    __slots__ = ("keys", "labels", "order", "owner", "runs", "spans")
+
+    def __init__(self, keys: list[Labels], owner: list[int]) -> None:
+        self.keys, self.owner = keys, owner  # what it was made for (compared by the caller)
+        n = len(keys)
+        order: list[int] | None = sorted(range(n), key=keys.__getitem__)  # stable: by collector
+        if order == list(range(n)):
+            order = None  # already by label set (one worker per collector, in worker order)
+        self.order = order
+        ks = keys if order is None else list(map(keys.__getitem__, order))
+        os = owner if order is None else list(map(owner.__getitem__, order))
+        self.runs: list[slice] = []  # items of one collector and label set
+        self.spans: list[slice] = []  # runs of one label set
+        self.labels: list[Labels] = []  # each span's label set, sorted
+        start = first = 0
+        for i in range(1, n + 1):
+            if i < n and ks[i] == ks[i - 1] and os[i] == os[i - 1]:
+                continue
+            self.runs.append(slice(start, i))
+            start = i
+            if i == n or ks[i] != ks[i - 1]:
+                self.spans.append(slice(first, len(self.runs)))
+                first = len(self.runs)
+                self.labels.append(ks[i - 1])
+
+    def sums(self, values: list[Any]) -> list[Any]:
+        """Each label set's sum of `values` (one per item): per collector, then over them."""
+        if self.order is not None:
+            values = list(map(values.__getitem__, self.order))
+        per = list(map(sum, map(values.__getitem__, self.runs)))
+        return list(map(sum, map(per.__getitem__, self.spans)))
+
+    def histograms(self, values: list[Histogram]) -> list[Histogram]:
+        """Each label set's sum of the histograms `values`, as sums() adds numbers."""
+        if self.order is not None:
+            values = list(map(values.__getitem__, self.order))
+        per = []
+        for run in self.runs:
+            hs = values[run]
+            acc = _Hist(hs[0].bounds)
+            acc.add_all(hs)
+            per.append(acc)
+        out = []
+        for span in self.spans:
+            accs = per[span]
+            acc = _Hist(accs[0].bounds)
+            for h in accs:
+                acc.add(h.bounds, h.cum, h.count, h.sum)
+            out.append(acc.histogram())
+        return out

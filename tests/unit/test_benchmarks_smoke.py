@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import random
 import time
 from pathlib import Path
@@ -152,7 +151,7 @@ def test_label_values_needing_escapes_render_as_prometheus_client_does() -> None
     view = rich_view()
     st = view.streams[0].stats
     odd = msgspec.structs.replace(st, endpoint='tcp://a"b\\c\nd', worker_id="w\\x")
-    view.streams[0] = dataclasses.replace(view.streams[0], stats=odd)
+    view.streams[0] = msgspec.structs.replace(view.streams[0], stats=odd)
     reg = CollectorRegistry(auto_describe=False)
     reg.register(FleetCollector(lambda: view))
     want = generate_latest(reg)

@@ -84,22 +84,42 @@ def test_cached_bytes_equal_prometheus_client(om: bool, detail: Detail) -> None:
         check(cache, view, om)  # from the cache this time
 
 
-def test_only_changed_collectors_are_rendered_again() -> None:
+def _families(body: bytes) -> dict[bytes, list[bytes]]:
+    """The sample lines of each family of a body (its # TYPE name)."""
+    out: dict[bytes, list[bytes]] = {}
+    name = b""
+    for line in body.splitlines():
+        if line.startswith(b"# TYPE "):
+            name = line.split()[2]
+        elif not line.startswith(b"#"):
+            out.setdefault(name, []).append(line)
+    return out
+
+
+def _changed(a: bytes, b: bytes) -> int:
+    """How many families' lines differ between two bodies."""
+    fa, fb = _families(a), _families(b)
+    return sum(1 for n in {*fa, *fb} if fa.get(n) != fb.get(n))
+
+
+def test_a_family_whose_values_are_the_same_keeps_its_text() -> None:
     now = time.time()
     fs = synthetic(6, 3, now)
     cache = ScrapeCache()
-    check(cache, fs.view(now), False)
-    assert cache.rendered == 6
-    check(cache, fs.view(now + 0.5), True)
-    assert cache.rendered == 6  # nothing new: the wall clock only moves the ages
-    fs.update(scale.synthetic_snapshot(2, 8, 4, now + 1), now + 1)
-    check(cache, fs.view(now + 1), False)
-    # node-002 is the leader of its worker: its scheduler entries of node-003's ranks are
-    # served with node-003's streams (joined per rank), so node-003 is rendered again too
-    assert cache.rendered == 8
-    fs.update(scale.synthetic_snapshot(3, 8, 4, now + 1), now + 1)
-    check(cache, fs.view(now + 1), False)
-    assert cache.rendered == 9  # a non-leader's snapshot: only its own chunk
+    body = check(cache, fs.view(now), False)
+    steps = [
+        (now + 0.5, None),  # nothing new: the wall clock only moves the ages
+        (now + 1, 2),  # a leader's snapshot: its scheduler entries serve node-003's ranks
+        (now + 1, 3),
+        (now + 10, 0),  # only node 0 reports: the others go stale, their gauges leave
+    ]
+    for t, c in steps:
+        if c is not None:
+            fs.update(scale.synthetic_snapshot(c, 8, 4, t), t)
+        before = cache.written
+        new = check(cache, fs.view(t), False)  # plain, then gzip of the same view
+        assert 0 < cache.written - before == _changed(body, new)
+        body = new
 
 
 def test_a_collector_going_stale_is_rendered_as_down() -> None:
@@ -111,7 +131,9 @@ def test_a_collector_going_stale_is_rendered_as_down() -> None:
     after = check(cache, fs.view(now + 10), False)
     assert after.count(b"kvobserve_stream_up{") == before.count(b"kvobserve_stream_up{")
     assert after.count(b"kvobserve_kv_blocks{") == 8  # the three stale collectors' gauges left
-    assert cache.rendered == 8
+    fs.update(scale.synthetic_snapshot(1, 8, 4, now + 10), now + 10)  # node 1 is back
+    back = check(cache, fs.view(now + 10), False)
+    assert back.count(b"kvobserve_kv_blocks{") == 16
 
 
 def test_capacity_joined_from_another_collector_invalidates_the_chunk() -> None:
@@ -198,8 +220,6 @@ def test_gzip_of_whole_families_as_every_collector_changes() -> None:
 
 
 def test_label_values_with_a_nul_are_written_as_prometheus_client_does() -> None:
-    # A collector's lines are cut apart at NUL characters when a template serves several
-    # collectors: a label value holding one takes the template per collector instead.
     state = rich_state()
     snap = state.snapshot("node-0")
     assert snap is not None
@@ -213,22 +233,20 @@ def test_label_values_with_a_nul_are_written_as_prometheus_client_does() -> None
     check(cache, state.view(NOW), True)
 
 
-def test_collectors_read_in_blocks() -> None:
-    # Blocks of 2 collectors: every block's lines go where its collectors' do, as they change.
-    now = time.time()
-    fs = synthetic(7, 3, now)
-    clash = rich_state()
-    clash.snapshot("node-1").collector.node_rank = 0
-    for view in (rich_state().view(NOW), clash.view(NOW)):
-        cache = ScrapeCache(block=2)
-        check(cache, view, False)
-        check(cache, view, True)
-    cache = ScrapeCache(block=2)
-    check(cache, fs.view(now), False)
-    for c, seq in ((3, 4), (0, 4), (6, 5)):
-        fs.update(scale.synthetic_snapshot(c, 8, seq, now + seq), now + seq)
-        check(cache, fs.view(now + seq), seq % 2 == 0)
-    for c in range(7):
-        fs.update(scale.synthetic_snapshot(c, 8, 9, now + 9), now + 9)
-    packed = cache.render(fs.view(now + 9), EXTRA, encoder(False), False, gzip=True)
-    assert gzip.decompress(packed) == reference(fs.view(now + 9), Detail(), False)
+def test_a_label_clash_as_collectors_change() -> None:
+    # Two collectors claim a stream: the render reads every series with a seen-set (the
+    # first live copy wins); later renders follow the fleet as it changes and the clash ends.
+    state = rich_state()
+    cache = ScrapeCache()
+    check(cache, state.view(NOW), False)
+    snap = state.snapshot("node-1")
+    assert snap is not None
+    clash = msgspec.structs.replace(
+        snap, seq=snap.seq + 1, collector=msgspec.structs.replace(snap.collector, node_rank=0)
+    )
+    state.update(clash, NOW)
+    body = check(cache, state.view(NOW), False)
+    assert body.count(b'kvobserve_kv_blocks{dp_rank="1",medium="GPU",node_rank="0"') == 1
+    check(cache, state.view(NOW + 1), True)
+    state.update(msgspec.structs.replace(snap, seq=snap.seq + 2), NOW + 1)  # node_rank 1 again
+    check(cache, state.view(NOW + 1), False)

@@ -7,9 +7,12 @@ node 1's node_rank, the freshest value per field, its capacity joined to the str
 
 from __future__ import annotations
 
+import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks import scale
 from kvobserve.analysis.fleet import FleetState
+from kvobserve.analysis.views import FleetView
 from kvobserve.export.api import streams_json
 from kvobserve.export.scrape import ScrapeCache
 from kvobserve.export.series import Detail
@@ -116,3 +119,67 @@ def test_a_new_leader_snapshot_reaches_the_owner_chunk() -> None:
     body = check(cache, fs.view(NOW + 1), False).decode()  # cached == reference bytes
     line = 'kvobserve_scheduler_token_usage_ratio{dp_rank="2",node_rank="1",worker_id="w"} 0.9'
     assert line in body
+
+
+def _seen(v: FleetView) -> tuple[object, ...]:
+    """What a view serves (collectors without their serials: each FleetState numbers its own)."""
+    return (
+        [(c.info, c.up, c.age_s, c.snapshot) for c in v.collectors],
+        v.streams, v.scheduler, v.dp_size, v.owners, v.leaders, v.unexpected, v.workers,
+        v.sources, {k: c.info for k, c in v.last_owner.items()},
+    )  # fmt: skip
+
+
+def test_views_equal_a_fresh_fleet_states_as_the_last_view_is_reused() -> None:
+    # FleetState keeps the last view's ownership and scheduler join while the collectors say
+    # the same: each view equals that of a fleet state fed the same snapshots afresh.
+    now = 5000.0
+    fs = FleetState()
+    held: dict[str, tuple[Snapshot, float]] = {}
+
+    def send(snap: Snapshot, at: float) -> None:
+        fs.update(snap, at)
+        held[snap.collector.collector_id] = (snap, at)
+
+    def same(t: float) -> None:
+        fresh = FleetState()
+        for snap, at in held.values():
+            fresh.update(snap, at)
+        for _ in range(2):  # the second view from what the first one kept
+            assert _seen(fs.view(t)) == _seen(fresh.view(t))
+        assert fs.conditions(t) == fresh.conditions(t)
+
+    for c in range(6):
+        send(scale.synthetic_snapshot(c, 4, 1, now), now)
+    same(now)
+    send(scale.synthetic_snapshot(2, 4, 2, now + 1), now + 1)  # a leader's new entries
+    same(now + 1)
+    snap = scale.synthetic_snapshot(3, 4, 2, now + 1)  # a collector owns one rank fewer
+    snap.workers[0].ranks_owned = snap.workers[0].ranks_owned[1:]
+    send(snap, now + 1)
+    same(now + 1)
+    for c in (1, 2, 3, 4, 5):  # node-000 goes stale: its ranks have a last owner
+        send(scale.synthetic_snapshot(c, 4, 3, now + 5), now + 5)
+    same(now + 5)
+    snap = scale.synthetic_snapshot(5, 4, 4, now + 5)  # node-005 reads a rank node-004 reads
+    snap.scheduler = [
+        msgspec.structs.replace(
+            scale.synthetic_snapshot(4, 4, 4, now + 5).scheduler[5], source="load"
+        )
+    ]
+    send(snap, now + 5)
+    same(now + 5)
+    send(scale.synthetic_snapshot(5, 4, 5, now + 6), now + 6)  # read once again
+    same(now + 6)
+    snap = scale.synthetic_snapshot(4, 4, 5, now + 6)  # the same ranks from other sources
+    snap.scheduler = [msgspec.structs.replace(s, source="metrics+load") for s in snap.scheduler]
+    send(snap, now + 6)
+    same(now + 6)
+    moved = scale.synthetic_snapshot(4, 4, 6, now + 6)  # node-005 reads what node-004 did:
+    snap = scale.synthetic_snapshot(5, 4, 7, now + 6)  # the same ranks in the same order,
+    snap.scheduler, moved.scheduler = moved.scheduler, []  # the unowned ones under node-005
+    send(moved, now + 6)
+    send(snap, now + 6)
+    same(now + 6)
+    send(scale.synthetic_snapshot(0, 4, 8, now + 6), now + 6)  # node-000 is back
+    same(now + 6)
