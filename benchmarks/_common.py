@@ -27,6 +27,8 @@ from typing import Any
 
 import msgspec
 
+from kvobserve.simulate.group import free_port_range
+
 HASHES_PER_EVENT = 16
 TOKENS_PER_EVENT = 256
 WINDOW = 4096  # groups resident at steady state: 64k blocks per stream
@@ -34,26 +36,15 @@ TOPIC = b"kv-events"
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
-# Ports handed out below the kernel's ephemeral range (Linux: 32768-60999), which outgoing
-# connections draw from: a port picked there can be taken by any connect (a ZMQ reconnect, an
-# HTTP client) before the process it is meant for binds it.
-PORTS_BELOW = 32768
-_rng = random.Random()
-
-
 def free_port(host: str = "127.0.0.1", attempts: int = 200) -> int:
-    """A TCP port on `host`, below the ephemeral range, that was free a moment ago."""
-    for _ in range(attempts):
-        port = _rng.randrange(20000, PORTS_BELOW)
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:  # a crowded range: any free port
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port on `host`, below the ephemeral range, that was free a moment ago and that
+    this process did not hand out lately (simulate/group.py `free_port_range`)."""
+    try:
+        return free_port_range(host, 1, attempts)
+    except OSError:
+        with socket.socket() as s:  # a crowded range: any free port
+            s.bind((host, 0))
+            return int(s.getsockname()[1])
 
 
 def median(values: Sequence[float]) -> float:

@@ -283,11 +283,17 @@ async def _check_scheduler(
         f"kv@{ip}:8000@{model}".encode(): _published(*([old, new] if i == RESTARTED else [p]))
         for i, ((ip, model), p) in enumerate(zip(PODS, pods, strict=True))
     }
-    final = await wait_snapshot(
-        col,
-        lambda s: _relay(s).messages_total == sum(len(f) for f in sent.values()),
-        what="every frame received at kvobserve",
-    )
+
+    def counted(s: Snapshot) -> bool:  # the relay process reports its counts on its own turn
+        b = _relay(s)
+        r = b.relay
+        return (
+            b.messages_total == sum(len(f) for f in sent.values())
+            and r is not None
+            and r.forwarded + r.filtered + sum(r.dropped.values()) >= b.messages_total
+        )
+
+    final = await wait_snapshot(col, counted, what="every frame received and counted")
     await _until(
         lambda: all(scheduler.frames[t][-1:] == f[-1:] for t, f in sent.items()),
         "the last frame of every pod delivered",

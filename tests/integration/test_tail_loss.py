@@ -94,7 +94,11 @@ async def test_seen_5_sglang_0_5_23_every_17th_batch_dropped_the_last_one_too() 
 
             await eventually(settled, 20.0, "gaps 18 and 306 batches applied on every rank")
             truth = sim.truth()
-            conditions = {(c.kind, dict(c.labels)["dp_rank"]): c for c in active(view())}
+            conditions = {  # the streams' (the pool's miss split has its own)
+                (c.kind, labels["dp_rank"]): c
+                for c in active(view())
+                if "dp_rank" in (labels := dict(c.labels))
+            }
             events = list(emb.aggregator.events)
             for sv in view().streams:
                 st, r = sv.stats, sv.stats.dp_rank
