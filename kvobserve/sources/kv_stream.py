@@ -103,6 +103,8 @@ class IngestLoop:
         self._wake_rx.setblocking(False)
         self._wake_tx.setblocking(False)
         self._poller.register(self._wake_rx, zmq.POLLIN)
+        # zmq's poll names a ready non-ZMQ socket by its file descriptor, not by the object
+        self._wake_fd = self._wake_rx.fileno()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvobserve-ingest", daemon=True)
         self._initial = list(specs)
@@ -224,7 +226,7 @@ class IngestLoop:
                         self._on_monitor(st, sock, now)
                     elif sock in self.topic_probes.by_sock:
                         self.topic_probes.drain(sock)
-                    elif sock is self._wake_rx:
+                    elif sock == self._wake_fd:
                         self._drain_wake()
                 self._housekeeping(self._clock())
             except zmq.ContextTerminated:

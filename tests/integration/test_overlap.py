@@ -16,8 +16,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import select
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -369,6 +371,12 @@ def test_a_call_wakes_the_ingest_thread_at_once() -> None:
         for i in range(3):  # each call wakes it again
             assert loop.call(lambda i=i: i).result(timeout=10) == i
         assert loop.overlap([1, 2]).result(timeout=10) == []
+        # and the wake-up is read: a byte left behind would make every poll return at once,
+        # the ingest thread spinning a whole core (zmq names a ready OS socket by its fd)
+        end = time.monotonic() + 10
+        while select.select([loop._wake_rx], [], [], 0)[0]:
+            assert time.monotonic() < end, "the wake-up byte is never read"
+            time.sleep(0.01)  # polling the ingest thread's turn, with a deadline
     finally:
         loop.stop()
     with pytest.raises(RuntimeError, match="stopped"):
