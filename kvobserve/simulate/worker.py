@@ -392,6 +392,12 @@ class SimulatedWorker:
         with self._lock:
             return build_truth(self)
 
+    def pause(self) -> None:
+        """Hold every rank between two batches until `resume` (what it sent has left its PUB)."""
+        with self._lock:
+            for st in self.ranks:
+                st.paused_until = math.inf
+
     def resume(self) -> None:
         """End every rank's stall now (a test holds a long stall until its observer joined)."""
         with self._lock:

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from kvobserve.simulate.group import free_port_range
 from tests.integration.conftest import free_port, nats_server_binary
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,27 +69,6 @@ def interpolate(value: str, env: dict[str, str]) -> str:
     return re.sub(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?-)([^}]*))?\}", repl, value)
 
 
-def free_range(n: int, attempts: int = 200) -> int:
-    """A base port with base .. base+n-1 all free on 127.0.0.1 a moment ago."""
-    for _ in range(attempts):
-        base = free_port()
-        if base + n > 65535:
-            continue
-        socks: list[socket.socket] = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise AssertionError(f"no free range of {n} ports on 127.0.0.1 after {attempts} attempts")
-
-
 class PortMap:
     """(service, container port) -> a free port on 127.0.0.1; ranges keep their offsets."""
 
@@ -99,7 +78,9 @@ class PortMap:
             for item in svc.get("expose", []):
                 lo, _, hi = str(item).partition("-")
                 first, last = int(lo), int(hi or lo)
-                base = free_range(last - first + 1) if last > first else free_port()
+                base = (
+                    free_port_range("127.0.0.1", last - first + 1) if last > first else free_port()
+                )
                 for p in range(first, last + 1):
                     self.map[(name, p)] = base + p - first
 

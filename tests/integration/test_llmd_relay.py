@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import math
 import os
 import signal
 import threading
@@ -201,9 +200,8 @@ async def _pods_restart_and_the_scheduler_goes_away(
     # a pod restarts: the same topic from seq 0 again, a new engine (another seed)
     old = pods[RESTARTED]
     await _until(lambda: old.rank(0).streams[0].seq >= 150, "pod 2 published 150")
-    with old._lock:  # between two ticks: what it published has left its PUB before it stops
-        old.rank(0).paused_until = math.inf
-        first = old.rank(0).streams[0].seq
+    old.pause()  # between two ticks: what it published has left its PUB before it stops
+    first = old.rank(0).streams[0].seq
     await wait_snapshot(
         col, lambda s: stream(s, 0, ids[RESTARTED]).batches_total == first, what="pod 2 drained"
     )
@@ -214,7 +212,18 @@ async def _pods_restart_and_the_scheduler_goes_away(
     await _until(lambda: new.rank(0).streams[0].seq >= 50, "the restarted pod published 50")
     # the scheduler goes away for a second and comes back
     await wait_snapshot(col, lambda s: stream(s, 0, ids[RESTARTED]).restarts == 1, what="restart")
+    # The scheduler goes away between two batches of every pod: a frame still in flight when its
+    # SUB closes (in its queue, in the kernel, or sent before the relay's XPUB noticed) is lost
+    # without anyone knowing, on any ZMQ transport. Held here, the accounting below is exact.
+    live = [*pods[:RESTARTED], new, *pods[RESTARTED + 1 :]]
+    for p in live:
+        p.pause()
+    published = len(_published(old, new)) + sum(len(_published(p)) for p in pods if p is not old)
+    await _until(lambda: scheduler.received == published, "the stand-in read every frame sent")
     scheduler.close()
+    await wait_snapshot(col, _relay_is("connecting"), what="relay sees its target gone")
+    for p in live:
+        p.resume()
     away = await wait_snapshot(
         col, _relay_is("connecting", 100), what="relay reports its target gone, and drops"
     )
@@ -306,16 +315,13 @@ async def _check_scheduler(
         missing += b - a
         if topic == f"kv@{PODS[RESTARTED][0]}:8000@{PODS[RESTARTED][1]}".encode():
             assert a > old.rank(0).streams[0].seq  # the restart fell before the absence
-    b = _relay(final)
-    relay = b.relay
+    bind = _relay(final)
+    relay = bind.relay
     assert relay is not None and relay.state == "up"
     assert relay.filtered == 0 and relay.dropped.get("queue_full", 0) == 0
-    # every frame counted once: forwarded, or dropped while no scheduler subscribed
-    assert relay.forwarded + relay.dropped["no_target"] == b.messages_total
-    assert missing >= relay.dropped["no_target"]
-    # what was in flight when the stand-in closed its socket was forwarded, then lost with it
-    # (0 or 1 frame on loopback); every other missing frame is a no_target drop
-    assert 0 <= relay.forwarded - scheduler.received == missing - relay.dropped["no_target"] <= 20
+    # every frame counted once: forwarded (and received), or dropped while no scheduler subscribed
+    assert relay.forwarded + relay.dropped["no_target"] == bind.messages_total
+    assert (relay.forwarded, missing) == (scheduler.received, relay.dropped["no_target"])
 
 
 async def test_a_relay_without_its_target_binds_after_waiting_and_counts_what_it_drops(
