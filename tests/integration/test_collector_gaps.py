@@ -31,7 +31,7 @@ async def test_live_drops_kept_in_the_ring_are_recovered(fmt: str, sims: Sims) -
         await wait_connected(col, sim)
         snap = await wait_snapshot(
             col,
-            all_streams(lambda s: s.batches_total == 60 and "ok" in s.replay_requests),
+            all_streams(lambda s: s.batches_total == 60 and not s.replaying),
             what="every batch applied, replays done",
         )
         truth = sim.truth()
@@ -40,7 +40,9 @@ async def test_live_drops_kept_in_the_ring_are_recovered(fmt: str, sims: Sims) -
             assert set(inst["live_dropped_seqs"]) == DROPPED
             st = stream(snap, r)
             assert (st.gaps, st.missed, st.recovered, st.lost) == (2, 4, 4, 0)
-            assert st.replay_requests == {"ok": 2}
+            # one replay per gap; on a loaded machine the second gap can be seen while the first
+            # replay is being asked for, and one replay recovers both
+            assert st.replay_requests in ({"ok": 2}, {"ok": 1})
             assert st.state_complete is True
             assert await resident(col, "w", r) == truth_resident(inst)
 
@@ -70,7 +72,8 @@ async def test_drops_missing_from_the_ring_are_lost_the_rest_recovered(sims: Sim
             col,
             lambda s: (
                 [x.batches_total for x in s.streams] == [60, 59]
-                and stream(s, 1).recovered + stream(s, 1).lost == stream(s, 1).missed == 3
+                and stream(s, 1).missed == 3
+                and not stream(s, 1).replaying
             ),
             what="every batch applied, replays done",
         )
@@ -97,7 +100,9 @@ async def test_frequent_live_drops_at_a_high_rate_are_all_recovered(sims: Sims) 
     async with running_collector(sim_collector_config(sim)) as col:
         await wait_connected(col, sim)
         snap = await wait_snapshot(
-            col, all_streams(lambda s: s.batches_total == 1000), what="every batch applied"
+            col,
+            all_streams(lambda s: s.batches_total == 1000 and not s.replaying),
+            what="every batch applied, replays done",
         )
         truth = sim.truth()
         for r in (0, 1):

@@ -149,7 +149,9 @@ async def exact(col: Collector, sim: SimulatedWorker, pod: str) -> None:
 
     def complete(snap: Snapshot) -> bool:
         mine = [s for s in snap.streams if s.worker_id == wid]
-        return len(mine) == 2 and all(s.batches_total == MAX_BATCHES for s in mine)
+        return len(mine) == 2 and all(
+            s.batches_total == MAX_BATCHES and not s.replaying for s in mine
+        )
 
     snap = await wait_snapshot(col, complete, what=f"every batch of {pod}")
     for s in (s for s in snap.streams if s.worker_id == wid):

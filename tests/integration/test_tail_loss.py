@@ -41,7 +41,9 @@ async def test_the_last_batch_of_a_burst_is_recovered_while_the_publisher_idles(
     async with running_collector(sim_collector_config(sim)) as col:
         await wait_connected(col, sim)
         snap = await wait_snapshot(
-            col, lambda s: stream(s, 1).recovered == 1, what="rank 1's lost tail recovered"
+            col,
+            lambda s: stream(s, 1).recovered == 1 and not stream(s, 1).replaying,
+            what="rank 1's lost tail recovered, its replay ended",
         )
         inst = truth_instance(sim.truth(), 1)
         assert inst["batches"] == 40 and inst["live_dropped_seqs"] == [39]  # silent since 39
