@@ -71,7 +71,8 @@ async def test_malformed_payloads_are_counted_and_the_rest_applied(
             lambda s: (
                 stream(s, 0).batches_total == 57
                 and stream(s, 1).batches_total == 60
-                and sum(stream(s, 0).replay_requests.values()) == (2 if replay else 0)
+                and bool(stream(s, 0).replay_requests) is replay
+                and not stream(s, 0).replaying
             ),
             what="batches applied, replays done",
         )
@@ -82,6 +83,9 @@ async def test_malformed_payloads_are_counted_and_the_rest_applied(
         assert st.decode_errors == {"msgpack": 3}
         assert (st.gaps, st.missed, st.recovered, st.lost) == (2, 3, 0, 3)
         assert st.state_complete is False
+        # one replay per gap (each partial: the bad bytes again); under load the second gap can
+        # be seen while the first replay is being asked for, and one replay covers both
+        assert st.replay_requests in (({"partial": 2}, {"partial": 1}) if replay else ({},))
         assert stream(snap, 1).decode_errors == {}
         # malformed batches carry no cache change, so everything else gives the exact truth
         for r in (0, 1):
