@@ -26,6 +26,8 @@ REPLAY_RESULTS: Final = ("ok", "partial", "timeout", "error", "overflow", "abort
 _RECENT = 8  # payloads kept (by reference) to recognise duplicate deliveries
 _OTHER_WINDOW = 64  # how far a known second head may jump and still be recognised as itself
 _OTHER_RUN_LIMIT = 16  # "other" batches in a row with this head silent: the other one is live
+_NOTHING_YET = -1  # the tail schedule's last seq while a stream has received no batch
+_NEVER_MISSED = 1 << 62  # an idle join's `missed_from` until live delivers its first batch
 
 
 class BatchTap(Protocol):
@@ -78,6 +80,7 @@ class ReplayInFlight:
     anchor: bytes | None = None  # tail check after a reconnect: our last batch's bytes, to match
     found: int = 0  # tail check: batches live had not delivered, applied from the reply
     found_from: int = 0  # ... the first seq of the gap they filled
+    idle: bool = False  # a join of a publisher that sent nothing since we connected
 
 
 class StreamSequencer:
@@ -164,7 +167,9 @@ class StreamSequencer:
         if seq <= last:
             return None  # already applied
         if seq > self._high:  # live has not got here yet
-            if rp.tail:
+            if rp.idle:
+                self._idle_join_batch(rp, batch, payload, rp.started if now is None else now)
+            elif rp.tail:
                 self._tail_found(rp, batch, payload, rp.started if now is None else now)
             elif len(rp.ahead) < self.limits.hold_limit:  # kept in case live loses it
                 rp.ahead[seq] = batch
@@ -246,6 +251,27 @@ class StreamSequencer:
         )
         start = last if anchor is not None else last + 1
         return RequestReplay(self._replay_ids, start, tail=True)
+
+    def check_join(self, now: float, connected_at: float) -> RequestReplay | None:
+        """Ask the replay ring from seq 0 for a stream connected since `connected_at` that has
+        received nothing yet, on the tail checks' schedule: a publisher that is already idle
+        never sends the batch a join waits for. The reply is applied as a join: complete when
+        the ring reaches seq 0 (or holds nothing: the publisher has published nothing), else
+        joined mid-stream; live batches arriving meanwhile are held, as in any replay."""
+        if (
+            not self.replay_enabled
+            or self.last_seq is not None
+            or self._replay is not None
+            or self._pending
+            or self.duplicate_stream(now)
+            or not self.tail.due(now, _NOTHING_YET, connected_at)
+        ):
+            return None
+        self._replay_ids += 1
+        self._replay = ReplayInFlight(
+            self._replay_ids, _NEVER_MISSED, now, True, covered=-1, idle=True
+        )
+        return RequestReplay(self._replay_ids, 0, tail=True)
 
     def trust_reason(self, now: float, last_at: float | None, connected: bool) -> str:
         """The trust reason to report: `tail_unverified` while the stream is idle and nothing
@@ -354,7 +380,9 @@ class StreamSequencer:
             # the replay cannot catch up within the hold budget: give up, go on without it
             self._finish_replay("overflow")
             return self._on_live(batch, payload, now) or CancelReplay(rp.replay_id)
-        if seq > high + 1:
+        if rp.idle and high < 0:  # the first live batch of an idle join: where live joins
+            rp.missed_from = seq
+        elif seq > high + 1:
             self.gaps += 1
             self.missed += seq - high - 1
             self.notes.append(("gap", high + 1, seq - 1, now))
@@ -469,6 +497,19 @@ class StreamSequencer:
             self._tail_found_at = now
         self._apply(batch)
 
+    def _idle_join_batch(
+        self, rp: ReplayInFlight, batch: KvBatch, payload: bytes, now: float
+    ) -> None:
+        """A batch of an idle join's reply that live has not delivered: applied in order. The
+        ring's first batch says whether the index can be whole (seq 0) or joins mid-stream."""
+        seq = batch.seq
+        if self.last_seq is None and seq > 0:
+            self.notes.append(("join", seq, 0, now))
+        self._advance_to(rp, seq)  # seqs before the ring's first: never seen (joined mid-stream)
+        self._high = seq
+        self._recent.append((seq, payload))
+        self._apply(batch)
+
     def _is_other_head(self, batch: KvBatch, payload: bytes, head: int, now: float) -> bool:
         """Whether `batch` continues the remembered second head (then it is consumed here)."""
         seq = batch.seq
@@ -556,6 +597,8 @@ class StreamSequencer:
         rp = self._replay
         assert rp is not None
         self._advance_to(rp, self._high + 1 if upto is None else upto)
+        if rp.idle:
+            self.tail.settle(result == "ok")
         if rp.tail and not rp.found and not rp.lost:
             # nothing was missing after the last seq (or nobody could say): nothing to count
             self.tail.settle(result == "ok" and rp.anchor is None)

@@ -194,6 +194,11 @@ class Link:
             gone = "the publisher disconnected (engine stopped?); " if h.state in UP_STATES else ""
             h.set("listening", f"{gone}listening on {self.endpoint}, no publisher connected", wall)
 
+    def on_gone(self, why: str, wall: float) -> None:
+        """Bind mode: the connection this stream's publisher sent on ended (a pod went away)."""
+        self.zmq_at = None
+        self.health.set("listening", f"{why} (engine stopped?)", wall)
+
     def observe_duplicate(self, duplicate: bool, wall: float) -> None:
         """The sequencer's verdict on a second publisher, at each snapshot."""
         h = self.health

@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -51,7 +52,9 @@ STATUS_S = 0.25  # counters reach the collector this often (state changes at onc
 _NUMBERS = itertools.count(1)  # names each Relay's endpoints (see Relay.__init__)
 # plain ints: pyzmq's flag enums cost more than the send itself when combined per frame
 _RCVMORE, _EVENTS, _POLLIN = int(zmq.RCVMORE), int(zmq.EVENTS), int(zmq.POLLIN)
-_NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
+_NOBLOCK, _SNDMORE, _SRCFD = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.SRCFD)
+MAX_TOPICS = 65_536  # topics whose connection a lane remembers (as sources/bind.py's routes)
+TOPICS_EVERY_S = 5.0  # the topic table goes out at least this often (a status may be refused)
 TARGET_EVENTS = (
     zmq.EVENT_CONNECTED
     | zmq.EVENT_CONNECT_DELAYED
@@ -133,6 +136,29 @@ def nobody_connected(endpoint: str, within: str = "") -> str:
     )
 
 
+def peer_of(fd: int) -> str:
+    """The address of the peer of an accepted connection (the descriptor a monitor's ACCEPTED
+    names, in this process), "" when it cannot be read (already closed)."""
+    try:
+        with socket.socket(fileno=os.dup(fd)) as s:
+            host, port = s.getpeername()[:2]
+    except (OSError, ValueError):
+        return ""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def connection_note(event: int, value: int) -> str | None:
+    """What a bound endpoint's monitor event says about a connection that failed (None: it
+    opened or ended one, or it is about the endpoint itself)."""
+    if event == zmq.EVENT_ACCEPT_FAILED:
+        return f"a connection could not be accepted (errno {value})"
+    if event not in (
+        zmq.EVENT_LISTENING, zmq.EVENT_BIND_FAILED, zmq.EVENT_ACCEPTED, zmq.EVENT_DISCONNECTED,
+    ):  # fmt: skip
+        return "a peer failed the ZMQ handshake: not a ZMQ PUB?"
+    return None
+
+
 def count_peers(peers: set[int], event: int, value: int) -> str | None:
     """Track the connections of a bound endpoint (ACCEPTED/DISCONNECTED carry the fd); None, or
     a note on a connection that failed."""
@@ -140,11 +166,7 @@ def count_peers(peers: set[int], event: int, value: int) -> str | None:
         peers.add(value)
     elif event == zmq.EVENT_DISCONNECTED:
         peers.discard(value)
-    elif event == zmq.EVENT_ACCEPT_FAILED:
-        return f"a connection could not be accepted (errno {value})"
-    elif event not in (zmq.EVENT_LISTENING, zmq.EVENT_BIND_FAILED):
-        return "a peer failed the ZMQ handshake: not a ZMQ PUB?"
-    return None
+    return connection_note(event, value)
 
 
 # --- the relay process -------------------------------------------------------------------------
@@ -255,7 +277,10 @@ class _Lane:
         self.state, self.reason, self.since = "starting", f"binding {self.endpoint}", wall
         self.dirty = True  # a state changed: the collector hears at once, not at the next tick
         self.note = ""
-        self.peers: set[int] = set()
+        self.conns: dict[int, str] = {}  # connections open now: fd -> peer address
+        self.topics: dict[bytes, int] = {}  # topic -> the connection its first message came on
+        self.topics_sent_at = 0.0  # the full topic table goes out when it changed, and now and then
+        self.topics_dirty = False
         self.analysis_dropped = 0
         self.retry_at = 0.0
         self.sub: zmq.Socket[bytes] | None = None
@@ -298,10 +323,18 @@ class _Lane:
         return True
 
     def on_listen_monitor(self, event: int, value: int, wall: float) -> None:
-        note = count_peers(self.peers, event, value)
-        if note is not None:
-            self.note = note
-        elif (n := len(self.peers)) > 0:
+        if event == zmq.EVENT_ACCEPTED:
+            self.conns[value] = peer_of(value)
+        elif event == zmq.EVENT_DISCONNECTED:
+            self.conns.pop(value, None)
+            gone = [t for t, fd in self.topics.items() if fd == value]
+            for t in gone:  # their next message, on a new connection, names it
+                del self.topics[t]
+            self.topics_dirty = self.topics_dirty or bool(gone)
+        else:
+            self.note = connection_note(event, value) or self.note
+            return
+        if (n := len(self.conns)) > 0:
             self.set("connected", f"{n} publisher(s) connected to {self.endpoint}", wall)
         elif self.state == "connected":
             self.set("listening", f"listening on {self.endpoint}, no publisher connected", wall)
@@ -319,11 +352,14 @@ class _Lane:
                 s.close(linger=0)
         self.sub = self.smon = self.xpub = self.xmon = self.push = None
 
-    def status(self) -> dict[str, Any]:
+    def status(self, topics: bool) -> dict[str, Any]:
+        """This lane's status for the collector (`topics`: with the topic table)."""
         k = self.link
         return {
             "lane": self.id, "state": self.state, "reason": self.reason, "since": self.since,
-            "publishers": len(self.peers), "note": self.note,
+            "publishers": len(self.conns), "note": self.note,
+            "conns": {str(fd): peer for fd, peer in self.conns.items()},
+            "topics": {t.hex(): fd for t, fd in self.topics.items()} if topics else {},
             "analysis_dropped": self.analysis_dropped,
             "relay": {
                 "state": k.state, "reason": k.reason, "since": k.since, "forwarded": k.forwarded,
@@ -337,12 +373,16 @@ class _Lane:
         sub, xpub, push, link = self.sub, self.xpub, self.push, self.link
         assert sub is not None and xpub is not None and push is not None
         recv, more, events = sub.recv, sub.get, xpub.get
-        send, hand = xpub.send, push.send
+        send, hand, topics = xpub.send, push.send, self.topics
         for _ in range(DRAIN_LIMIT):
             try:
-                frames = [recv(_NOBLOCK)]
+                first = recv(_NOBLOCK, copy=False)
             except zmq.Again:
                 break
+            frames = [first.bytes]
+            if frames[0] not in topics and len(topics) < MAX_TOPICS:
+                topics[frames[0]] = first.get(_SRCFD)  # which pod's connection: the collector
+                self.topics_dirty = True  # tells a pod that goes away by it (sources/bind.py)
             while more(_RCVMORE):
                 frames.append(recv(_NOBLOCK))
             if int(events(_EVENTS)) & _POLLIN:
@@ -446,9 +486,15 @@ def relay_main(control: str, parent: int) -> None:
                     return
                 next_status = now + STATUS_S
             for lane in lanes.values():
-                if periodic or lane.dirty:
+                if periodic or lane.dirty or lane.topics_dirty:
+                    topics = lane.topics_dirty or now - lane.topics_sent_at >= TOPICS_EVERY_S
+                    try:
+                        ctl.send(json.dumps(lane.status(topics)).encode(), zmq.NOBLOCK)
+                    except zmq.Again:  # the collector is behind: the next status says it all
+                        continue
                     lane.dirty = False
-                    ctl.send(json.dumps(lane.status()).encode(), zmq.NOBLOCK)
+                    if topics:
+                        lane.topics_dirty, lane.topics_sent_at = False, now
     except zmq.ContextTerminated:
         pass
     finally:

@@ -1,11 +1,9 @@
-"""The state of one watched KV-event endpoint (owned by the ingest thread) and its snapshot form."""
+"""The state of one watched KV-event stream (owned by the stream core) and its snapshot form."""
 
 from __future__ import annotations
 
 import time
 from collections import deque
-
-import zmq
 
 from kvobserve.analysis.mirror import MirrorDetector
 from kvobserve.analysis.sequence import StreamSequencer
@@ -32,21 +30,21 @@ class WatchedStream:
         "last_seen",
         "link",
         "mirror",
-        "monitor",
+        "open",
         "rate",
         "rate_prev",
-        "replay",
         "seq",
-        "sock",
+        "source",
         "spec",
     )
 
     def __init__(self, spec: StreamSpec, seq: StreamSequencer | None) -> None:
         self.spec = spec
         self.seq = seq  # None for probe ports
-        self.sock: zmq.Socket[bytes] | None = None
-        self.monitor: zmq.Socket[bytes] | None = None
-        self.replay: tuple[int, zmq.Socket[bytes], bool] | None = None  # (id, DEALER, tail check)
+        self.open = False  # its SUB is open (connect mode; the shell holds the socket)
+        # a pod of a bound endpoint: the connection (the shell's id for it, e.g. its fd) its
+        # messages arrive on, once known (sources/bind.py)
+        self.source: int | None = None
         self.mirror: MirrorDetector | None = None
         self.decode_errors: dict[str, int] = {}
         self.bad_seqs: deque[int] = deque(maxlen=64)  # seqs that did not decode, live or replay

@@ -218,15 +218,15 @@ def test_the_endpoint_counts_connections_and_moves_its_stream() -> None:
     spec = StreamSpec("w", 1, "vllm", "tcp://*:5558", bound=True)
     st = lst.stream = WatchedStream(spec, None)
     st.link = new_link(spec, DEFAULT_LINK_TIMES, RecentEvents(), 100.0)
-    lst.on_monitor(zmq.EVENT_ACCEPTED, 11, 1.0, 101.0)
-    lst.on_monitor(zmq.EVENT_ACCEPTED, 12, 1.0, 101.0)
-    assert (lst.health.state, len(lst.peers)) == ("connected", 2)
+    lst.on_monitor(zmq.EVENT_ACCEPTED, 11, "10.0.0.3:40001", 1.0, 101.0)
+    lst.on_monitor(zmq.EVENT_ACCEPTED, 12, "10.0.0.4:40002", 1.0, 101.0)
+    assert (lst.health.state, len(lst.conns)) == ("connected", 2)
     assert st.link.health.state == "waiting"
     st.link.on_data(1, 0, "", (), 2.0, 102.0)
-    lst.on_monitor(zmq.EVENT_DISCONNECTED, 11, 3.0, 103.0)
+    lst.on_monitor(zmq.EVENT_DISCONNECTED, 11, "", 3.0, 103.0)
     assert lst.health.reason == "1 publisher(s) connected to tcp://*:5558"
     assert st.link.health.state == "up"
-    lst.on_monitor(zmq.EVENT_DISCONNECTED, 12, 4.0, 104.0)
+    lst.on_monitor(zmq.EVENT_DISCONNECTED, 12, "", 4.0, 104.0)
     assert lst.health.state == "listening"
     assert st.link.health.state == "listening"
     assert st.link.health.reason.startswith("the publisher disconnected (engine stopped?)")
