@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import re
 import shlex
@@ -22,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "kubernetes"
 LWS_EXAMPLE = "sglang-dp8-lws.yaml"
 NAMESPACE = "kvobserve"
+IMAGE_COMPONENT = K8S / "image"  # the kustomize Component that sets the kvobserve image
+IMAGE_NAME = "kvobserve"  # what every manifest names; kustomize replaces it
 
 # What the LeaderWorkerSet controller puts on its pods (sigs.k8s.io/lws api/leaderworkerset/v1):
 # labels on every pod (the leader's worker index is 0), the group size as an annotation, and
@@ -44,9 +47,85 @@ def generator() -> ModuleType:
     return mod
 
 
+def _kustomization(directory: Path) -> Obj:
+    doc: Obj = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    return doc
+
+
 def overlays() -> list[Path]:
-    """The kustomizations under deploy/kubernetes beside the stack's own (llm-d-per-pod/, ...)."""
-    return sorted(p.parent for p in K8S.glob("*/kustomization.yaml"))
+    """The kustomizations under deploy/kubernetes beside the stack's own (llm-d-per-pod/, ...);
+    not the Components they share (image/)."""
+    return sorted(
+        p.parent
+        for p in K8S.glob("*/kustomization.yaml")
+        if _kustomization(p.parent)["kind"] == "Kustomization"
+    )
+
+
+def image() -> str:
+    """The kvobserve image every kustomization sets (image/kustomization.yaml): NAME:TAG."""
+    doc = _kustomization(IMAGE_COMPONENT)
+    assert doc["kind"] == "Component", "image/ is a kustomize Component"
+    (entry,) = doc["images"]
+    assert entry["name"] == IMAGE_NAME
+    return f"{entry['newName']}:{entry['newTag']}"
+
+
+def with_image(obj: Obj) -> Obj:
+    """`obj` with every container image named IMAGE_NAME replaced by image(), as kustomize does."""
+    out = copy.deepcopy(obj)
+    for template in _templates(out):
+        for c in containers(template["spec"]):
+            if c["image"] == IMAGE_NAME:
+                c["image"] = image()
+    return out
+
+
+def _templates(obj: Obj) -> list[Obj]:
+    if obj["kind"] in ("Deployment", "StatefulSet"):
+        return [obj["spec"]["template"]]
+    return []
+
+
+def selector_string(selector: Obj) -> str:
+    """A LabelSelector object (matchLabels, matchExpressions) as the string `kubectl -l` takes."""
+    parts = [f"{k}={v}" for k, v in selector.get("matchLabels", {}).items()]
+    for e in selector.get("matchExpressions", []):
+        op, key = e["operator"], e["key"]
+        if op in ("In", "NotIn"):
+            parts.append(f"{key} {op.lower()} ({','.join(e['values'])})")
+        else:
+            parts.append(key if op == "Exists" else f"!{key}")
+    return ",".join(parts)
+
+
+def kubectl_selects(selector: str, label_sets: list[dict[str, str]], tmp: Path) -> list[bool]:
+    """Which label sets `selector` selects, decided by kubectl's own label-selector code (the
+    apimachinery parser and matcher kustomize uses for a patch's `labelSelector`), offline: each
+    set becomes a Pod, the patch marks the selected ones. An empty selector selects every set."""
+    pods = [
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": f"pod-{i}", "labels": labels},
+            "spec": {"containers": [{"name": "c", "image": "x"}]},
+        }
+        for i, labels in enumerate(label_sets)
+    ]
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "pods.yaml").write_text(yaml.safe_dump_all(pods))
+    mark = [{"op": "add", "path": "/metadata/annotations", "value": {"selected": "yes"}}]
+    target = {"kind": "Pod", **({"labelSelector": selector} if selector else {})}
+    kustomization = {
+        "resources": ["pods.yaml"],
+        "patches": [{"target": target, "patch": yaml.safe_dump(mark)}],
+    }
+    (tmp / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    built = {o["metadata"]["name"]: o for o in kustomize(tmp)}
+    return [
+        built[f"pod-{i}"]["metadata"].get("annotations", {}).get("selected") == "yes"
+        for i in range(len(label_sets))
+    ]
 
 
 @cache
@@ -219,6 +298,35 @@ def promtool() -> str:
     return found
 
 
+DNS = {("UDP", 53), ("TCP", 53)}
+
+
+def rule_ports(rule: Obj, named: dict[str, int] | None = None) -> set[tuple[str, int]]:
+    """(protocol, port) that the `ports` of a NetworkPolicy rule admit: endPort ranges expanded,
+    named ports resolved with `named` (the destination's container ports)."""
+    out = set()
+    for entry in rule["ports"]:
+        port = entry["port"]
+        if isinstance(port, str):
+            assert named and port in named, f"no container port named {port!r} in {named}"
+            port = named[port]
+        for p in range(port, entry.get("endPort", port) + 1):
+            out.add((entry.get("protocol", "TCP"), p))
+    return out
+
+
+def tcp(*ranges: range | int) -> set[tuple[str, int]]:
+    """TCP ports, as rule_ports gives them."""
+    return {("TCP", p) for r in ranges for p in (r if isinstance(r, range) else (r,))}
+
+
+def nats_url_parts(url: str) -> tuple[str, str, int]:
+    """(Service, namespace, port) of a nats://SERVICE.NAMESPACE.svc:PORT URL."""
+    m = re.fullmatch(r"nats://([a-z0-9-]+)\.([a-z0-9-]+)\.svc:(\d+)", url)
+    assert m, f"not a Service in another namespace: {url}"
+    return m.group(1), m.group(2), int(m.group(3))
+
+
 class Overlay:
     """One overlay under deploy/kubernetes (llm-d-per-pod/, llm-d-relay/): its objects, the
     collector Deployment it runs and the example engine it ships unlisted."""
@@ -271,14 +379,29 @@ class Overlay:
             str(path), {}, {k: v for k, v in env.items() if k.startswith("KVOBSERVE_")}
         )
 
+    def namespace(self) -> str:
+        """The namespace the kustomization puts every object in, named there once."""
+        ns: str = _kustomization(self.root)["namespace"]
+        return ns
+
     def built_as_listed(self) -> list[Obj]:
-        """What `kubectl kustomize` builds, checked to be the listed objects as written."""
+        """What `kubectl kustomize` builds, checked to be the listed objects as written but for
+        what the kustomization sets: the namespace (of the objects and of the RoleBinding's
+        ServiceAccount) and the image (image/)."""
 
         def key(o: Obj) -> tuple[str, str]:
             return o["kind"], o["metadata"]["name"]
 
+        def expected(o: Obj) -> Obj:
+            o = with_image(o)
+            o["metadata"]["namespace"] = self.namespace()
+            for s in o.get("subjects", []):
+                if s["kind"] == "ServiceAccount":
+                    s["namespace"] = self.namespace()
+            return o
+
         built = kustomize(self.root)
-        assert sorted(built, key=key) == sorted(self.listed(), key=key)
+        assert sorted(built, key=key) == sorted(map(expected, self.listed()), key=key)
         return built
 
     def validate(self, version: str) -> None:
@@ -298,7 +421,7 @@ class Overlay:
         assert (spec["replicas"], spec["strategy"]["type"]) == (1, "Recreate")
         pod = spec["template"]["spec"]
         c = self.collector()
-        assert c["image"] == f"kvobserve:{version}"
+        assert c["image"] == IMAGE_NAME and image() == f"kvobserve:{version}"
         assert kvobserve_args(c) == ["collect", "-c", "/etc/kvobserve/kvobserve.toml"]
         volumes = {v["name"]: v for v in pod["volumes"]}
         mounts = {m["mountPath"]: volumes[m["name"]] for m in c["volumeMounts"]}
@@ -316,6 +439,60 @@ class Overlay:
         assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"]
         assert pod["enableServiceLinks"] is False
         return mounts
+
+    def assert_in_one_namespace(self) -> None:
+        """No object of the overlay (the example's included) names a namespace, no RoleBinding
+        subject either, nor the collector's config: the kustomization's `namespace:` is the one
+        place, and everything kustomize builds lands there."""
+        for name, o in self.objects():
+            assert "namespace" not in o["metadata"], f"{name}: {o['kind']} names a namespace"
+            for s in o.get("subjects", []):
+                assert "namespace" not in s, f"{name}: a subject names a namespace"
+        assert "namespace" not in tomllib.loads(self.config_text())["worker"][0].get(
+            "kubernetes", {}
+        )
+        assert {o["metadata"]["namespace"] for o in kustomize(self.root)} == {self.namespace()}
+
+    def policy(self, tmp: Path) -> Obj:
+        """The overlay's NetworkPolicy, checked to select the collector's pods and no other of
+        the overlay (nor the example engine's)."""
+        policy = self.find("NetworkPolicy")
+        deployment = self.find("Deployment")
+        assert policy["spec"]["podSelector"] == deployment["spec"]["selector"]
+        templates = [deployment["spec"]["template"], self.engine()["spec"]["template"]]
+        labels = [tpl["metadata"]["labels"] for tpl in templates]
+        assert kubectl_selects(selector_string(policy["spec"]["podSelector"]), labels, tmp) == [
+            True,
+            False,
+        ]
+        assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
+        return policy
+
+    def assert_nats_and_dns(self, rules: list[Obj], tmp: Path) -> list[Obj]:
+        """Two of the egress `rules` are the stack's NATS (the Service and namespace of the
+        collector's KVOBSERVE_NATS_URL, its client port, its pods) and DNS (port 53, UDP and TCP,
+        anywhere); returns the others."""
+        env = container_env(self.collector(), self.pod_name)
+        service, ns, port = nats_url_parts(env["KVOBSERVE_NATS_URL"])
+        assert (service, ns) == ("nats", NAMESPACE)
+        svc = find("Service", service)
+        assert {p["name"]: p["port"] for p in svc["spec"]["ports"]}["client"] == port
+        (nats,) = [r for r in rules if r.get("to") and "namespaceSelector" in r["to"][0]]
+        (peer,) = nats["to"]
+        assert peer["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": ns}}
+        broker = find("StatefulSet", service)["spec"]["template"]["metadata"]["labels"]
+        assert kubectl_selects(selector_string(peer["podSelector"]), [broker], tmp) == [True]
+        assert rule_ports(nats) == tcp(port)
+        (dns,) = [r for r in rules if "to" not in r and rule_ports(r) == DNS]
+        return [r for r in rules if r is not nats and r is not dns]
+
+    def assert_pdb(self) -> None:
+        """The PodDisruptionBudget covers exactly the collector's pods: an eviction waits for
+        you (minAvailable = replicas = 1) unless the pod is not Ready."""
+        pdb, deployment = self.find("PodDisruptionBudget"), self.find("Deployment")
+        assert pdb["spec"]["selector"] == deployment["spec"]["selector"]
+        assert pdb["spec"]["minAvailable"] == deployment["spec"]["replicas"] == 1
+        assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
 
     def assert_docs_show(self, section: str) -> None:
         """A docs section shows the overlay's [[worker]] and the engine's --kv-events-config."""

@@ -17,6 +17,8 @@ import yaml
 
 from kvobserve.config import ConfigError, load_config
 from tests.integration.k8s_helpers import (
+    IMAGE_COMPONENT,
+    IMAGE_NAME,
     K8S,
     LWS_EXAMPLE,
     LWS_GROUP_INDEX_LABEL,
@@ -30,6 +32,7 @@ from tests.integration.k8s_helpers import (
     containers,
     find,
     generator,
+    image,
     kustomize,
     kvobserve_args,
     lws,
@@ -37,9 +40,11 @@ from tests.integration.k8s_helpers import (
     lws_templates,
     manifests,
     objects,
+    overlays,
     pod_templates,
     promtool,
     shared_toml,
+    with_image,
 )
 
 pytestmark = pytest.mark.integration
@@ -47,7 +52,7 @@ pytestmark = pytest.mark.integration
 # The one pin: the Kubernetes version whose schemas (bundled by kubernetes-validate, test extras)
 # every core object must satisfy. docs/kubernetes.md names it too.
 KUBERNETES_VERSION = "1.37.0"
-CORE_KINDS = {"Namespace", "ConfigMap", "Service", "StatefulSet"}
+CORE_KINDS = {"Namespace", "ConfigMap", "Service", "StatefulSet", "NetworkPolicy"}
 CRD_KINDS = {"LeaderWorkerSet", "ServiceMonitor", "PrometheusRule"}
 # The sections of kvobserve.toml: a KVOBSERVE_<SECTION>_* variable is read as a setting.
 KVOBSERVE_SECTIONS = ("cluster", "collector", "worker", "aggregator", "http", "nats")
@@ -140,9 +145,13 @@ def test_pod_specs_are_self_consistent_and_locked_down() -> None:
                 assert port is None or port in ports, f"{where}/{c['name']} {probe}: {port}"
             for source in c.get("envFrom", []):
                 configmap_data(source["configMapRef"]["name"])  # defined in the manifests
-            if not c["image"].startswith("kvobserve:"):
+            if c["image"] != IMAGE_NAME and not c["image"].startswith("kvobserve:"):
                 continue  # the engine placeholder and NATS are checked by the schema only
-            assert c["image"] == f"kvobserve:{VERSION}", f"{where}: image vs pyproject {VERSION}"
+            # kustomize sets the image (image/): the manifests name no tag; the LWS example,
+            # applied without kustomize, writes image/'s value out
+            lws_example = where.startswith("LeaderWorkerSet/")
+            assert c["image"] == (image() if lws_example else IMAGE_NAME), where
+            assert image() == f"kvobserve:{VERSION}", f"image/: the tag vs pyproject {VERSION}"
             sc = {**spec.get("securityContext", {}), **c.get("securityContext", {})}
             assert sc["runAsNonRoot"] is True and sc["runAsUser"] == 10001, where
             assert sc["readOnlyRootFilesystem"] is True, where
@@ -325,7 +334,7 @@ def test_kustomize_builds_the_stack_and_expands_the_sidecar_alias(tmp_path: Path
     expected = [o for name, docs in manifests().items() if name != LWS_EXAMPLE for o in docs]
     assert len(built) == len(expected)
     for obj in built:
-        want = find(obj["kind"], obj["metadata"]["name"])
+        want = with_image(find(obj["kind"], obj["metadata"]["name"]))
         if obj["kind"] != "Namespace":
             want = {**want, "metadata": {**want["metadata"], "namespace": NAMESPACE}}
         assert obj == want, f"{obj['kind']}/{obj['metadata']['name']} differs after kustomize"
@@ -337,9 +346,14 @@ def test_kustomize_builds_the_stack_and_expands_the_sidecar_alias(tmp_path: Path
 
 def test_docs_name_the_pin_the_files_and_the_variables() -> None:
     doc = (ROOT / "docs" / "kubernetes.md").read_text()
+    readme = (K8S / "README.md").read_text()
     assert f"Kubernetes {KUBERNETES_VERSION.rsplit('.', 1)[0]}" in doc
-    for name in manifests():
+    image_file = f"{IMAGE_COMPONENT.name}/kustomization.yaml"
+    for name in [*manifests(), image_file, "generate.py"]:
         assert name in doc, f"docs/kubernetes.md does not mention {name}"
+        assert f"`{name}`" in readme, f"deploy/kubernetes/README.md does not list {name}"
+    for overlay in overlays():
+        assert f"`{overlay.name}/`" in readme, f"deploy/kubernetes/README.md: no {overlay.name}/"
     names = set(configmap_data("kvobserve-env"))
     for template in pod_templates().values():
         for c in containers(template["spec"]):

@@ -71,8 +71,9 @@ def test_vllm_flags_and_the_bind_file_agree(tmp_path: Path) -> None:
 def test_llm_d_flags_and_the_relay_file_agree(tmp_path: Path) -> None:
     flags = _engine_flags(HEADINGS[1])
     plan = _plan(tmp_path, HEADINGS[1])
-    (x,) = plan.listens
-    assert plan.pods and x.endpoint == "tcp://*:5556"
+    x, y = plan.listens  # two DP ranks: 5556 + rank
+    assert plan.pods and (x.endpoint, y.endpoint) == ("tcp://*:5556", "tcp://*:5557")
+    assert "--data-parallel-size=2" in _section(HEADINGS[1])
     assert str(flags["endpoint"]).endswith(":5556")
     topic = str(flags["topic"]).replace("$(POD_IP)", "10.4.2.17").replace("$(POD_PORT)", "8000")
     assert TopicTemplate.parse(x.topic, "topic").match(topic) == {
@@ -83,4 +84,4 @@ def test_llm_d_flags_and_the_relay_file_agree(tmp_path: Path) -> None:
         == "tcp://{pod_ip}:5559"
         == str(flags["replay_endpoint"]).replace("*", "{pod_ip}")
     )
-    assert x.relay_to == "tcp://llm-d-epp.llm-d.svc.cluster.local:5556"
+    assert (x.relay_to, y.relay_to) == ("tcp://llm-d-epp:5556", "tcp://llm-d-epp:5557")
