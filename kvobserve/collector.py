@@ -39,6 +39,7 @@ from kvobserve.sources.plan import (
     WorkerPlan,
     plan_pods,
     plan_worker,
+    pod_scheduler,
 )
 from kvobserve.sources.scheduler import SchedulerSources, SchedulerValues
 from kvobserve.sources.stream_events import RecentEvents
@@ -126,6 +127,7 @@ class Collector:
         self._pod_watch_options = pod_watch or {}
         self.pod_watches: dict[str, PodWatch] = {}
         self._sched_specs: dict[str, tuple[SchedulerSpec, ...]] = {}
+        self._pods_seen: dict[str, list[str]] = {}  # [[worker]] id -> pods its topics named
         self._task: asyncio.Task[None] | None = None
         self._seq = 0
         self.snapshots_published = 0
@@ -223,24 +225,34 @@ class Collector:
         """The endpoints this collector binds (bind mode), as the last _replan() planned."""
         return [x for p in self.plans for x in p.listens]
 
+    def _wanted_sources(self) -> dict[str, tuple[tuple[SchedulerSpec, ...], WorkerConfig]]:
+        """The scheduler sources each worker should have: its plan's, and each pod's that a
+        topic template named (its worker's "pod" sources, filled: the pods the ingest saw)."""
+        out: dict[str, tuple[tuple[SchedulerSpec, ...], WorkerConfig]] = {}
+        for plan in self.plans:
+            w = plan.worker
+            specs = tuple(s for s in plan.scheduler if s.scope != "pod") if plan.dp_size else ()
+            out[w.id] = (specs, w)
+            for pod in self._pods_seen.get(w.id, ()) if plan.pods else ():
+                out[pod] = (pod_scheduler(plan, pod), w)
+        return out
+
     async def _sync_scheduler(self) -> None:
-        """Start the scheduler sources of every plan; restart a worker's when its plan changed;
-        close those of workers no longer planned (a deleted pod)."""
-        planned = {p.worker.id for p in self.plans}
-        for wid in [w for w in self._sched_specs if w not in planned]:
+        """Start the scheduler sources of every plan and pod; restart a worker's when its plan
+        changed; close those of workers no longer planned (a deleted or forgotten pod)."""
+        wanted = self._wanted_sources()
+        for wid in [w for w in self._sched_specs if w not in wanted]:
             del self._sched_specs[wid]
             gone = self.scheduler.pop(wid, None)
             if gone is not None:
                 await gone.close()
-        for plan in self.plans:
-            w = plan.worker
-            specs = plan.scheduler if plan.dp_size else ()
-            if self._sched_specs.get(w.id) == specs:
+        for wid, (specs, w) in wanted.items():
+            if self._sched_specs.get(wid) == specs:
                 continue
-            old = self.scheduler.pop(w.id, None)
+            old = self.scheduler.pop(wid, None)
             if old is not None:
                 await old.close()
-            self._sched_specs[w.id] = specs
+            self._sched_specs[wid] = specs
             if not specs:
                 continue
             src = SchedulerSources(
@@ -248,17 +260,17 @@ class Collector:
                 w.engine,
                 allow_pickle=w.allow_pickle,
                 interval_s=self.cfg.collector.interval_s,
-                worker_id=w.id,
+                worker_id=wid,
             )
             for one in src.sources:
-                one.health.on_change = self._source_changed(w.id, one.name)
+                one.health.on_change = self._source_changed(wid, one.name)
             try:
                 await src.start()
             except Exception as exc:  # e.g. the KvMetrics PULL address in use: report, go on
-                log.warning("worker %s: scheduler sources: %s", w.id, exc)
+                log.warning("worker %s: scheduler sources: %s", wid, exc)
                 await src.close()
                 continue
-            self.scheduler[w.id] = src
+            self.scheduler[wid] = src
 
     async def _on_pods(self, worker_id: str, pods: dict[str, str]) -> None:
         """The streaming pods of a `[worker.kubernetes]` worker changed: re-plan, as rediscovery."""
@@ -280,6 +292,17 @@ class Collector:
         await self._sync_scheduler()
         log.info("endpoints of %s changed; now watching %d streams", new.url, len(specs))
 
+    def _config_of(self, worker_id: str) -> WorkerConfig:
+        """The config of a worker, a Kubernetes pod's (its plan's) or a topic-named pod's (its
+        [[worker]]'s)."""
+        for w in (*self.cfg.workers, *(p.worker for p in self.plans)):
+            if w.id == worker_id:
+                return w
+        head, sep, _ = worker_id.rpartition("/")
+        if not sep:
+            raise KeyError(worker_id)
+        return self._config_of(head)
+
     def _scheduler_values(
         self, worker_id: str, src: SchedulerSources
     ) -> dict[int, SchedulerValues]:
@@ -298,6 +321,9 @@ class Collector:
             p.worker.id for p in self.plans if p.dp_size and len(p.watched_ranks) >= p.dp_size
         )
         ingest = await asyncio.wrap_future(self.ingest.stats(whole))
+        if ingest.pods != self._pods_seen:  # pods a topic template named: their own sources
+            self._pods_seen = ingest.pods
+            await self._sync_scheduler()
         refused = dict(ingest.refused)
         sched: list[SchedulerStats] = []
         passthrough: list[Family] = []
@@ -322,7 +348,7 @@ class Collector:
                         v.updated_at,
                     )
                 )
-            wcfg = next(w for w in self.cfg.workers if w.id == wid)
+            wcfg = self._config_of(wid)
             # a failed scrape's families are its last ones: passed through only while it is up
             if wcfg.passthrough_engine_metrics and src.scrape is not None and src.scrape.up:
                 extra = {"worker_id": wid, "node_rank": str(self.info.node_rank)}

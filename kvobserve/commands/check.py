@@ -131,7 +131,7 @@ def _print_pods(p: dict[str, Any]) -> None:
 
 
 _STREAM_KEYS = ("dp_rank", "endpoint", "replay_endpoint", "topic")
-_SCOPES = {"node": "this node's engine", "leader": "leader", "rank": "rank"}
+_SCOPES = {"node": "this node's engine", "leader": "leader", "rank": "rank", "pod": "each pod"}
 
 
 def plan_json(p: WorkerPlan) -> dict[str, Any]:

@@ -4,7 +4,9 @@ On a bound endpoint many publishers connect to one SUB, and a SUB does not say w
 frame; the topic does. llm-d's deployments set each engine's topic to `kv@<pod-ip>:<port>@<model>`
 and read the pod and the model back from it. A template is literal text with the fields `{pod}`
 (required: each pod is its own stream) and `{model}`; a plain topic (no field) is a prefix, as in
-connect mode. A replay endpoint may name the pod's address as `{pod_ip}` (`tcp://{pod_ip}:5559`).
+connect mode. A replay endpoint may name the pod's address as `{pod_ip}` (`tcp://{pod_ip}:5559`), and a
+`metrics_url` the pod's `{pod}` or `{pod_ip}` (`http://{pod_ip}:8000/metrics`): each pod's engine is
+scraped at its own address.
 """
 
 from __future__ import annotations
@@ -15,10 +17,17 @@ import socket
 from dataclasses import dataclass, field
 
 from kvobserve.config.model import ConfigError, WorkerConfig
-from kvobserve.config.values import at_least, check_zmq_endpoint, is_wildcard, split_host_port
+from kvobserve.config.values import (
+    at_least,
+    check_url,
+    check_zmq_endpoint,
+    is_wildcard,
+    split_host_port,
+)
 
 TOPIC_FIELDS = ("pod", "model")
 REPLAY_FIELDS = ("pod_ip",)
+POD_URL_FIELDS = ("pod", "pod_ip")  # a metrics_url for each pod
 _FIELD = re.compile(r"\{([^{}]*)\}")
 
 
@@ -86,6 +95,32 @@ def pod_ip(pod: str) -> str:
     return host if sep and port.isdigit() and ":" not in host else pod
 
 
+def fill_pod(template: str, pod: str, ip: str | None = None) -> str:
+    """`template` for one pod: `{pod}` its id (a topic's `{pod}`, a Kubernetes pod's name),
+    `{pod_ip}` its address (by default the address part of the id; IPv6 in brackets)."""
+    ip = pod_ip(pod) if ip is None else ip
+    return template.replace("{pod_ip}", f"[{ip}]" if ":" in ip else ip).replace("{pod}", pod)
+
+
+def pod_url_fields(text: str) -> list[str]:
+    """The fields a URL template names (`{pod}`, `{pod_ip}`)."""
+    return _FIELD.findall(text)
+
+
+def check_pod_url(text: str, where: str) -> str:
+    """A URL that may name `{pod}` and `{pod_ip}` (filled for each pod): valid once filled;
+    ConfigError naming `where` and the value otherwise."""
+    bad = [n for n in pod_url_fields(text) if n not in POD_URL_FIELDS]
+    if bad:
+        raise ConfigError(
+            f"{where}: unknown field {{{bad[0]}}} in {text!r}; a URL may name "
+            + " and ".join(f"{{{f}}}" for f in POD_URL_FIELDS)
+            + ", filled for each pod"
+        )
+    check_url(fill_pod(text, "10.0.0.1:8000"), where)
+    return text
+
+
 def check_replay_template(text: str, where: str) -> str:
     """A replay endpoint whose only field is `{pod_ip}`; ConfigError naming `where` otherwise."""
     names = _FIELD.findall(text)
@@ -96,12 +131,6 @@ def check_replay_template(text: str, where: str) -> str:
             "{pod_ip}, the address of the pod in the topic"
         )
     return text
-
-
-def fill_replay(template: str, pod: str) -> str:
-    """The replay endpoint of one pod: `{pod_ip}` replaced (IPv6 in brackets)."""
-    ip = pod_ip(pod)
-    return template.replace("{pod_ip}", f"[{ip}]" if ":" in ip else ip)
 
 
 def bind_host_problem(endpoint: str) -> str | None:
@@ -159,6 +188,12 @@ def check_bind_worker(where: str, w: WorkerConfig) -> None:
     tpl = TopicTemplate.parse(w.topic, f"{where}.topic")
     replay = w.replay_endpoint or ""
     at_least(w.relay_queue, 1, f"{where}.relay_queue")
+    if w.metrics_url and pod_url_fields(w.metrics_url) and not tpl.templated:
+        raise ConfigError(
+            f"{where}.metrics_url: {w.metrics_url!r} names a pod's field, filled for each pod; "
+            f"pods are named by a topic template with {{pod}} ({where}.bind and {where}.topic "
+            "= 'kv@{pod}@{model}') or found by [worker.kubernetes]"
+        )
     if w.bind is None:
         if w.relay_to is not None:
             raise ConfigError(
@@ -197,7 +232,7 @@ def check_bind_worker(where: str, w: WorkerConfig) -> None:
                 f"{where}.replay_endpoint: {replay!r} names {{pod_ip}}, which a topic template "
                 f"with {{pod}} gives; {where}.topic is {w.topic!r}"
             )
-        shown = fill_replay(replay, "10.0.0.1:8000")
+        shown = fill_pod(replay, "10.0.0.1:8000")
         check_zmq_endpoint(shown, f"{where}.replay_endpoint", ("tcp", "ipc"))
         if shown.startswith("tcp://") and _wildcard(shown):
             raise ConfigError(

@@ -11,6 +11,7 @@ import string
 from pathlib import Path
 from typing import Any
 
+from kvobserve.config.bind import check_pod_url, pod_url_fields
 from kvobserve.config.dynamo import ENGINE_STREAM_KEYS, reject_dynamo_keys
 from kvobserve.config.model import ConfigError, KubernetesConfig, WorkerConfig
 from kvobserve.config.values import at_least
@@ -20,7 +21,7 @@ EXTRA = "pip install 'kvobserve[kubernetes]'"
 # Engine keys a pod worker does not take: the pods' addresses and the table's ports replace them
 # (those of a Dynamo worker, but for the two that mean the same for every pod).
 POD_REPLACED_KEYS = tuple(
-    k for k in ENGINE_STREAM_KEYS if k not in ("probe_extra_ports", "version")
+    k for k in ENGINE_STREAM_KEYS if k not in ("probe_extra_ports", "version", "metrics_url")
 )
 TOPIC_FIELDS = ("pod", "pod_ip", "namespace")
 # A requirement: (key, operator, values); operators =, !=, in, notin, exists, !exists.
@@ -143,6 +144,13 @@ def build_kubernetes_worker(where: str, w: dict[str, Any], node_rank: int) -> Wo
             )  # fmt: skip
             raise ConfigError(
                 f"{where}.{key}: not with [worker.kubernetes] ({w[key]!r}); {instead}"
+            )
+    if "metrics_url" in w:  # each pod's engine at its own address
+        url = check_pod_url(w["metrics_url"], f"{where}.metrics_url")
+        if not pod_url_fields(url):
+            raise ConfigError(
+                f"{where}.metrics_url: {url!r} would be every pod's; name the pod's address, "
+                "e.g. 'http://{pod_ip}:8000/metrics' (filled for each pod)"
             )
     w.setdefault("id", engine)
     if "/" in w["id"] or not w["id"].strip():

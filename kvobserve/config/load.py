@@ -15,7 +15,7 @@ import tomllib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from kvobserve.config.bind import check_bind_worker
+from kvobserve.config.bind import check_bind_worker, check_pod_url
 from kvobserve.config.dynamo import build_dynamo_worker, reject_dynamo_keys
 from kvobserve.config.kubernetes import build_kubernetes_worker
 from kvobserve.config.model import (
@@ -257,8 +257,8 @@ def _build_worker(i: int, w: dict[str, Any], node_rank: int) -> WorkerConfig:
                 "servers that each list their own ranks"
             )
         w["url"] = ",".join(urls)
-    if "metrics_url" in w:
-        check_url(w["metrics_url"], f"{where}.metrics_url")
+    if "metrics_url" in w:  # may name {pod_ip}: checked against the topic with the bind keys
+        check_pod_url(w["metrics_url"], f"{where}.metrics_url")
     url, kv = w.get("url"), w.get("kv_endpoint") or w.get("bind")
     if kv is None and url is None:
         raise ConfigError(

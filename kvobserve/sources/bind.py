@@ -31,7 +31,7 @@ from typing import Any
 
 import zmq
 
-from kvobserve.config.bind import fill_replay
+from kvobserve.config.bind import fill_pod
 from kvobserve.sources.health import Health
 from kvobserve.sources.plan import ListenSpec, StreamSpec
 from kvobserve.sources.relay import connection_note
@@ -265,7 +265,7 @@ class Listener:
             return f"topic {topic!r} does not fit {self.spec.topic!r}"
         s = self.spec
         pod = fields["pod"]
-        replay = fill_replay(s.replay_endpoint, pod) if s.replay_endpoint else None
+        replay = fill_pod(s.replay_endpoint, pod) if s.replay_endpoint else None
         return StreamSpec(f"{s.worker_id}/{pod}", s.dp_rank, s.engine, s.endpoint, topic, replay,
                           bound=True)  # fmt: skip
 

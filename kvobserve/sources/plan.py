@@ -28,7 +28,7 @@ from kvobserve.analysis.layout import (
     watched_ranks,
 )
 from kvobserve.config import WILDCARD_HOSTS, CollectorConfig, ConfigError, WorkerConfig
-from kvobserve.config.bind import TopicTemplate
+from kvobserve.config.bind import TopicTemplate, fill_pod, pod_url_fields
 from kvobserve.config.kubernetes import pod_topic
 from kvobserve.engines import profile
 from kvobserve.sources.discovery_parse import DiscoveredEngine
@@ -88,7 +88,9 @@ class SchedulerSpec:
     """One scheduler source: `endpoints[i]` serves `ranks[i]`; no ranks = the message says.
 
     `scope`: "rank" (a per-rank channel of this node's own ranks, on every node), "node" (this
-    node's own engine HTTP, on every node) or "leader" (read by the worker's leader only).
+    node's own engine HTTP, on every node), "leader" (read by the worker's leader only) or "pod"
+    (a URL template read for each pod a topic template names, `{pod}`/`{pod_ip}` filled:
+    `pod_scheduler`).
     """
 
     source: str  # metrics (URL scraped), load (SUB), kv_metrics (PULL we bind), fpm (SUB)
@@ -189,6 +191,10 @@ def scheduler_specs(
     out: list[SchedulerSpec] = []
     path = profile(w.engine).metrics_path
     metrics_url = w.metrics_url or (f"{w.urls[0].rstrip('/')}{path}" if w.urls else None)
+    if metrics_url and pod_url_fields(metrics_url):  # each pod's, filled as the pods send
+        if leader:
+            out.append(SchedulerSpec("metrics", (metrics_url,), scope="pod"))
+        metrics_url = None
     local = node_url(metrics_url, host) if metrics_url else None
     if metrics_url and local is None and leader:
         out.append(SchedulerSpec("metrics", (metrics_url,)))
@@ -470,6 +476,7 @@ def plan_pods(
         pod = dataclasses.replace(
             w,
             id=f"{w.id}/{name}",
+            metrics_url=fill_pod(w.metrics_url, name, ip) if w.metrics_url else None,
             kv_endpoint=f"tcp://{host}:{k.port}",
             replay_endpoint=f"tcp://{host}:{k.replay_port}" if k.replay_port else None,
             topic=pod_topic(k.topic, name, ip, namespace),
@@ -477,3 +484,14 @@ def plan_pods(
         )
         plans.append(plan_worker(i, pod, one_node, None))
     return plans
+
+
+def pod_scheduler(plan: WorkerPlan, pod_worker_id: str) -> tuple[SchedulerSpec, ...]:
+    """The scheduler sources of one pod (`{id}/{pod}`) a topic template named: the worker's
+    per-pod ("pod") sources with `{pod}` and `{pod_ip}` filled, read as the pod's leader."""
+    pod = pod_worker_id.removeprefix(f"{plan.worker.id}/")
+    return tuple(
+        SchedulerSpec(s.source, tuple(fill_pod(e, pod) for e in s.endpoints))
+        for s in plan.scheduler
+        if s.scope == "pod"
+    )

@@ -103,6 +103,10 @@ def test_the_selector_and_ports_match_the_example_model_server(tmp_path: Path) -
     assert events["replay_endpoint"] == f"tcp://*:{k.replay_port}"
     ports = {p["containerPort"] for p in c["ports"]}
     assert {*range(k.port, k.port + (w.dp_size or 1)), k.replay_port} <= ports
+    # each pod's vLLM is scraped where it serves: POD_PORT, at the pod's own address
+    env = {e["name"]: e.get("value", "") for e in c["env"]}
+    assert w.metrics_url == f"http://{{pod_ip}}:{env['POD_PORT']}/metrics"
+    assert int(env["POD_PORT"]) in ports
 
 
 @pytest.mark.parametrize("pod_port", ["8000", "8200"])

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvobserve.config.bind import TopicTemplate, fill_replay
+from kvobserve.config.bind import TopicTemplate, fill_pod
 from kvobserve.sources.plan import plan_worker
 from tests.integration.k8s_helpers import (
     ROOT,
@@ -102,8 +102,11 @@ def test_the_engines_connect_to_the_service_and_name_their_pod_in_the_topic(
     # kvobserve asks the pod's own replay sockets, at the ports the engine binds and exposes
     replay_port = int(events["replay_endpoint"].rpartition(":")[2])
     assert events["replay_endpoint"] == f"tcp://*:{replay_port}"
-    assert fill_replay(w.replay_endpoint, fields["pod"]) == f"tcp://10.4.2.17:{replay_port}"
+    assert fill_pod(w.replay_endpoint, fields["pod"]) == f"tcp://10.4.2.17:{replay_port}"
     assert {replay_port + r for r in range(w.dp_size)} <= {p["containerPort"] for p in c["ports"]}
+    # and scrapes each pod's vLLM where it serves, named by the same topic
+    assert w.metrics_url is not None
+    assert fill_pod(w.metrics_url, fields["pod"]) == f"http://10.4.2.17:{env['POD_PORT']}/metrics"
     # the relay target is the scheduler's Service in the same namespace, another host
     assert w.relay_to == "tcp://llm-d-epp:5556" and name not in w.relay_to
 

@@ -10,10 +10,10 @@ import pytest
 import zmq
 
 from kvobserve.config import ConfigError, load_config
-from kvobserve.config.bind import TopicTemplate, fill_replay, pod_ip
+from kvobserve.config.bind import TopicTemplate, fill_pod, pod_ip
 from kvobserve.sources.bind import Listener
 from kvobserve.sources.link import DEFAULT_LINK_TIMES
-from kvobserve.sources.plan import ListenSpec, StreamSpec, plan_worker
+from kvobserve.sources.plan import ListenSpec, StreamSpec, plan_worker, pod_scheduler
 from kvobserve.sources.relay import Relay, RelayLink
 from kvobserve.sources.stream_events import RecentEvents
 from kvobserve.sources.stream_state import WatchedStream, new_link
@@ -78,8 +78,8 @@ def test_pod_addresses_for_replay() -> None:
     assert pod_ip("10.0.0.1:8000") == "10.0.0.1"
     assert pod_ip("[fd00::1]:8000") == "fd00::1"
     assert pod_ip("pod-a") == "pod-a"
-    assert fill_replay("tcp://{pod_ip}:5559", "10.0.0.1:8000") == "tcp://10.0.0.1:5559"
-    assert fill_replay("tcp://{pod_ip}:5559", "[fd00::1]:8000") == "tcp://[fd00::1]:5559"
+    assert fill_pod("tcp://{pod_ip}:5559", "10.0.0.1:8000") == "tcp://10.0.0.1:5559"
+    assert fill_pod("tcp://{pod_ip}:5559", "[fd00::1]:8000") == "tcp://[fd00::1]:5559"
 
 
 # --- config -----------------------------------------------------------------------------------
@@ -181,6 +181,40 @@ def test_with_a_template_the_streams_are_the_pods_that_send() -> None:
     p = plan_worker(0, cfg.workers[0], cfg.collector, None)
     assert p.pods and p.streams == () and p.watched == []
     assert [x.replay_endpoint for x in p.listens] == ["tcp://{pod_ip}:5559", "tcp://{pod_ip}:5560"]
+
+
+def test_a_metrics_url_template_is_each_pod_s_own() -> None:
+    cfg = _cfg(bind="tcp://*:5556", topic=LLMD, metrics_url="http://{pod_ip}:8000/metrics",
+               id="llmd")  # fmt: skip
+    p = plan_worker(0, cfg.workers[0], cfg.collector, None)
+    assert [(s.source, s.endpoints, s.scope) for s in p.scheduler] == [
+        ("metrics", ("http://{pod_ip}:8000/metrics",), "pod")  # not read as one URL
+    ]
+    got = pod_scheduler(p, "llmd/10.0.0.7:8000")
+    assert [(s.source, s.endpoints, s.scope) for s in got] == [
+        ("metrics", ("http://10.0.0.7:8000/metrics",), "leader")
+    ]
+    assert pod_scheduler(p, "llmd/[fd00::7]:8000")[0].endpoints == (
+        "http://[fd00::7]:8000/metrics",
+    )
+
+
+@pytest.mark.parametrize(
+    ("worker", "fragment"),
+    [
+        ({"bind": "tcp://*:5556", "topic": "kv", "metrics_url": "http://{pod_ip}:8000/metrics"},
+         "metrics_url): 'http://{pod_ip}:8000/metrics' names a pod's field, filled for "
+         "each pod; pods are named by a topic template"),
+        ({"kv_endpoint": "tcp://*:5557", "metrics_url": "http://{pod}/metrics"},
+         "metrics_url): 'http://{pod}/metrics' names a pod's field"),
+        ({"bind": "tcp://*:5556", "topic": LLMD, "metrics_url": "http://{model}:8000/metrics"},
+         "metrics_url): unknown field {model} in 'http://{model}:8000/metrics'"),
+    ],
+)  # fmt: skip
+def test_a_pod_s_metrics_url_needs_pods(worker: dict[str, str], fragment: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        _cfg(**worker)
+    assert fragment in str(exc.value), str(exc.value)
 
 
 def test_other_nodes_bind_nothing() -> None:

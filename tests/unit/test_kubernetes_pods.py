@@ -57,6 +57,9 @@ def test_defaults_are_llm_d_s_and_the_worker_id_is_the_engine(tmp_path: Path) ->
         ('id = "llm-d/qwen"', 'selector = "a=b"', "worker[0].id: 'llm-d/qwen': must be non-empty without '/'"),
         ('zmq_endpoints = ["tcp://a:1"]', 'selector = "a=b"', "worker[0].zmq_endpoints: only for engine = 'dynamo'"),
         ("dp_size = 0", 'selector = "a=b"', "worker[0].dp_size: must be >= 1, got 0"),
+        ('metrics_url = "http://10.0.0.5:8000/metrics"', 'selector = "a=b"', "worker[0].metrics_url: 'http://10.0.0.5:8000/metrics' would be every pod's; name the pod's address, e.g. 'http://{pod_ip}:8000/metrics'"),
+        ('metrics_url = "http://{ip}:8000/metrics"', 'selector = "a=b"', "worker[0].metrics_url: unknown field {ip} in 'http://{ip}:8000/metrics'; a URL may name {pod} and {pod_ip}"),
+        ('metrics_url = "{pod_ip}:8000/metrics"', 'selector = "a=b"', "worker[0].metrics_url: expected http://host[:port], got '10.0.0.1:8000/metrics'"),
     ],
 )  # fmt: skip
 def test_errors_name_the_field_and_the_value(
@@ -154,3 +157,17 @@ def test_each_streaming_pod_is_a_worker_with_its_ranks_at_its_ip(tmp_path: Path)
     assert v4.probes == ()
     assert "probe tcp://10.4.2.17:5559 skipped: it is rank 0's replay port" in v4.notes
     assert v4.info().worker_id == "qwen/p-2" and v4.info().ranks_owned == [0, 1]
+
+
+def test_each_pod_s_engine_is_scraped_at_its_own_address(tmp_path: Path) -> None:
+    path = tmp_path / "kvobserve.toml"
+    path.write_text(
+        '[[worker]]\nid = "qwen"\nengine = "vllm"\nmetrics_url = "http://{pod_ip}:8000/metrics"\n'
+        '[worker.kubernetes]\nselector = "a=b"\n'
+    )
+    cfg = load_config(str(path), {}, {})
+    plans = plan_pods(0, cfg.workers[0], cfg.collector, {"p-1": "fd00::17", "p-2": "10.4.2.17"}, "")
+    assert [[(s.source, s.endpoints, s.scope) for s in p.scheduler] for p in plans] == [
+        [("metrics", ("http://[fd00::17]:8000/metrics",), "leader")],
+        [("metrics", ("http://10.4.2.17:8000/metrics",), "leader")],
+    ]
