@@ -78,19 +78,6 @@ def new_link(spec: StreamSpec, times: LinkTimes, events: RecentEvents, wall: flo
     return Link(spec.endpoint, spec.topic, health, times, bound=spec.bound)
 
 
-def count_bad(st: WatchedStream, reason: str, seq_frame: bytes) -> None:
-    """Count one message that did not decode, once per seq whether live or replay saw it first.
-
-    The replay ring returns the live bytes, so the same bad batch arrives on both paths.
-    """
-    if len(seq_frame) == 8:
-        seq = int.from_bytes(seq_frame, "big")
-        if seq in st.bad_seqs:
-            return
-        st.bad_seqs.append(seq)
-    st.decode_errors[reason] = st.decode_errors.get(reason, 0) + 1
-
-
 def stream_stats(
     st: WatchedStream, sq: StreamSequencer, now: float, wall: float | None = None
 ) -> StreamStats:

@@ -33,7 +33,7 @@ from kvobserve.sources.miss_stats import MissSamplers
 from kvobserve.sources.plan import ListenSpec, StreamSpec
 from kvobserve.sources.replays import ReplayQueue
 from kvobserve.sources.stream_events import RecentEvents, StreamHistory
-from kvobserve.sources.stream_state import WatchedStream, count_bad, new_link
+from kvobserve.sources.stream_state import WatchedStream, new_link
 from kvobserve.sources.topic_probe import TopicProbes
 from kvobserve.wire.errors import WireError
 from kvobserve.wire.kv_events import decode_message
@@ -42,6 +42,19 @@ from kvobserve.wire.replay import decode_replay_message
 log = logging.getLogger(__name__)
 Key = tuple[str, int]
 LINK_TICK_S = 1.0  # connection states, tail checks, bound endpoints: once a second is plenty
+
+
+def count_bad(st: WatchedStream, reason: str, seq_frame: bytes) -> None:
+    """Count one message that did not decode, once per seq whether live or replay saw it first.
+
+    The replay ring returns the live bytes, so the same bad batch arrives on both paths.
+    """
+    if len(seq_frame) == 8:
+        seq = int.from_bytes(seq_frame, "big")
+        if seq in st.bad_seqs:
+            return
+        st.bad_seqs.append(seq)
+    st.decode_errors[reason] = st.decode_errors.get(reason, 0) + 1
 
 
 class StreamTable:
