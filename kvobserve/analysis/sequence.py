@@ -81,6 +81,8 @@ class ReplayInFlight:
     found: int = 0  # tail check: batches live had not delivered, applied from the reply
     found_from: int = 0  # ... the first seq of the gap they filled
     idle: bool = False  # a join of a publisher that sent nothing since we connected
+    recovered: int = 0  # batches of a hole live saw (held meanwhile) that the reply filled
+    resume: bool = False  # restored from a checkpoint: the anchor decides whether we go on
 
 
 class StreamSequencer:
@@ -125,6 +127,9 @@ class StreamSequencer:
         # payloads a tail check applied before live delivered them, to know a late live copy
         self._tail_copies: dict[int, bytes] = {}
         self._tail_found_at = 0.0
+        # restored from a checkpoint: the trust it had, given back once the ring shows that
+        # the checkpoint's last batch is our publisher's (`resume`); None: nothing pending
+        self._restored: tuple[str, str] | None = None
 
     def on_batch(self, batch: KvBatch, payload: bytes, now: float) -> Action | None:
         """A live batch and its payload bytes (kept by reference for duplicate checks)."""
@@ -161,7 +166,7 @@ class StreamSequencer:
             return None
         seq = batch.seq
         if rp.anchor is not None:
-            return self._check_anchor(rp, seq, payload, rp.started if now is None else now)
+            return self._check_anchor(rp, batch, payload, rp.started if now is None else now)
         rp.covered = max(rp.covered, seq)
         last = self.last_seq if self.last_seq is not None else -1
         if seq <= last:
@@ -189,6 +194,11 @@ class StreamSequencer:
         rp = self._replay
         if rp is None or rp.replay_id != replay_id:
             return None
+        if rp.anchor is not None and self._restored is not None and result == "ok":
+            # resuming, and the ring holds nothing from the checkpoint's seq on: the
+            # publisher's seq went back, it is another process (a restart: reset)
+            action = self._publisher_replaced(rp, rp.started if now is None else now)
+            return action if isinstance(action, RequestReplay) else None
         prev = self.last_seq if self.last_seq is not None else -1
         for batch, _ in rp.held if result == "ok" else ():
             if batch.seq - 1 > rp.covered and batch.seq > prev + 1:
@@ -251,6 +261,36 @@ class StreamSequencer:
         )
         start = last if anchor is not None else last + 1
         return RequestReplay(self._replay_ids, start, tail=True)
+
+    def resume(
+        self, last_seq: int, anchor: bytes, trust: tuple[str, str], now: float
+    ) -> RequestReplay | None:
+        """A stream restored from its checkpoint (its index filled already): `last_seq` the
+        last batch applied and `anchor` its payload bytes, `trust` the state it had. Until the
+        ring shows that batch byte for byte, the index is partial (`resuming`); then the trust
+        comes back and what the stream missed while kvobserve was down is applied from the
+        reply and counted as recovered. A reply that begins elsewhere is another publisher (a
+        restart: reset); a ring that no longer reaches `last_seq` loses what lies between
+        (counted); an empty one means the publisher's seq went back (a restart). Asked as a
+        tail check (it waits behind gap replays); None without a replay endpoint (the caller
+        should not restore: nothing could confirm it)."""
+        self.last_seq = self._high = last_seq
+        self._recent.append((last_seq, anchor))
+        self._restored = trust
+        self.trust.lose(t.RESUMING)
+        if not self.replay_enabled:
+            return None
+        self._replay_ids += 1
+        self._replay = ReplayInFlight(
+            self._replay_ids, last_seq + 1, now, False, covered=last_seq, tail=True,
+            anchor=anchor, resume=True,
+        )  # fmt: skip
+        return RequestReplay(self._replay_ids, last_seq, tail=True)
+
+    @property
+    def resuming(self) -> bool:
+        """Restored from a checkpoint and not confirmed by the ring yet."""
+        return self._restored is not None
 
     def check_join(self, now: float, connected_at: float) -> RequestReplay | None:
         """Ask the replay ring from seq 0 for a stream connected since `connected_at` that has
@@ -455,15 +495,29 @@ class StreamSequencer:
         return False
 
     def _check_anchor(
-        self, rp: ReplayInFlight, seq: int, payload: bytes, now: float
+        self, rp: ReplayInFlight, batch: KvBatch, payload: bytes, now: float
     ) -> Action | None:
-        """The first reply of a tail check after a reconnect must be our last batch, byte for
-        byte: then the ring is our publisher's and what follows continues our stream."""
-        if seq == self.last_seq and payload == rp.anchor:
+        """The first reply of a tail check after a reconnect (or of a resume) must be our last
+        batch, byte for byte: then the ring is our publisher's and what follows continues our
+        stream."""
+        seq, last = batch.seq, self.last_seq
+        if seq == last and payload == rp.anchor:
             rp.anchor, rp.covered = None, seq
+            if self._restored is not None:  # the checkpoint is our publisher's: as it was
+                self.trust.set(*self._restored)
+                self._restored = None
             return None
-        if seq == self.last_seq:  # another batch under our last seq: the publisher restarted
+        if seq == last:  # another batch under our last seq: the publisher restarted
             return self._publisher_replaced(rp, now)
+        if self._restored is not None and last is not None and seq > last:
+            # resuming, and the ring no longer reaches the checkpoint: what lies between is
+            # lost, what the ring holds is applied (the index now lacks what was lost)
+            self.trust.set(*self._restored)
+            self._restored = None
+            rp.anchor = None
+            # one gap from last + 1: the seqs before this one lost, this one recovered
+            self._tail_found(rp, batch, payload, now)
+            return None
         self._finish_replay("aborted")  # the ring no longer holds our last seq: it cannot vouch
         return None
 
@@ -471,6 +525,7 @@ class StreamSequencer:
         """The publisher restarted while the stream was away: reset as for a restart (nothing of
         the reply is applied); live batches held meanwhile are the new publisher's."""
         self._replay = None
+        self._restored = None
         self.restarts += 1
         self.notes.append(("replaced", rp.missed_from - 1, 0, now))
         self._other = None  # the old publisher is gone, not a second head
@@ -581,6 +636,7 @@ class StreamSequencer:
         """Apply a replayed batch that live did not deliver."""
         if batch.seq >= rp.missed_from:
             self.recovered += 1
+            rp.recovered += 1
         self._apply(batch)
 
     def _skip(self, rp: ReplayInFlight, start: int, end: int) -> None:
@@ -599,7 +655,7 @@ class StreamSequencer:
         self._advance_to(rp, self._high + 1 if upto is None else upto)
         if rp.idle:
             self.tail.settle(result == "ok")
-        if rp.tail and not rp.found and not rp.lost:
+        if rp.tail and not rp.found and not rp.lost and not rp.recovered:
             # nothing was missing after the last seq (or nobody could say): nothing to count
             self.tail.settle(result == "ok" and rp.anchor is None)
             self._replay = None

@@ -8,7 +8,9 @@ them) is counted separately by `analysis/analytics.py` while the state is not `p
   everything) or since an `AllBlocksCleared` was applied in order.
 - `replay_filled`: as complete, but at least one gap was filled by replay since then.
 - `partial`: batches are missing (joined mid-stream, lost for good, a second publisher): the
-  resident set may lack blocks and may keep blocks whose removal was lost.
+  resident set may lack blocks and may keep blocks whose removal was lost; or the index was
+  restored from a checkpoint and the publisher's replay ring has not shown yet that the
+  checkpoint's last batch is its own (`resuming`: docs/reliability.md).
 
 An unverified tail is a reason, not a state: while a `complete` or `replay_filled` stream is idle
 and nothing confirmed that its last batch was its publisher's last (no replay endpoint to ask, or
@@ -35,6 +37,7 @@ WAITING: Final = "waiting"  # partial: no batch yet
 JOINED_MIDSTREAM: Final = "joined_midstream"  # partial: history before the first batch unknown
 LOST_BATCHES: Final = "lost_batches"  # partial: a gap that no replay filled
 SECOND_PUBLISHER: Final = "second_publisher"  # partial: two publishers' batches met in one index
+RESUMING: Final = "resuming"  # partial: restored from a checkpoint, the ring has not confirmed it
 TAIL_UNVERIFIED: Final = "tail_unverified"  # complete / replay_filled, idle: tail unchecked
 
 

@@ -626,3 +626,85 @@ def test_any_live_loss_including_the_tail_is_recovered_once_idle(
     assert s.lost == 0 and s.missed == s.recovered == delivered[first:].count(False)
     assert s.trust_reason(now + 1.0, 0.0, connected=True) in ("from_start", "replayed_from_start",
                                                              "gap_replayed")  # fmt: skip
+
+
+# --- resuming from a checkpoint (docs/reliability.md) ------------------------------------------
+
+
+def _resumed(last: int = 9) -> tuple[StreamSequencer, RecordingIndex, RequestReplay]:
+    s, idx = seqr(replay=True)
+    ask = s.resume(last, mk(last)[1], ("complete", "from_start"), 100.0)
+    assert isinstance(ask, RequestReplay) and (ask.start_seq, ask.tail) == (last, True)
+    assert (s.trust.state, s.trust.reason, s.resuming) == ("partial", "resuming", True)
+    return s, idx, ask
+
+
+def test_a_resume_whose_ring_begins_with_the_checkpointed_batch_goes_on_exactly() -> None:
+    s, idx, ask = _resumed(9)
+    for q in (9, 10, 11):  # the checkpoint's last batch, then what was missed while down
+        assert s.on_replay_batch(ask.replay_id, *mk(q), 101.0) is None
+    s.on_replay_end(ask.replay_id, "ok", 101.0)
+    assert [q for _, q in idx.applied] == [10, 11]
+    assert (s.gaps, s.missed, s.recovered, s.lost, s.restarts) == (1, 2, 2, 0, 0)
+    assert (s.trust.state, s.trust.reason, s.resuming) == ("replay_filled", "gap_replayed", False)
+    assert feed(s, [12], now=102.0) == [] and s.last_seq == 12
+
+
+def test_a_resume_with_nothing_missed_gives_the_checkpoint_s_trust_back() -> None:
+    s, idx, ask = _resumed(9)
+    s.on_replay_batch(ask.replay_id, *mk(9), 101.0)
+    s.on_replay_end(ask.replay_id, "ok", 101.0)
+    assert idx.applied == [] and (s.gaps, s.recovered, s.lost) == (0, 0, 0)
+    assert (s.trust.state, s.trust.reason) == ("complete", "from_start")
+
+
+def test_a_resume_facing_another_batch_under_its_seq_is_a_restart() -> None:
+    s, idx, ask = _resumed(9)
+    s.on_replay_batch(ask.replay_id, *mk(9, pub="B"), 101.0)  # another process's seq 9
+    assert (s.restarts, s.last_seq, s.resuming) == (1, None, False)
+    assert (s.trust.state, s.trust.reason) == ("partial", "waiting")
+
+
+def test_a_resume_whose_ring_holds_nothing_from_its_seq_is_a_restart() -> None:
+    s, idx, ask = _resumed(400)  # the publisher restarted and is at seq 50: nothing >= 400
+    s.on_replay_end(ask.replay_id, "ok", 101.0)
+    assert (s.restarts, s.last_seq, s.resuming) == (1, None, False)
+    feed(s, [51], now=102.0)  # its next batch joins mid-stream (and asks its ring from 0)
+    assert (s.trust.state, s.trust.reason) == ("partial", "joined_midstream")
+
+
+def test_a_resume_past_the_ring_loses_what_lies_between_and_applies_the_rest() -> None:
+    s, idx, ask = _resumed(9)
+    for q in (14, 15):  # the ring begins at 14: 10-13 are gone
+        s.on_replay_batch(ask.replay_id, *mk(q), 101.0)
+    s.on_replay_end(ask.replay_id, "ok", 101.0)
+    assert [q for _, q in idx.applied] == [14, 15]
+    assert (s.gaps, s.missed, s.recovered, s.lost) == (1, 6, 2, 4)
+    assert (s.trust.state, s.trust.reason, s.resuming) == ("partial", "lost_batches", False)
+    assert s.replay_requests == dict.fromkeys(s.replay_requests, 0) | {"partial": 1}
+
+
+def test_live_batches_during_a_resume_are_held_and_applied_in_order() -> None:
+    s, idx, ask = _resumed(9)
+    assert feed(s, [12, 13], now=100.5) == []  # live, while the reply is on its way
+    for q in (9, 10, 11, 12):
+        s.on_replay_batch(ask.replay_id, *mk(q), 101.0)
+    s.on_replay_end(ask.replay_id, "ok", 101.0)
+    assert [q for _, q in idx.applied] == [10, 11, 12, 13]
+    assert (s.lost, s.trust.reason) == (0, "gap_replayed")
+
+
+def test_a_resume_that_times_out_stays_unconfirmed_and_asks_again_later() -> None:
+    s, idx, ask = _resumed(9)
+    assert isinstance(s.expire(106.0), CancelReplay)  # the replay socket did not answer
+    assert (s.trust.reason, s.resuming) == ("resuming", True)
+    again = s.check_tail(110.0, 100.0, reconnected=True)  # the tail schedule, anchored
+    assert isinstance(again, RequestReplay) and again.start_seq == 9
+    s.on_replay_batch(again.replay_id, *mk(9), 110.5)
+    s.on_replay_end(again.replay_id, "ok", 110.5)
+    assert (s.trust.reason, s.resuming) == ("from_start", False)
+
+
+def test_without_a_replay_endpoint_nothing_can_confirm_a_resume() -> None:
+    s, _ = seqr(replay=False)
+    assert s.resume(9, b"x", ("complete", "from_start"), 100.0) is None
