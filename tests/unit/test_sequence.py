@@ -659,14 +659,14 @@ def test_a_resume_with_nothing_missed_gives_the_checkpoint_s_trust_back() -> Non
 
 
 def test_a_resume_facing_another_batch_under_its_seq_is_a_restart() -> None:
-    s, idx, ask = _resumed(9)
+    s, _idx, ask = _resumed(9)
     s.on_replay_batch(ask.replay_id, *mk(9, pub="B"), 101.0)  # another process's seq 9
     assert (s.restarts, s.last_seq, s.resuming) == (1, None, False)
     assert (s.trust.state, s.trust.reason) == ("partial", "waiting")
 
 
 def test_a_resume_whose_ring_holds_nothing_from_its_seq_is_a_restart() -> None:
-    s, idx, ask = _resumed(400)  # the publisher restarted and is at seq 50: nothing >= 400
+    s, _idx, ask = _resumed(400)  # the publisher restarted and is at seq 50: nothing >= 400
     s.on_replay_end(ask.replay_id, "ok", 101.0)
     assert (s.restarts, s.last_seq, s.resuming) == (1, None, False)
     feed(s, [51], now=102.0)  # its next batch joins mid-stream (and asks its ring from 0)
@@ -695,7 +695,7 @@ def test_live_batches_during_a_resume_are_held_and_applied_in_order() -> None:
 
 
 def test_a_resume_that_times_out_stays_unconfirmed_and_asks_again_later() -> None:
-    s, idx, ask = _resumed(9)
+    s, _idx, _ask = _resumed(9)
     assert isinstance(s.expire(106.0), CancelReplay)  # the replay socket did not answer
     assert (s.trust.reason, s.resuming) == ("resuming", True)
     again = s.check_tail(110.0, 100.0, reconnected=True)  # the tail schedule, anchored
