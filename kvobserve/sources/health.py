@@ -17,6 +17,9 @@ UP_STATES = frozenset({"waiting", "up", "idle", "duplicate"})
 # Fine states (logged at INFO; others at WARNING): `starting` is a stream's first connect, under
 # way for at most LinkTimes.no_answer_s; it is not up, but not down either.
 OK_STATES = UP_STATES | {"starting", "connected"}  # connected: a bound endpoint's publishers
+# Fine as the first state after `starting` (logged at INFO then, WARNING later): a bound
+# endpoint, or its stream, listening before any engine has connected.
+FIRST_STATES = frozenset({"listening"})
 
 OnChange = Callable[["Health", str], None]  # (health, previous state)
 
@@ -46,7 +49,8 @@ class Health:
         before = self.state
         self.state, self.reason = state, reason
         if self.name:
-            level = logging.INFO if state in OK_STATES else logging.WARNING
+            fine = state in OK_STATES or (before == "starting" and state in FIRST_STATES)
+            level = logging.INFO if fine else logging.WARNING
             if state == before:  # the same state for a new reason
                 log.log(level, "%s: %s: %s", self.name, state, reason)
             else:

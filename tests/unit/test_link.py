@@ -3,6 +3,9 @@ time in; the stream's state word, its reason, and what the ingest loop should do
 
 from __future__ import annotations
 
+import logging
+
+import pytest
 import zmq
 
 from kvobserve.sources.health import Health
@@ -173,3 +176,19 @@ def test_no_probe_without_a_topic_or_for_a_parked_socket() -> None:
     parked.on_monitor(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, 0, 0.0, 0.0)
     parked.park(3.0)
     assert not parked.wants_probe(4.0)
+
+
+def test_listening_before_any_engine_is_news_and_after_one_left_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # seen: `starting -> listening` logged as WARNING at every start of a bound endpoint
+    h = Health("bound endpoint w rank 0 (tcp://*:5556)", "starting", "binding", 0.0)
+    with caplog.at_level(logging.INFO, logger="kvobserve.health"):
+        h.set("listening", "listening on tcp://*:5556, no publisher connected", 1.0)
+        h.set("connected", "1 publisher(s) connected to tcp://*:5556", 2.0)
+        h.set("listening", "listening on tcp://*:5556, no publisher connected", 3.0)
+    assert [(r.levelname, r.getMessage().split(": ", 2)[1]) for r in caplog.records] == [
+        ("INFO", "starting -> listening"),
+        ("INFO", "listening -> connected"),
+        ("WARNING", "connected -> listening"),
+    ]
