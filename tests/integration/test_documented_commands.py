@@ -124,6 +124,7 @@ def _map(line: str, env: Env) -> tuple[list[str], dict[str, str], str | None]:
         (r"-c dynamo\.toml", f"-c {env.dynamo_config}"),
         (r"-c pods\.toml", f"-c {env.pods_config}"),
         (r"tcp://10\.0\.0\.5:36001", env.dynamo_zmq),
+        (r"--engine-url http://10\.0\.0\.5:30000", f"--engine-url {env.engine_url}"),
         (r"-c (kvobserve\.toml|node-?[N0-9]\.toml|node\.toml|FILE|/etc/kvobserve/[\w.-]+\.toml)", f"-c {env.config}"),
     ]  # fmt: skip
     for pattern, repl in subs:
