@@ -322,7 +322,7 @@ def test_documented_command_line_runs(env: Env, where: str, line: str) -> None:
     elif args[0] == "status":
         assert "WORKER" in text and "docs" in text  # the table, with the running worker
     elif args[0] == "tap":
-        assert '"events"' in text
+        assert ('"block_hashes"' if "--requests" in args else '"events"') in text
     elif args[0] == "overlap":
         assert "WORKER" in text and "docs" in text  # the table, with the running worker's ranks
 
