@@ -80,7 +80,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(--count counts requests); for `kvobserve overlap`",
     )
     parser.add_argument("--record", metavar="F", help="also write every message received to F")
-    parser.add_argument("--count", type=_positive_int, metavar="N", help="stop after N batches")
+    parser.add_argument(
+        "--count",
+        type=_positive_int,
+        metavar="N",
+        help="stop after N batches (requests with --requests)",
+    )
     parser.add_argument(
         "--timeout",
         type=_positive_float,
