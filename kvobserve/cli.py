@@ -46,6 +46,16 @@ class Parser(argparse.ArgumentParser):
         """Print usage and `message` with a suggestion, exit 2."""
         super().error(message + _suggestion(self, message))
 
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> argparse.Namespace:
+        """As argparse, but a flag the chosen command does not know is that command's error,
+        with its usage (argparse reports it as the top level's, with the list of commands)."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            _chosen(self, parsed).error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
     def _check_value(self, action: argparse.Action, value: Any) -> None:
         """A value of a `choices=` argument (a command, a flag's value), or the closest one."""
         try:
@@ -53,6 +63,17 @@ class Parser(argparse.ArgumentParser):
         except argparse.ArgumentError as exc:
             hint = did_you_mean(value, [str(c) for c in action.choices or ()])
             raise argparse.ArgumentError(action, exc.message + hint) from None
+
+
+def _chosen(parser: argparse.ArgumentParser, parsed: argparse.Namespace) -> Parser:
+    """The sub-parser of the command `parsed` holds, else `parser` itself."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            sub = action.choices.get(str(getattr(parsed, action.dest, "")))
+            if isinstance(sub, Parser):
+                return sub
+    assert isinstance(parser, Parser)
+    return parser
 
 
 def _options(parser: argparse.ArgumentParser) -> list[str]:

@@ -37,7 +37,7 @@ async def serve(cfg: Config) -> int:
     from kvobserve.transport.nats import NatsConnectError, NatsTransport
 
     assert cfg.nats is not None
-    stop = stop_event()
+    stop = stop_event("aggregate", "closing HTTP and the NATS connection (at most 2 s)")
     a = cfg.aggregator
     transport = NatsTransport.from_config(
         cfg.nats, cfg.cluster, "kvobserve-aggregator", a.shard, a.shards
@@ -78,7 +78,6 @@ async def serve(cfg: Config) -> int:
             cfg.cluster, cfg.nats.url, a.shard, a.shards, cfg.nats.jetstream_kv,
         )  # fmt: skip
         await stop.wait()
-        log.info("stopping")
     finally:
         await agg.stop()
         # Concurrently: each has its own ~1 s bound and SIGTERM must end the process within 2 s.

@@ -1,7 +1,10 @@
 """`kvobserve check`: validate the config, resolve discovery, print what this node would watch.
 
-With --probe it also connects to every endpoint and URL for a few seconds and says what it found
-per rank (commands/check_probe.py); exit 1 when something there is wrong.
+A gate: exit 0 when the config is valid and the plan has no problem; 1 when it has one that
+`run` would report (a layout the engine contradicts, an engine whose discovery does not answer,
+a `relay_to` host that does not resolve), printed after the plan it could make; 2 on a config
+error (one line). With --probe it also connects to every endpoint and URL for a few seconds and
+says what it found per rank (commands/check_probe.py); something wrong there is a problem too.
 """
 
 from __future__ import annotations
@@ -9,8 +12,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import socket
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvobserve.analysis.layout import ranged, rank_layout
 from kvobserve.commands.check_probe import Found, probe_all
@@ -36,7 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_flags(parser, SECTIONS)
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument(
-        "--no-discovery", action="store_true", help="do not contact engines with a `url`"
+        "--no-discovery",
+        action="store_true",
+        help="check the file alone: contact no engine `url` or Kubernetes API, resolve no "
+        "`relay_to` host",
     )
     parser.add_argument("--timeout", type=float, default=5.0, help="discovery timeout (s)")
     parser.add_argument(
@@ -48,6 +55,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--probe-seconds", type=float, default=3.0, metavar="S", help="how long to listen (3)"
     )
+
+
+EXIT_PROBLEMS = 1  # the plan has a problem `run` would report (or --probe found one)
+EXIT_CONFIG = 2  # the config (file, env, flags) is wrong: one line
+
+
+class Problem(NamedTuple):
+    """Something in the plan that `run` would report: the worker, the condition, why."""
+
+    worker_id: str
+    kind: str  # the condition `run` raises (layout_mismatch, worker_undiscovered) or relay_to
+    reason: str
+
+    def json(self) -> dict[str, str]:
+        """As `check --json` lists it."""
+        return self._asdict()
+
+
+async def _unresolved(targets: dict[str, str], timeout_s: float) -> dict[str, str]:
+    """Why each tcp:// target's host does not resolve, by worker id (the ones that do: absent)."""
+    loop = asyncio.get_running_loop()
+
+    async def one(target: str) -> str | None:
+        host = target.partition("://")[2].rpartition(":")[0].strip("[]")
+        try:  # the resolver's own word on a name Python's IDNA codec refuses (a long label)
+            name = host.encode("idna")
+        except UnicodeError:
+            name = host.encode()
+        try:
+            await asyncio.wait_for(loop.getaddrinfo(name, None, type=socket.SOCK_STREAM), timeout_s)
+        except (socket.gaierror, UnicodeError) as exc:
+            return f"cannot resolve {host!r} in {target}: {getattr(exc, 'strerror', None) or exc}"
+        except TimeoutError:
+            return f"cannot resolve {host!r} in {target}: no answer in {timeout_s:g} s"
+        return None
+
+    tcp = {wid: t for wid, t in targets.items() if t.startswith("tcp://")}
+    got = await asyncio.gather(*(one(t) for t in tcp.values()))
+    return {wid: why for wid, why in zip(tcp, got, strict=True) if why is not None}
 
 
 async def _discover_all(
@@ -335,7 +381,8 @@ def _print_text(cfg: Config, plans: list[dict[str, Any]], listens: dict[str, str
         if p["bind"] is not None:
             _print_bind(p)
             continue
-        print(f"  {'dp_rank':<8} {'node':<5} {'endpoint':<32} {'replay':<32} topic")
+        if p["streams"]:
+            print(f"  {'dp_rank':<8} {'node':<5} {'endpoint':<32} {'replay':<32} topic")
         others: dict[int, list[int]] = {}
         for s in p["streams"]:
             if s["dp_rank"] in p["elsewhere"]:
@@ -360,47 +407,81 @@ def _print_text(cfg: Config, plans: list[dict[str, Any]], listens: dict[str, str
         _print_sources(p)
 
 
+def _print_problems(problems: list[Problem]) -> None:
+    print("\nproblems (`kvobserve run` would report these):")
+    for p in problems:
+        print(f"  worker {p.worker_id}: {p.kind}: {p.reason}")
+
+
+class Checked(NamedTuple):
+    """What `check` found before any probe: the plans as printed, the SGLang/vLLM plans beside
+    their JSON (the probe's targets), the problems, and why each relay target's host does not
+    resolve (by worker id)."""
+
+    plans: list[dict[str, Any]]
+    sglang_vllm: list[tuple[dict[str, Any], WorkerPlan]]
+    problems: list[Problem]
+    unresolved: dict[str, str]
+
+
+def plan_all(cfg: Config, args: argparse.Namespace) -> Checked:
+    """Every worker's plan on this node, with discovery and pod listing unless --no-discovery;
+    ConfigError when the config cannot be planned."""
+    found, failed = ({}, {}) if args.no_discovery else asyncio.run(_discover_all(cfg, args.timeout))
+    node = cfg.collector
+    out = Checked([], [], [], {})
+    for i, w in enumerate(cfg.workers):
+        if profile(w.engine).event_plane:
+            out.plans.append(dynamo_json(plan_dynamo(i, w, node)))
+            continue
+        if w.kubernetes is not None:  # the selector, then a plan per streaming pod
+            watch = None if args.no_discovery else asyncio.run(_list_pods(i, w, args.timeout))
+            out.plans.append(pods_json(w, watch))
+            streams = watch.streams if watch else {}
+            for wp in plan_pods(i, w, node, streams, watch.namespace if watch else ""):
+                out.plans.append(plan_json(wp))
+                out.sglang_vllm.append((out.plans[-1], wp))
+            continue
+        err = failed.get(w.id)
+        wp = plan_worker(i, w, node, found.get(w.id))
+        plan = plan_json(wp)
+        if err is not None and not (w.kv_endpoint or w.bind):  # nothing to watch without it
+            plan["notes"] = [f"{err}; no endpoint without it (the collector asks again every "
+                             "30 s; or set kv_endpoint)"]  # fmt: skip
+            out.problems.append(Problem(w.id, "worker_undiscovered", err.reason))
+        elif err is not None:  # configured endpoints stand; the collector retries discovery
+            plan["notes"].insert(0, f"{err}; using the configured endpoints")
+        if wp.misplaced:  # what the collector raises as layout_mismatch
+            text = "; ".join(m.text for m in wp.mismatches)
+            out.problems.append(Problem(w.id, "layout_mismatch", text))
+        out.plans.append(plan)
+        out.sglang_vllm.append((plan, wp))
+    relays = {wp.worker.id: wp.worker.relay_to or "" for _, wp in out.sglang_vllm if wp.listens}
+    relays = {wid: t for wid, t in relays.items() if t}  # the leader's, which relays
+    if relays and not args.no_discovery:
+        out.unresolved.update(asyncio.run(_unresolved(relays, args.timeout)))
+        out.problems.extend(Problem(wid, "relay_to", why) for wid, why in out.unresolved.items())
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
-    """0: the config is valid and resolvable (and, with --probe, every endpoint as expected);
-    1: --probe found something wrong; 2: a one-line error (bad config, discovery failed)."""
+    """0: the config is valid and the plan has no problem (with --probe: every endpoint as
+    expected); 1: the plan has a problem, printed after it; 2: a config error, one line."""
     if args.probe_seconds <= 0:
         return fail("check", f"--probe-seconds {args.probe_seconds}: must be > 0")
     try:
         cfg = load(args)
         listens = http_listens(cfg, load(args, defaults=COLLECT_DEFAULTS) if cfg.nats else None)
-        found, failed = (
-            ({}, {}) if args.no_discovery else asyncio.run(_discover_all(cfg, args.timeout))
-        )
-        node = cfg.collector
-        plans: list[dict[str, Any]] = []
-        sglang_vllm: list[tuple[dict[str, Any], WorkerPlan]] = []
-        for i, w in enumerate(cfg.workers):
-            if profile(w.engine).event_plane:
-                plans.append(dynamo_json(plan_dynamo(i, w, node)))
-                continue
-            if w.kubernetes is not None:  # the selector, then a plan per streaming pod
-                watch = None if args.no_discovery else asyncio.run(_list_pods(i, w, args.timeout))
-                plans.append(pods_json(w, watch))
-                streams = watch.streams if watch else {}
-                for wp in plan_pods(i, w, node, streams, watch.namespace if watch else ""):
-                    plans.append(plan_json(wp))
-                    sglang_vllm.append((plans[-1], wp))
-                continue
-            err = failed.get(w.id)
-            if err is not None and not (w.kv_endpoint or w.bind):
-                raise err  # nothing to watch without it
-            wp = plan_worker(i, w, node, found.get(w.id))
-            plan = plan_json(wp)
-            if err is not None:  # configured endpoints stand; the collector retries discovery
-                plan["notes"].insert(0, f"{err}; using the configured endpoints")
-            plans.append(plan)
-            sglang_vllm.append((plan, wp))
-    except (ConfigError, DiscoveryError) as exc:
-        return fail("check", exc)
+        plans, sglang_vllm, problems, unresolved = plan_all(cfg, args)
+    except ConfigError as exc:
+        return fail("check", exc, EXIT_CONFIG)
     bad = 0
     if args.probe:  # the ZMQ endpoints and URLs of SGLang/vLLM workers (not Dynamo planes)
         targets = [probe_targets(wp) for _, wp in sglang_vllm]
         asyncio.run(probe_all([f for t in targets for f in t], args.probe_seconds))
+        for f in (f for t in targets for f in t if f.role == "relay"):
+            if f.worker_id in unresolved:  # the probe's socket cannot tell a name from a refusal
+                f.state, f.reason = "unresolved", unresolved[f.worker_id]
         for (pj, _), t in zip(sglang_vllm, targets, strict=True):
             pj["probe"] = [f.json() for f in t]
             pj["probe_found"], pj["probe_seconds"] = t, args.probe_seconds
@@ -413,6 +494,7 @@ def run(args: argparse.Namespace) -> int:
             "collector": {"id": c.id, "node_rank": c.node_rank, "nnodes": c.nnodes, "host": c.host},
             "http": listens,
             "workers": plans,
+            "problems": [p.json() for p in problems],
         }
         for pj in plans:
             pj.pop("probe_found", None)
@@ -425,4 +507,6 @@ def run(args: argparse.Namespace) -> int:
             print("\nendpoints not contacted: `kvobserve check --probe` connects to each")
         elif bad:
             print(f"\n{bad} endpoint(s) not as expected (BAD above)")
-    return 1 if bad else 0
+        if problems:
+            _print_problems(problems)
+    return EXIT_PROBLEMS if bad or problems else 0

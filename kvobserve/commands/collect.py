@@ -41,7 +41,9 @@ async def _collect(cfg: Config, local_http: bool) -> int:
     from kvobserve.transport.nats import NatsConnectError, NatsTransport
 
     assert cfg.nats is not None
-    stop = stop_event()
+    stop = stop_event(
+        "collect", "closing HTTP, the collector and the NATS connection (at most 2 s)"
+    )
     transport = NatsTransport.from_config(
         cfg.nats, cfg.cluster, f"kvobserve-collector-{cfg.collector.id}"
     )

@@ -48,12 +48,20 @@ def setup_logging() -> None:
     logging.getLogger("httpx2").setLevel(logging.WARNING)
 
 
-def stop_event() -> asyncio.Event:
-    """An event set by SIGTERM or SIGINT (call inside the running loop)."""
+def stop_event(command: str = "", stopping: str = "") -> asyncio.Event:
+    """An event set by SIGTERM or SIGINT (call inside the running loop). The first signal is
+    logged once, on `command`'s logger, with what the command does now (`stopping`)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    logger = logging.getLogger(f"kvobserve.commands.{command}" if command else __name__)
+
+    def on_signal(sig: signal.Signals) -> None:
+        if not stop.is_set():
+            logger.info("%s: stopping%s", sig.name, f": {stopping}" if stopping else "")
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     return stop
 
 

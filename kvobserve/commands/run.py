@@ -28,7 +28,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _run(cfg: Config) -> int:
-    stop = stop_event()
+    n = len(cfg.workers)
+    closing = f"closing HTTP, the collector ({n} worker{'s' if n > 1 else ''}) and the aggregator"
+    stop = stop_event("run", f"{closing} (at most 2 s)")
     try:
         emb = await start_embedded([cfg], cfg.http, cfg.aggregator.otlp_endpoint)
     except OSError as exc:

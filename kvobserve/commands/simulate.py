@@ -164,7 +164,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--all-nodes", action="store_true", help="run every node of the worker here"
     )
-    parser.add_argument("--node-hosts", help="H0,H1,...: node k binds on Hk (with --all-nodes)")
+    parser.add_argument(
+        "--node-hosts",
+        help="H0,H1,...: node k binds on Hk (every node with --all-nodes, else --node-rank's)",
+    )
     parser.add_argument(
         "--follower-http",
         dest="follower_http",
@@ -260,8 +263,25 @@ def build_configs(args: argparse.Namespace) -> list[SimConfig]:
         if over:
             cfg = dataclasses.replace(cfg, faults=dataclasses.replace(cfg.faults, **over))
         cfg.validate()
-        out.extend(nodes_of(cfg) if args.all_nodes and cfg.nnodes > 1 else [cfg])
+        if args.all_nodes and cfg.nnodes > 1:
+            out.extend(nodes_of(cfg))
+        else:
+            out.append(_on_own_host(cfg, args.host or table.get("host")))
     return out
+
+
+def _on_own_host(cfg: SimConfig, host: str | None) -> SimConfig:
+    """One node run alone binds on its own entry of `node_hosts` (node k on Hk), as `nodes_of`
+    puts each node of a group; a `host` given as well must be that one."""
+    if not cfg.node_hosts:
+        return cfg
+    mine = cfg.node_hosts[cfg.node_rank]
+    if host is not None and host != mine:
+        raise ValueError(
+            f"host: {host!r}, but node_hosts puts node_rank {cfg.node_rank} on {mine!r}: "
+            "give one of them"
+        )
+    return dataclasses.replace(cfg, host=mine)
 
 
 def run(args: argparse.Namespace) -> int:

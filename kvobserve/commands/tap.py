@@ -4,6 +4,9 @@ A live stream is a publisher tap connects to (ENDPOINT), or with --bind an endpo
 publishers that connect (vLLM given a concrete host, llm-d's central mode); their batches are
 told apart by the topic each line carries.
 
+With --requests each line is one request instead of one batch: the batch's BlockStored events
+split by their parent chains (commands/tap_requests.py), for `kvobserve overlap`.
+
 Exit 0 when batches were printed (and --count reached), 1 with one line on stderr when nothing
 usable came (and why: commands/tap_live.py), 2 on a bad endpoint, file or flag.
 """
@@ -26,6 +29,7 @@ import zmq
 
 from kvobserve.commands import tap_dynamo
 from kvobserve.commands.tap_live import POLL_MS, watch_live
+from kvobserve.commands.tap_requests import Requests
 from kvobserve.config.bind import bind_host_problem
 from kvobserve.sources.link import MONITOR_EVENTS
 from kvobserve.sources.relay import bind_endpoint
@@ -68,8 +72,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--from-seq", type=int, default=None, help="first seq to replay (default 0)"
     )
     parser.add_argument("--token-ids", action="store_true", help="include the token ids")
+    parser.add_argument(
+        "--requests",
+        action="store_true",
+        help="one line per request instead of per batch: a batch's BlockStored events split "
+        "by parent chains, each request's block hashes from its first block as far as seen "
+        "(--count counts requests); for `kvobserve overlap`",
+    )
     parser.add_argument("--record", metavar="F", help="also write every message received to F")
-    parser.add_argument("--count", type=_positive_int, metavar="N", help="stop after N batches")
+    parser.add_argument(
+        "--count",
+        type=_positive_int,
+        metavar="N",
+        help="stop after N batches (requests with --requests)",
+    )
     parser.add_argument(
         "--timeout",
         type=_positive_float,
@@ -114,6 +130,7 @@ class _Tap:
 
     def __init__(self, args: argparse.Namespace, out: IO[str], record: IO[str] | None) -> None:
         self.token_ids: bool = args.token_ids
+        self.requests = Requests() if args.requests else None
         self.count: int | None = args.count
         self.max_payload: int = args.max_payload
         self.out = out
@@ -154,11 +171,24 @@ class _Tap:
             sys.stderr.write(json.dumps(err) + "\n")
             sys.stderr.flush()
             return None
-        if text is not None:
+        if view is not None and self.requests is not None:
+            self._print_requests(view)
+        elif text is not None:
             self.out.write(text + "\n")
             self.out.flush()
             self.printed += 1
         return batch
+
+    def _print_requests(self, view: dict[str, Any]) -> None:
+        """One line per request of the batch: the batch's fields, then the request's."""
+        assert self.requests is not None
+        head = {k: view[k] for k in ("topic", "seq", "dp_rank", "ts")}
+        for req in self.requests.split(view["events"]):
+            if self.done:
+                return
+            self.out.write(json.dumps({**head, **req.json()}) + "\n")
+            self.out.flush()
+            self.printed += 1
 
 
 class BadFile(Exception):
@@ -247,8 +277,9 @@ def _ended(args: argparse.Namespace, tap: _Tap, ok: bool, message: str, where: s
         sys.stderr.write(f"kvobserve tap: {message}\n")
         return 1
     if args.count is not None and tap.printed < args.count and not tap.stop:
+        what = "requests" if args.requests else "batches"
         sys.stderr.write(
-            f"kvobserve tap: {tap.printed} of {args.count} batches {where}, then nothing for "
+            f"kvobserve tap: {tap.printed} of {args.count} {what} {where}, then nothing for "
             f"{args.timeout:g} s\n"
         )
         return 1
@@ -297,6 +328,8 @@ def _run_live(args: argparse.Namespace, tap: _Tap) -> int:
 def run(args: argparse.Namespace) -> int:
     """Run `kvobserve tap`; 0 on success, 2 on a bad endpoint, file or flag."""
     if args.dynamo is not None:
+        if args.requests:
+            return _fail("--requests splits the batches of ENDPOINT, --bind or --file")
         return tap_dynamo.run_dynamo(args)
     if [args.file, args.endpoint, args.bind].count(None) != 2:
         return _fail("give exactly one of ENDPOINT, --bind ENDPOINT or --file")

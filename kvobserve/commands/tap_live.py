@@ -4,7 +4,8 @@ The SUB's socket monitor feeds the same Link the collector uses (sources/link.py
 the collector's reasons: connection refused, not a ZMQ publisher (an HTTP port), a handshake that
 fails. With --topic, a silent stream is subscribed to every topic after a moment, and what comes
 under other topics is counted (not printed): a topic mismatch is then named. A run of undecodable
-messages ends tap with a summary instead of a screenful of errors.
+messages ends tap with a summary instead of a screenful of errors; an HTTP answer (the engine's
+HTTP port given for its KV-event endpoint) ends it at once, with one line that says so.
 
 With --bind the SUB binds and the publishers connect (bind mode); its monitor then counts the
 connections (sources/relay.py), and a silent endpoint says whether anyone connected.
@@ -23,7 +24,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from kvobserve.sources.health import Health
-from kvobserve.sources.link import Link, LinkTimes, looks_like_http
+from kvobserve.sources.link import HTTP_HINT, Link, LinkTimes, looks_like_http
 from kvobserve.sources.relay import count_peers, nobody_connected
 from kvobserve.wire.kv_events import KvBatch
 
@@ -31,6 +32,7 @@ POLL_MS = 100  # how often the loop checks for Ctrl-C / SIGTERM and the clock
 HINT_S = 5.0  # without --timeout: say once why nothing arrives after this long
 MAX_BAD_RUN = 10  # undecodable messages in a row (no batch among them): stop
 KV_EVENTS_HINT = "is the engine publishing? check its --kv-events-config"
+KV_EVENTS_ENDPOINT = "KV events come from the endpoint in the engine's --kv-events-config"
 
 
 class Handler(Protocol):
@@ -108,8 +110,7 @@ def _why_silent(link: Link, w: _Watch, endpoint: str, topic: str, waited: float)
 def _bad_summary(w: _Watch, endpoint: str) -> str:
     reasons = ", ".join(f"{r} x{n}" for r, n in w.bad_reasons.most_common())
     if w.http_like:
-        hint = "these look like HTTP: is this the engine's HTTP port? KV events come from the "
-        hint += "endpoint in its --kv-events-config"
+        hint = f"these look like HTTP: is this the engine's HTTP port? {KV_EVENTS_ENDPOINT}"
     else:
         hint = "not KV events? (another publisher on this port, or a wire format kvobserve "
         hint += "does not know: --record them)"
@@ -196,7 +197,10 @@ def _drain_sub(
             frames = sub.recv_multipart(zmq.NOBLOCK)
         except zmq.Again:
             return None
-        if prefix and not frames[0].startswith(prefix) and not looks_like_http(frames):
+        http = looks_like_http(frames)
+        if http and w.last_batch is None:  # an HTTP port: say so once, not per message
+            return Outcome(False, f"{endpoint}: {HTTP_HINT}; {KV_EVENTS_ENDPOINT}")
+        if prefix and not frames[0].startswith(prefix) and not http:
             w.other_topics[frames[0][:64]] += 1  # only there because of the widened subscription
             continue
         batch = tap.handle(frames, "live", topic, endpoint)
@@ -205,7 +209,7 @@ def _drain_sub(
             link.on_data(1, 0, "", [], now, time.time())
             continue
         w.bad_run += 1
-        w.http_like = w.http_like or looks_like_http(frames)
+        w.http_like = w.http_like or http
         w.bad_reasons[tap.last_error] += 1
         if w.bad_run >= MAX_BAD_RUN:
             return Outcome(False, _bad_summary(w, endpoint))

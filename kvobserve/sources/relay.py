@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import errno as os_errno
+import ipaddress
 import itertools
 import json
 import logging
@@ -211,9 +212,12 @@ class RelayLink:
             if self._attempt_at is None:
                 self._attempt_at = now
         elif event == zmq.EVENT_CONNECT_RETRIED:
-            slow = self._attempt_at is not None and now - self._attempt_at >= 1.0
-            self._attempt_at = None
-            if slow:
+            began, self._attempt_at = self._attempt_at, None
+            slow = began is not None and now - began >= 1.0
+            if began is None and (name := _unresolved_name(where)) is not None:
+                # libzmq resolves the name before each attempt: no TCP attempt, no DELAYED
+                self._set("connecting", f"cannot resolve {name!r} in {where}: no such host", wall)
+            elif slow:
                 self._set(
                     "connecting", f"no answer from {where}: the host is down or filtered?", wall
                 )
@@ -259,6 +263,19 @@ class RelayLink:
     def up(self) -> bool:
         """Connected and subscribed: frames reach the target."""
         return self.connected and bool(self.subs)
+
+
+def _unresolved_name(target: str) -> str | None:
+    """The host name of a tcp:// `target` (None for an address or another transport): what a
+    connect that failed before any TCP attempt could not resolve."""
+    if not target.startswith("tcp://"):
+        return None
+    host = target[6:].rpartition(":")[0].strip("[]")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return host or None
+    return None
 
 
 class _Lane:

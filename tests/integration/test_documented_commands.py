@@ -124,6 +124,9 @@ def _map(line: str, env: Env) -> tuple[list[str], dict[str, str], str | None]:
         (r"-c dynamo\.toml", f"-c {env.dynamo_config}"),
         (r"-c pods\.toml", f"-c {env.pods_config}"),
         (r"tcp://10\.0\.0\.5:36001", env.dynamo_zmq),
+        (r"--engine-url http://(10\.0\.0\.5|127\.0\.0\.1):30000", f"--engine-url {env.engine_url}"),
+        (r"--http-port 30000", "--http-port 0"),  # a simulated engine's HTTP port
+        (r"127\.0\.0\.2:9478", f"127.0.0.2:{free_port()}"),  # node 1's collector, on its address
         (r"-c (kvobserve\.toml|node-?[N0-9]\.toml|node\.toml|FILE|/etc/kvobserve/[\w.-]+\.toml)", f"-c {env.config}"),
     ]  # fmt: skip
     for pattern, repl in subs:
@@ -321,7 +324,7 @@ def test_documented_command_line_runs(env: Env, where: str, line: str) -> None:
     elif args[0] == "status":
         assert "WORKER" in text and "docs" in text  # the table, with the running worker
     elif args[0] == "tap":
-        assert '"events"' in text
+        assert ('"block_hashes"' if "--requests" in args else '"events"') in text
     elif args[0] == "overlap":
         assert "WORKER" in text and "docs" in text  # the table, with the running worker's ranks
 

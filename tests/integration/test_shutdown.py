@@ -131,6 +131,16 @@ def test_sigterm_ends_the_command_within_2_s_and_frees_its_ports(
     assert rc == 0, procs.log(pid)
     assert took < 2.0, f"{name} took {took:.2f} s after SIGTERM"
     assert not ports & set(_listening().values()), f"{name}: still listening on {ports}"
+    if name in STOPPING:  # the daemons say, once, that they stop and what they close (issue 30)
+        said = [ln.split(" INFO ", 1)[-1] for ln in procs.log(pid).splitlines() if "SIGTERM" in ln]
+        assert said == [f"kvobserve.commands.{name}: SIGTERM: stopping: {STOPPING[name]}"]
+
+
+STOPPING = {
+    "run": "closing HTTP, the collector (1 worker) and the aggregator (at most 2 s)",
+    "collect": "closing HTTP, the collector and the NATS connection (at most 2 s)",
+    "aggregate": "closing HTTP and the NATS connection (at most 2 s)",
+}
 
 
 # --- in-process objects: no thread, no native (ZMQ) thread, no listener left --------------------

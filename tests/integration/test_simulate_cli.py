@@ -98,3 +98,27 @@ def test_cli_all_nodes_on_their_own_hosts() -> None:
                   "2": "tcp://127.0.0.2", "3": "tcp://127.0.0.2"}  # fmt: skip
     assert [e["url"].rsplit(":", 1)[0] for e in eps if e["kind"] == "http"] == ["http://127.0.0.1"]
     assert "ready workers=2" in proc.stdout
+
+
+def test_cli_one_node_binds_on_its_own_entry_of_node_hosts() -> None:
+    """Issue 30: `--node-rank 1 --node-hosts 127.0.0.1,127.0.0.2` (node 1 run alone) bound node
+    0's address, 127.0.0.1, so a collector given node 1's address found nothing there."""
+    argv = [sys.executable, "-m", "kvobserve", "simulate", "--dp-size", "4", "--nnodes", "2",
+            "--node-rank", "1", "--node-hosts", "127.0.0.1,127.0.0.2", "--duration", "0.2"]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    eps = [_parse(line) for line in proc.stdout.splitlines() if line.startswith("endpoint ")]
+    assert sorted((e["kind"], e["dp_rank"], e["url"].rsplit(":", 1)[0]) for e in eps) == [
+        ("http", "-", "http://127.0.0.2"),
+        ("kv", "2", "tcp://127.0.0.2"), ("kv", "3", "tcp://127.0.0.2"),
+        ("replay", "2", "tcp://127.0.0.2"), ("replay", "3", "tcp://127.0.0.2"),
+    ]  # fmt: skip
+    # a --host that contradicts the list is a mistake, named
+    proc = subprocess.run(
+        [*argv, "--host", "127.0.0.1"], capture_output=True, text=True, timeout=30
+    )
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr == (
+        "kvobserve simulate: host: '127.0.0.1', but node_hosts puts node_rank 1 on "
+        "'127.0.0.2': give one of them\n"
+    )

@@ -207,13 +207,18 @@ def test_nothing_listening_exits_1_with_the_reason() -> None:
         assert took < 10
 
 
-def test_http_port_stops_with_a_summary(engine: SimulatedWorker) -> None:
+@pytest.mark.parametrize("timeout", [["--timeout", "3"], []])
+def test_http_port_stops_at_once_with_one_line(engine: SimulatedWorker, timeout: list[str]) -> None:
+    """Issue 30: ten JSON error lines (one per HTTP answer read as a message) came before the
+    hint; the first HTTP answer now ends tap with the hint alone, with --timeout or without."""
     ep = f"tcp://127.0.0.1:{engine.http_port}"
-    proc, took = _timed(ep, "--timeout", "3")
+    proc, took = _timed(ep, *timeout)
     assert proc.returncode == 1 and proc.stdout == ""
-    last = proc.stderr.splitlines()[-1]
-    assert last.startswith(f"kvobserve tap: 10 messages in a row from {ep} did not decode")
-    assert "these look like HTTP: is this the engine's HTTP port?" in last
+    assert proc.stderr == (
+        f"kvobserve tap: {ep}: not a ZMQ publisher: it answers like an HTTP server (the "
+        "engine's HTTP port?); KV events come from the endpoint in the engine's "
+        "--kv-events-config\n"
+    )
     assert took < 10  # it stopped by itself
 
 

@@ -184,8 +184,9 @@ def test_a_node_count_mismatch_is_one_condition_with_the_fix(
          "--worker-id", WORKER],
         capture_output=True, text=True, timeout=30, env=clean_env(), cwd=ROOT,
     )  # fmt: skip
-    assert check.returncode == 0, check.stdout + check.stderr
+    assert check.returncode == 1, check.stdout + check.stderr  # a gate: run raises it
     assert f"  note: {FIX}" in check.stdout
+    assert check.stdout.endswith(f"  worker {WORKER}: layout_mismatch: {FIX}\n")
     assert "  4-7      -     (not watched: the engine does not run them on this node)" in (
         check.stdout
     )

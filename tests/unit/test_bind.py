@@ -291,6 +291,26 @@ def test_the_relay_is_up_only_while_its_target_is_connected_and_subscribed() -> 
     assert (r.dropped, r.last_drop_time) == ({"no_target": 1, "queue_full": 0}, 7.0)
 
 
+def test_a_relay_target_whose_name_does_not_resolve_is_named_so() -> None:
+    """Issue 30: an unresolvable `relay_to` host was reported as "connection refused". libzmq
+    resolves the name before each attempt; when that fails no TCP attempt starts, so the retry
+    comes without a CONNECT_DELAYED before it."""
+    r = RelayLink("tcp://sched.invalid:5556", 0.5)
+    r.on_monitor(zmq.EVENT_CONNECT_RETRIED, 0.0, 1.0)
+    assert (r.state, r.reason) == (
+        "connecting",
+        "cannot resolve 'sched.invalid' in tcp://sched.invalid:5556: no such host",
+    )
+    r.on_monitor(zmq.EVENT_CONNECT_DELAYED, 1.0, 2.0)  # the name resolves now; nothing listens
+    r.on_monitor(zmq.EVENT_CONNECT_RETRIED, 1.1, 2.1)
+    assert r.reason == "connection refused: nothing listens at tcp://sched.invalid:5556"
+    # an address needs no resolving: a failure before any attempt is not a name's
+    for target in ("tcp://10.0.0.9:5556", "tcp://[::1]:5556", "ipc:///run/sched.sock"):
+        r = RelayLink(target, 0.5)
+        r.on_monitor(zmq.EVENT_CONNECT_RETRIED, 0.0, 1.0)
+        assert r.reason == f"connection refused: nothing listens at {target}"
+
+
 def test_every_relay_has_endpoint_names_of_its_own() -> None:
     # a name closed a moment ago cannot be bound again yet: one per Relay, even when the one
     # before it was freed and the new one takes its place in memory

@@ -72,6 +72,31 @@ def test_unknown_flags_and_commands_get_a_suggestion(argv: list[str], hint: str)
     assert last.endswith(hint), last
 
 
+@pytest.mark.parametrize(
+    ("argv", "last"),
+    [
+        (["collect", "--node-rnak", "1"],
+         "kvobserve collect: error: unrecognized arguments: --node-rnak 1; did you mean "
+         "--node-rank?"),
+        (["check", "-c", "x.toml", "--prob"],
+         "kvobserve check: error: unrecognized arguments: --prob; did you mean --probe?"),
+        (["overlap", "--url", "x", "--poll", "w"],
+         "kvobserve overlap: error: unrecognized arguments: --poll; did you mean --pool?"),
+    ],
+)  # fmt: skip
+def test_an_unknown_flag_shows_the_commands_usage(argv: list[str], last: str) -> None:
+    """Issue 30: `collect --node-rnak 1` printed the top-level usage (`kvobserve [-h]
+    [--version] COMMAND ...`), as if the command were the mistake."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvobserve", *argv], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.splitlines()
+    assert lines[0].startswith(f"usage: kvobserve {argv[0]} [-h]"), lines[0]
+    assert "COMMAND" not in proc.stderr
+    assert lines[-1] == last
+
+
 def _parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
     out = [parser]
     for action in parser._actions:

@@ -19,7 +19,7 @@ from kvobserve.aggregator import Aggregator
 from kvobserve.analysis.blocks import BlockIndex
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.analysis.overlap import PoolError, awaited_collectors, merge_answers, pool_workers
-from kvobserve.commands.overlap import InputError, read_hashes
+from kvobserve.commands.overlap import InputError, Question, read_requests
 from kvobserve.export.api import QueryError, overlap_json, overlap_query
 from kvobserve.transport.local import LocalBus
 from kvobserve.wire.errors import WireError
@@ -304,42 +304,65 @@ def _st(hashes: list[int], parent: int | None) -> dict[str, object]:
     return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent}
 
 
-def test_read_hashes_from_arguments_and_stdin() -> None:
-    assert read_hashes(["1,2", " 3 4"], None) == ["1", "2", "3", "4"]
-    assert read_hashes([], io.StringIO('1, 2\n\n3\t4\n[5, "ab"]\n')) == [
-        "1",
-        "2",
-        "3",
-        "4",
-        "5",
-        "ab",
-    ]
-    # tap lines: the BlockStored events, chained across events and lines; the first may hang
-    # off blocks cached before
+def _hashes(qs: list[Question]) -> list[tuple[list[str], str | None]]:
+    return [(q.hashes, q.parent) for q in qs]
+
+
+def test_read_requests_from_arguments_and_stdin() -> None:
+    (q,) = read_requests(["1,2", " 3 4"], None)
+    assert (q.hashes, q.where, q.title(1, 1)) == (["1", "2", "3", "4"], "", "")
+    (q,) = read_requests([], io.StringIO('1, 2\n\n3\t4\n[5, "ab"]\n'))
+    assert q.hashes == ["1", "2", "3", "4", "5", "ab"]
+    # tap lines: each batch's requests, split by parent chains; a request hanging off a block
+    # stored earlier in the input gets its chain first, one off a block before it keeps it
     text = "\n".join(
         [
             _tap(_st([1, 2], 99), {"type": "BlockRemoved", "block_hashes": [7]}, _st([3], 2)),
-            _tap(_st([4, 5], 3)),
+            _tap(_st([4, 5], 3), _st([8], None), _st([6], 1)),
         ]
     )
-    assert read_hashes([], io.StringIO(text)) == ["1", "2", "3", "4", "5"]
+    qs = read_requests([], io.StringIO(text))
+    assert _hashes(qs) == [
+        (["1", "2", "3"], "99"),
+        (["1", "2", "3", "4", "5"], "99"),
+        (["8"], None),
+        (["1", "6"], "99"),
+    ]
+    assert [q.where for q in qs] == [
+        "seq 0 request 1 (stdin line 1)",
+        "seq 0 request 1 (stdin line 2)",
+        "seq 0 request 2 (stdin line 2)",
+        "seq 0 request 3 (stdin line 2)",
+    ]
+    assert qs[1].title(2, 4) == (
+        "request 2 of 4: seq 0 request 1 (stdin line 2); after block 99, stored before the input"
+    )
+    assert qs[2].title(3, 4) == "request 3 of 4: seq 0 request 2 (stdin line 2)"
+    # `tap --requests` lines: one request each
+    line = {"topic": "kv", "seq": 7, "dp_rank": 0, "ts": 1.0, "request": 2,
+            "block_hashes": [4, 5], "stored": 1, "parent_block_hash": 3}  # fmt: skip
+    (q,) = read_requests([], io.StringIO(json.dumps(line)))
+    assert (q.hashes, q.parent, q.where) == (["4", "5"], "3", "seq 7 request 2 (stdin line 1)")
+    assert q.title(1, 1) == "request: after block 3, stored before the input"
 
 
 @pytest.mark.parametrize(
     ("text", "says"),
     [
-        (_tap(_st([1, 2], None), _st([9], None)), "stdin line 1: a BlockStored event whose parent_block_hash null is not the hash before it (2)"),
-        (_tap(_st([1], None)) + "\n" + _tap(_st([5], 4)), "stdin line 2: a BlockStored event whose parent_block_hash 4"),
         (_tap({"type": "BlockRemoved", "block_hashes": [1]}), "no BlockStored event with block hashes on stdin"),
-        ('{"seq": 1}', "stdin line 1: a JSON object without `events`"),
+        ('{"seq": 1}', "stdin line 1: a JSON object without `events` or `block_hashes` (not a `kvobserve tap` line)"),
+        (_tap({"type": "BlockStored", "block_hashes": "ab"}), 'stdin line 1: block_hashes "ab" is not a list'),
+        (_tap({"type": "BlockStored", "block_hashes": [1], "parent_block_hash": True}), "stdin line 1: true is not a block hash"),
         ("[1, true]", "stdin line 1: true is not a block hash"),
         ("{oops", "stdin line 1: not JSON"),
         ("", "no hashes on stdin"),
+        (_tap(_st([1], None)) + "\n5 6", "stdin holds `kvobserve tap` lines and plain hashes: give one or the other"),
+        (_tap(*(_st([i], None) for i in range(101))), "101 requests on stdin: at most 100 a run"),
     ],
 )  # fmt: skip
-def test_read_hashes_says_what_is_wrong(text: str, says: str) -> None:
+def test_read_requests_says_what_is_wrong(text: str, says: str) -> None:
     with pytest.raises(InputError) as exc:
-        read_hashes([], io.StringIO(text))
+        read_requests([], io.StringIO(text))
     assert says in str(exc.value)
     with pytest.raises(InputError, match="no hashes: give them as arguments or on stdin"):
-        read_hashes([], None)
+        read_requests([], None)
