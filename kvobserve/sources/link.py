@@ -18,6 +18,7 @@ seen directly.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -136,10 +137,13 @@ class Link:
             elif not self._failed and h.state != "not_publisher":
                 self._not_pub(NOT_PUB, now, wall)  # e.g. a ROUTER: libzmq does not retry
         elif event == zmq.EVENT_CONNECT_RETRIED:
-            if not self._reached:
-                slow = self._attempt_at is not None and now - self._attempt_at >= 1.0
+            began, self._attempt_at = self._attempt_at, None
+            if began is None and (name := unresolved_name(self.endpoint)) is not None:
+                # libzmq resolves the name before each attempt: no TCP attempt, no DELAYED
+                h.set("connecting", f"cannot resolve {name!r}: no such host", wall)
+            elif not self._reached:
+                slow = began is not None and now - began >= 1.0
                 h.set("connecting", _NO_ANSWER if slow else _REFUSED, wall)
-            self._attempt_at = None
 
     def on_data(self, good: int, bad: int, bad_reason: str, bad_frames: Sequence[bytes],
                 now: float, wall: float) -> None:  # fmt: skip
@@ -279,6 +283,19 @@ class Link:
         if h.state == "idle" and self.last_data is not None:
             return f"no batch for {now - self.last_data:.0f} s"
         return h.reason
+
+
+def unresolved_name(target: str) -> str | None:
+    """The host name of a tcp:// `target` (None for an address or another transport): what a
+    connect that failed before any TCP attempt could not resolve."""
+    if not target.startswith("tcp://"):
+        return None
+    host = target[6:].rpartition(":")[0].strip("[]")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return host or None
+    return None
 
 
 _CONNECTING = frozenset({"starting", "connecting"})

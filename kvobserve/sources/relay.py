@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import errno as os_errno
-import ipaddress
 import itertools
 import json
 import logging
@@ -43,6 +42,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from kvobserve.sources.link import unresolved_name
 from kvobserve.wire.snapshot import RELAY_DROP_REASONS
 
 log = logging.getLogger(__name__)
@@ -214,7 +214,7 @@ class RelayLink:
         elif event == zmq.EVENT_CONNECT_RETRIED:
             began, self._attempt_at = self._attempt_at, None
             slow = began is not None and now - began >= 1.0
-            if began is None and (name := _unresolved_name(where)) is not None:
+            if began is None and (name := unresolved_name(where)) is not None:
                 # libzmq resolves the name before each attempt: no TCP attempt, no DELAYED
                 self._set("connecting", f"cannot resolve {name!r} in {where}: no such host", wall)
             elif slow:
@@ -263,19 +263,6 @@ class RelayLink:
     def up(self) -> bool:
         """Connected and subscribed: frames reach the target."""
         return self.connected and bool(self.subs)
-
-
-def _unresolved_name(target: str) -> str | None:
-    """The host name of a tcp:// `target` (None for an address or another transport): what a
-    connect that failed before any TCP attempt could not resolve."""
-    if not target.startswith("tcp://"):
-        return None
-    host = target[6:].rpartition(":")[0].strip("[]")
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return host or None
-    return None
 
 
 class _Lane:

@@ -192,3 +192,17 @@ def test_listening_before_any_engine_is_news_and_after_one_left_a_warning(
         ("INFO", "listening -> connected"),
         ("WARNING", "connected -> listening"),
     ]
+
+
+def test_a_host_name_that_does_not_resolve_is_named_so() -> None:
+    # libzmq resolves the name before each attempt: no TCP attempt (no CONNECT_DELAYED) when
+    # that fails; an address never needs resolving
+    named = Link("tcp://engine-0.invalid:5557", "", Health("", "starting", "", 0.0), TIMES)
+    named.on_monitor(zmq.EVENT_CONNECT_RETRIED, 100, 1.0, 1.0)
+    assert _state(named) == ("connecting", "cannot resolve 'engine-0.invalid': no such host")
+    named.on_monitor(zmq.EVENT_CONNECT_DELAYED, 0, 2.0, 2.0)  # it resolves now: refused
+    named.on_monitor(zmq.EVENT_CONNECT_RETRIED, 100, 2.1, 2.1)
+    assert _state(named) == ("connecting", "connection refused: nothing listens there")
+    addr = _link()
+    addr.on_monitor(zmq.EVENT_CONNECT_RETRIED, 100, 1.0, 1.0)
+    assert _state(addr) == ("connecting", "connection refused: nothing listens there")
