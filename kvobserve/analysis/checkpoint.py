@@ -5,10 +5,10 @@ Three steps, each pure:
 1. `copy_stream` on the ingest thread, between two batches: a consistent copy of what a
    restarted collector needs (every tier's resident hashes and store times as plain lists, the
    odd token counts, LoRA blocks, the last seq, its engine time and payload, the trust state).
-   It is C-level list copies only (about 15 ns a block), so the ingest thread pays little; the
+   It is C-level list copies only (20-80 ns a block), so the ingest thread pays little; the
    copy shares the hash and time objects with the index and is never written to.
 2. `encode_copy` on any thread (the writer's): the copy packed into the file's bytes
-   (wire/checkpoint.py), about 50 ns a block more.
+   (wire/checkpoint.py), about 60 ns a block more.
 3. `restore_index` into a new, empty `BlockIndex` at start, from a checkpoint that
    `decode_checkpoint` accepted for this stream and configuration.
 

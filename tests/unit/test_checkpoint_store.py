@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import subprocess
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -388,3 +389,56 @@ def test_the_writer_keeps_what_it_wrote_decodable(store: CheckpointStore) -> Non
     w.close()
     ck = decode_checkpoint(store.path(ss[0].checkpoint_key).read_bytes(), ss[0].ident, CONFIG)
     assert ck.kvobserve and ck.written_at > 0
+
+
+class ThreadCpu:
+    """A CPU clock per thread that advances by a set step at each reading (the writer thread's
+    step for any thread but this one): what a copy and a write cost, without timing anything."""
+
+    def __init__(self, copy: float, write: float) -> None:
+        self.here = threading.get_ident()
+        self.step = {True: copy, False: write}
+        self.now: dict[int, float] = {}
+
+    def __call__(self) -> float:
+        me = threading.get_ident()
+        t = self.now[me] = self.now.get(me, 0.0) + self.step[me == self.here]
+        return t
+
+
+def test_the_cpu_budget_spreads_a_big_round_and_charges_the_writes_too(
+    store: CheckpointStore,
+) -> None:
+    """2 % of a core at 5 s: 0.1 CPU-s in hand, 0.02 more per second. A copy costs 0.01 here."""
+    ss = streams(20, batches=20)
+    w = CheckpointWriter(store, 5.0, cpu_share=0.02, cpu=ThreadCpu(copy=0.01, write=0.0))
+    w.start()
+    try:
+        w.tick(0.0, ss)
+        assert sum(s.copies for s in ss) == 10  # the budget in hand: 0.1 s
+        w.tick(0.0, ss)
+        assert sum(s.copies for s in ss) == 10  # none refilled yet
+        w.tick(2.5, ss)
+        assert sum(s.copies for s in ss) == 15  # 2.5 s x 2 %
+        w.tick(5.0, ss)
+        assert sum(s.copies for s in ss) == 20 and w.wait_round(10.0)
+        assert w.copy_cpu_s == pytest.approx(0.2)
+    finally:
+        w.close()
+    # the writer's CPU is charged as well (ahead, as the last writes cost, then settled): with
+    # 0.03 a write, the budget in hand pays for about two streams, and it is not overdrawn by
+    # more than one stream's copy and write
+    ss = streams(8, batches=20)
+    w = CheckpointWriter(store, 5.0, cpu_share=0.02, cpu=ThreadCpu(copy=0.01, write=0.03),
+                         max_in_flight=1)  # fmt: skip
+    w.start()
+    try:
+        for _ in range(8):  # bounded: at most one copy per tick
+            w.tick(0.0, ss)
+            assert w.drain(10.0)
+        copies = sum(s.copies for s in ss)
+        assert 2 <= copies < 8
+        assert w.write_cpu_s == pytest.approx(0.03 * copies)
+        assert w.copy_cpu_s + w.write_cpu_s <= 0.1 + 0.04 + 1e-9
+    finally:
+        w.close()
