@@ -19,7 +19,7 @@ cost 0.2-0.7 ms of system time on an ext4 VM disk, more than packing 1,000 block
 a budget that refills at `cpu_share` CPU-seconds per second, up to one interval's worth; while
 it is spent, copying waits. A few streams are written every interval; thousands of busy ones
 less often (`python -m benchmarks.checkpoint`: 4,096 busy streams of 1,000 blocks, each every
-~2.5 minutes on that disk), which is what a resume needs as long as the engines' replay rings
+~4 minutes on that disk), which is what a resume needs as long as the engines' replay rings
 reach back that far (docs/reliability.md).
 
 At SIGTERM, `flush(streams, timeout_s)` copies every changed stream at once, budget or not (the

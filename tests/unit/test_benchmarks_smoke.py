@@ -230,8 +230,8 @@ def test_relay_benchmark_delivers_every_frame_both_ways() -> None:
 
 
 def test_checkpoint_benchmark_writes_and_restores_every_stream(tmp_path: Path) -> None:
-    r = checkpoint.measure(8, 200, 4, 5.0, str(tmp_path / "state"), steady_s=0.3)
+    r = checkpoint.measure(8, 200, 4, 0.2, str(tmp_path / "state"), steady_s=0.3)
     assert r["resident"] == 8 * 200  # restored block for block (asserted inside too)
     assert 15.0 < r["bytes_per_block_no_anchor"] <= 16.0  # 9 + 4 + 2 B a block, and the rest
     assert r["bytes_per_block"] > r["bytes_per_block_no_anchor"]
-    assert r["capped_written_per_s"] > 0 and r["copy_cpu_s"] > 0 and r["write_cpu_s"] > 0
+    assert r["copy_cpu_s"] > 0 and r["write_cpu_s"] > 0 and r["capped_written_per_s"] >= 0
