@@ -7,12 +7,15 @@ the reason and nothing raises.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 import subprocess
+import sys
+import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -175,45 +178,68 @@ def test_the_fingerprint_follows_what_shapes_the_index_only() -> None:
 # --- a disk that cannot be written ------------------------------------------------------------
 
 
-def test_a_read_only_state_dir_is_failing_not_fatal_and_its_checkpoints_still_load(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    d = tmp_path / "ro"
-    ok = CheckpointStore(str(d))
-    assert ok.open() and ok.write(IDENT.key, data_of(fed(100)))
-    ok.close()
-    (d / LOCK_FILE).unlink()  # as a fresh read-only copy of the directory would be
-    with _immutable(d):
-        s = CheckpointStore(str(d))
-        with caplog.at_level(logging.WARNING):
-            assert not s.open()
-            assert not s.write(IDENT.key, data_of(fed(200)))
-        st = s.stats()
-        assert (st.state, st.reason, st.failing) == ("failing", "read_only", {"read_only": 1})
-        assert str(d) in st.detail
-        assert s.load(IDENT, CONFIG) is not None  # what is there resumes; nothing is written
-        began = [r.getMessage() for r in caplog.records if "are not written" in r.getMessage()]
+ROOT = Path(__file__).resolve().parents[2]
+# What a collector whose state_dir it cannot write sees: open, a write, a load, and its log.
+READ_ONLY_CHILD = """
+import json, logging, sys
+from kvobserve.sources.checkpoint_store import CheckpointStore
+from kvobserve.wire.checkpoint import StreamIdentity
+logging.basicConfig(level=logging.WARNING, format="%(message)s")
+ident = StreamIdentity(*json.loads(sys.argv[2]))
+s = CheckpointStore(sys.argv[1])
+opened, wrote = s.open(), s.write(ident.key, b"x" * 100)
+ck = s.load(ident, sys.argv[3])
+st = s.stats()
+print(json.dumps({"opened": opened, "wrote": wrote, "loaded": ck and ck.last_seq,
+                  "state": st.state, "reason": st.reason, "failing": st.failing,
+                  "detail": st.detail}))
+"""
+
+
+def _unwritable(d: Path) -> tuple[dict[str, object], Callable[[], object]]:
+    """Make `d` unwritable for a child process, root included: mode 0500; as root the immutable
+    flag (chattr +i: ext4, xfs, btrfs), else (overlayfs, tmpfs) the child runs as nobody in
+    the root-owned directory. The child's subprocess arguments, and how to undo it."""
+    if os.geteuid() != 0:
+        d.chmod(0o500)
+        return {}, lambda: d.chmod(0o700)
+    chattr = shutil.which("chattr")
+    if chattr and subprocess.run([chattr, "+i", str(d)], capture_output=True).returncode == 0:
+        return {}, lambda: subprocess.run([chattr, "-i", str(d)], check=True)
+    d.chmod(0o755)
+    return {"user": 65534, "group": 65534, "extra_groups": []}, lambda: None
+
+
+def test_a_read_only_state_dir_is_failing_not_fatal_and_its_checkpoints_still_load() -> None:
+    base = Path(tempfile.mkdtemp(prefix="kvobserve-ro-"))  # outside pytest's 0700 tree
+    d = base / "state"
+    undo: Callable[[], object] = lambda: None  # noqa: E731
+    try:
+        ok = CheckpointStore(str(d))
+        assert ok.open() and ok.write(IDENT.key, data_of(fed(100)))
+        ok.close()
+        (d / LOCK_FILE).unlink()  # as a fresh read-only copy of the directory would be
+        ok.path(IDENT.key).chmod(0o644)
+        base.chmod(0o755)
+        as_user, undo = _unwritable(d)
+        ident = [getattr(IDENT, f) for f in StreamIdentity.__struct_fields__]
+        proc = subprocess.run(
+            [sys.executable, "-c", READ_ONLY_CHILD, str(d), json.dumps(ident), CONFIG],
+            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+            text=True, timeout=60, **as_user,  # type: ignore[call-overload]
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        got = json.loads(proc.stdout)
+        assert str(d) in got.pop("detail")
+        assert got == {"opened": False, "wrote": False, "loaded": 99, "state": "failing",
+                       "reason": "read_only", "failing": {"read_only": 1}}  # fmt: skip
+        began = [line for line in proc.stderr.splitlines() if "are not written" in line]
         assert len(began) == 1 and began[0].startswith("checkpoints are not written (read_only)")
-
-
-class _immutable:
-    """Make an existing directory unwritable for the duration, root included."""
-
-    def __init__(self, d: Path) -> None:
-        self.d = d
-
-    def __enter__(self) -> None:
-        if os.geteuid() == 0:
-            chattr = shutil.which("chattr")
-            assert chattr, "root needs chattr to make a directory read-only for this test"
-            subprocess.run([chattr, "+i", str(self.d)], check=True)
-        else:
-            self.d.chmod(0o500)
-
-    def __exit__(self, *exc: object) -> None:
-        if os.geteuid() == 0:
-            subprocess.run([shutil.which("chattr") or "chattr", "-i", str(self.d)], check=True)
-        self.d.chmod(0o700)
+        assert sorted(p.name for p in d.iterdir()) == [ok.path(IDENT.key).name]  # nothing new
+    finally:
+        undo()
+        d.chmod(0o700)
+        shutil.rmtree(base)
 
 
 def test_a_state_dir_that_cannot_be_created_is_failing(tmp_path: Path) -> None:
