@@ -46,8 +46,8 @@ class CollectorConfig:
 
 
 def default_state_dir(env: Mapping[str, str], root: bool) -> str:
-    """Where checkpoints go by default: /var/lib/kvobserve for root (as a system service and
-    in the container image), else $XDG_STATE_HOME/kvobserve, else ~/.local/state/kvobserve."""
+    """Where checkpoints go by default: /var/lib/kvobserve for root (a system service), else
+    $XDG_STATE_HOME/kvobserve, else ~/.local/state/kvobserve (the image's user: in its home)."""
     if root:
         return "/var/lib/kvobserve"
     xdg = env.get("XDG_STATE_HOME", "")
