@@ -79,6 +79,9 @@ class CacheAnalytics:
         self.hot = HotBlocks(o.hot_capacity)
         self.peers: list[dict[str, Tier]] = []  # other ranks' tiers (same worker and collector)
         self.recomputed_elsewhere = 0
+        # no silent-loss evidence before this engine time: after a resume from a checkpoint the
+        # recent removals of the last window are not known (`resumed`)
+        self.quiet_until = 0.0
 
     def _recent(self, medium: str) -> RecentRemovals:
         rec = self.recent.get(medium)
@@ -113,7 +116,7 @@ class CacheAnalytics:
                 self.hot.add(first)  # where the recomputation began
         if top:
             parent = ev.parent_block_hash
-            if parent is not None and parent not in tier.resident:
+            if parent is not None and parent not in tier.resident and ts >= self.quiet_until:
                 self._orphan(parent, name)
             if self.peers:
                 self._elsewhere(name, tier.resident, hashes)
@@ -136,7 +139,7 @@ class CacheAnalytics:
         rec = self._recent(name)
         gone = hashes
         if unknown:
-            if self.trust.trusted:
+            if self.trust.trusted and ts >= self.quiet_until:
                 known = rec.removed  # a second removal of a hash (vLLM keeps duplicate copies)
                 if known and not known.keys().isdisjoint(hashes):
                     unknown = sum(
@@ -173,6 +176,27 @@ class CacheAnalytics:
         for m, counts in self.lora_blocks.items():
             if medium is None or m == medium:
                 counts.clear()
+
+    def resumed(self, ts: float) -> None:
+        """The index was restored from a checkpoint whose last batch has engine time `ts`: the
+        removals of the window before it are not known, so for one restore window a removal
+        of a hash removed once already (vLLM's duplicate copies) or a parent evicted just before
+        would look like lost events; no silent-loss evidence is counted until then."""
+        self.quiet_until = ts + self.options.restore_window_s
+
+    def restore_lora(self, medium: str, blocks: dict[str, list[BlockHash]]) -> None:
+        """Resident LoRA blocks of `medium` by adapter name, from a checkpoint (the name cap
+        applies as it does to stores)."""
+        for lora, hashes in blocks.items():
+            name = self._lora_names.get(lora)
+            if name is None:
+                if len(self._lora_names) < self.options.max_lora_names:
+                    name = self._lora_names[lora] = lora
+                else:
+                    name = LORA_OTHER
+            self.lora_of.setdefault(medium, {}).update(zip(hashes, repeat(name)))
+            counts = self.lora_blocks.setdefault(medium, {})
+            counts[name] = counts.get(name, 0) + len(hashes)
 
     # --- the less usual paths -----------------------------------------------------------------
 

@@ -12,7 +12,8 @@ Counting rules (docs/stream-semantics.md):
 - `removed_total` counts blocks that left by `BlockRemoved`, `AllBlocksCleared` or `TierCleared`
   (Dynamo's clear of one medium; event `kind` "TierCleared" with a `medium`), so
   `stored_total - removed_total == blocks` until a `reset()` (publisher restart), which drops
-  blocks without counting them (the engine did not tell us when they left).
+  blocks without counting them (the engine did not tell us when they left), or a `restore()`
+  (a checkpoint), which brings blocks back without counting them as stored.
 - Lifetime = removal ts - store ts (engine timestamps, clamped at 0), observed for removals and
   clears, not for resets.
 """
@@ -20,7 +21,7 @@ Counting rules (docs/stream-semantics.md):
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from itertools import compress, repeat
 from operator import is_not
 from typing import cast
@@ -244,6 +245,26 @@ class BlockIndex:
         tier = self._tiers.get(medium)
         if tier is not None:
             tier.clear(ts)
+
+    def restore(
+        self,
+        block_size: int,
+        tiers: Iterable[tuple[str, dict[BlockHash, float], dict[BlockHash, int]]],
+    ) -> None:
+        """Take resident blocks back from a checkpoint (analysis/checkpoint.py) into this empty
+        index: per medium, hash -> store ts (one float object per batch, as `apply_batch`
+        shares them) and the token counts that differ from `block_size`. The dicts are kept,
+        not copied. Counters stay at 0: a new process counts from its own start, so from here
+        `stored_total - removed_total == blocks - restored blocks` (until a reset)."""
+        if any(t.resident for t in self._tiers.values()):
+            raise ValueError("restore: the index already holds blocks")
+        self._usual_size = block_size or None
+        for medium, resident, odd in tiers:
+            tier = self._tier(medium)
+            if tier is None:
+                continue  # past max_media (the refusal is counted)
+            tier.resident, tier.odd = resident, odd
+            tier.tokens = (len(resident) - len(odd)) * block_size + sum(odd.values())
 
     def reset(self) -> None:
         """Forget every resident block (publisher restart); counters and histograms are kept."""

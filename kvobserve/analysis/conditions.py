@@ -254,6 +254,7 @@ def _found(v: FleetView) -> Iterable[Condition]:
                 f"{w} has {len(ids)} scheduler-metrics leaders: {', '.join(ids)}",
             )
     yield from _reported(v)
+    yield from _checkpoints(v)
     yield from _placement(v)
     at = Around(v)
     for s in v.streams:
@@ -378,6 +379,20 @@ def _reported(v: FleetView) -> Iterable[Condition]:
                     f"{d.engine_blocks} ({d.method})",
                     d.at,
                 )
+
+
+def _checkpoints(v: FleetView) -> Iterable[Condition]:
+    """Live collectors that cannot write their checkpoints (docs/reliability.md)."""
+    for c in v.collectors:
+        ck = c.snapshot.checkpoint
+        if c.up and ck is not None and ck.state == "failing":
+            yield Condition.of(
+                "checkpoint_failing",
+                labels(collector=c.info.collector_id, node_rank=c.info.node_rank),
+                f"collector {c.info.collector_id} cannot write its checkpoints ({ck.reason}): "
+                f"{ck.detail}; a restart now resumes from older ones or none",
+                ck.since,
+            )
 
 
 def _placement(v: FleetView) -> Iterable[Condition]:
@@ -581,6 +596,7 @@ _ROWS: Final = (
     Kind("dp_rank_multiple_owners", "DPRankMultipleOwners", "warning", "rank watched twice"),
     Kind("multiple_scheduler_leaders", "MultipleSchedulerLeaders", "warning", "several leaders"),
     Kind("relay_dropping", "KVRelayDropping", "warning", "relay dropping frames"),
+    Kind("checkpoint_failing", "KVObserveCheckpointFailing", "warning", "checkpoints not written"),
     Kind("router_index_drift", "KVRouterIndexDrift", "warning", "router index drifted"),
     Kind("placement_misses", "KVCachePlacementMisses", "warning", "misses another rank held",
          cell="pool"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 import socket
 import ssl
@@ -28,6 +29,7 @@ from kvobserve.config.model import (
     HttpConfig,
     NatsConfig,
     WorkerConfig,
+    default_state_dir,
 )
 from kvobserve.config.values import (
     at_least,
@@ -50,6 +52,7 @@ _FLAG_NAMES: dict[str, tuple[str, ...] | None] = {
     "collector.id": ("--collector-id",),
     "collector.interval_s": ("--interval",),
     "collector.host": ("--collector-host",),
+    "collector.checkpoint_interval_s": ("--checkpoint-interval",),
     "worker.id": ("--worker-id",),
     "worker.url": ("--engine-url",),
     "worker.version": ("--engine-version",),
@@ -222,7 +225,18 @@ def _apply_overrides(
             t[key] = conv
 
 
-def _build_collector(c: dict[str, Any]) -> CollectorConfig:
+def _state_dir(value: str, env: Mapping[str, str]) -> str:
+    """[collector] state_dir as an absolute path ("": the default); created at start, not here."""
+    path = value.strip() or default_state_dir(env, os.geteuid() == 0)
+    if "\0" in path:
+        raise ConfigError(f"collector.state_dir: a NUL character in {value!r}")
+    path = os.path.abspath(os.path.expanduser(path))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"collector.state_dir: {path!r} exists and is not a directory")
+    return path
+
+
+def _build_collector(c: dict[str, Any], env: Mapping[str, str]) -> CollectorConfig:
     """Validate [collector]."""
     host = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname().split(".")[0]) or "collector"
     cfg = CollectorConfig(**{"id": host, **c})
@@ -234,7 +248,12 @@ def _build_collector(c: dict[str, Any]) -> CollectorConfig:
             f"collector.node_rank: {cfg.node_rank} must be < collector.nnodes ({cfg.nnodes})"
         )
     at_least(cfg.interval_s, 0, "collector.interval_s", strict=True)
-    return dataclasses.replace(cfg, host=check_host(cfg.host, "collector.host"))
+    at_least(cfg.checkpoint_interval_s, 0, "collector.checkpoint_interval_s")
+    return dataclasses.replace(
+        cfg,
+        host=check_host(cfg.host, "collector.host"),
+        state_dir=_state_dir(cfg.state_dir, env),
+    )
 
 
 def _build_worker(i: int, w: dict[str, Any], node_rank: int) -> WorkerConfig:
@@ -357,7 +376,7 @@ def load_config(
     _apply_overrides(raw, _env_overrides(env), "env", names)
     _apply_overrides(raw, overrides, "flag", names)
     try:
-        return _build(raw, path)
+        return _build(raw, path, env)
     except ConfigError as exc:  # name the flags or variables the user typed, with the fields
         text = str(exc)
         for field, name in names.items():
@@ -383,11 +402,11 @@ def _check_pools(workers: tuple[WorkerConfig, ...]) -> None:
             )
 
 
-def _build(raw: dict[str, Any], path: str | None) -> Config:
+def _build(raw: dict[str, Any], path: str | None, env: Mapping[str, str]) -> Config:
     """Validate the merged settings and freeze them."""
     top = _table({k: v for k, v in raw.items() if k in SECTIONS[""]}, "", "")
     tables = {s: _table(raw.get(s, {}), s, s) for s in ("collector", "aggregator", "http", "nats")}
-    collector = _build_collector(tables["collector"])
+    collector = _build_collector(tables["collector"], env)
     workers_raw = raw.get("worker", [])
     if not isinstance(workers_raw, list):
         raise ConfigError(f"worker: expected [[worker]] tables, got {workers_raw!r}")

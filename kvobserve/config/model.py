@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
 __all__ = [
@@ -16,6 +18,7 @@ __all__ = [
     "KubernetesConfig",
     "NatsConfig",
     "WorkerConfig",
+    "default_state_dir",
 ]
 
 
@@ -28,7 +31,9 @@ class CollectorConfig:
     """This node's collector; an empty `id` becomes the short hostname.
 
     `host`: where this collector reaches its own node's engines; a wildcard host in an endpoint
-    (`tcp://*:5557`) means "the node that owns the rank", reached here.
+    (`tcp://*:5557`) means "the node that owns the rank", reached here. `state_dir`: where each
+    stream's checkpoint is kept ("": the default, `default_state_dir`), written every
+    `checkpoint_interval_s` (0: no checkpoints, none read either).
     """
 
     id: str = ""
@@ -36,6 +41,20 @@ class CollectorConfig:
     nnodes: int = 1
     interval_s: float = 1.0
     host: str = "127.0.0.1"
+    state_dir: str = ""
+    checkpoint_interval_s: float = 5.0
+
+
+def default_state_dir(env: Mapping[str, str], root: bool) -> str:
+    """Where checkpoints go by default: /var/lib/kvobserve for root (a system service), else
+    $XDG_STATE_HOME/kvobserve, else ~/.local/state/kvobserve (the image's user: in its home)."""
+    if root:
+        return "/var/lib/kvobserve"
+    xdg = env.get("XDG_STATE_HOME", "")
+    if os.path.isabs(xdg):  # the XDG spec: a relative value is invalid and ignored
+        return os.path.join(xdg, "kvobserve")
+    home = env.get("HOME") or os.path.expanduser("~")
+    return os.path.join(home, ".local", "state", "kvobserve")
 
 
 @dataclass(frozen=True, slots=True)

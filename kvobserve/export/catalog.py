@@ -506,6 +506,11 @@ CATALOG: tuple[MetricDef, ...] = (
        "error); reported with its next snapshot that arrives.",
        From(Scope.COLLECTOR, each="snapshot.counters.publish_dropped", only=_COUNTERS),
        per="fault"),
+    _d("kvobserve_collector_checkpoint_failing", "gauge", ("collector", "reason"),
+       "1 while the collector cannot write its streams' checkpoints to its state_dir, by reason "
+       "(read_only, no_space, in_use, io); absent while they are written (docs/reliability.md).",
+       From(Scope.COLLECTOR, each="snapshot.checkpoint.failing", only="snapshot.checkpoint"),
+       per="fault"),
     # bind mode (docs/deployment.md): the endpoints a collector binds, per rank, and their relays
     _d("kvobserve_bind_publishers", "gauge", (*BOUND, "endpoint"),
        "Connections open on an endpoint the collector binds for publishers to connect to.",

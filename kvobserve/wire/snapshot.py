@@ -337,6 +337,26 @@ class CollectorCounters(Struct, omit_defaults=True, gc=False):
     publish_dropped: dict[str, int] = {}  # snapshots the transport could not send, by reason
 
 
+class CheckpointStats(Struct, omit_defaults=True, gc=False):
+    """The collector's checkpoints of its streams (docs/reliability.md, "Restarts of
+    kvobserve"): whether they are written, and what was found at start."""
+
+    state: str = "ok"  # ok | failing (cannot write: `reason`) | off (checkpoint_interval_s 0)
+    reason: str = ""  # failing: read_only, no_space, in_use, io
+    detail: str = ""  # one line: the path and the error
+    since: float = 0.0  # wall-clock time the state began
+    written: int = 0  # checkpoint files written since the collector started
+    errors: dict[str, int] = {}  # writes that failed, by reason
+    loaded: int = 0  # checkpoints read at start and accepted for their stream
+    refused: dict[str, int] = {}  # checkpoints read at start and not trusted, by reason
+    round_seconds: float = 0.0  # the last round: from its first copy to the directory's fsync
+
+    @property
+    def failing(self) -> dict[str, int]:
+        """{reason: 1} while checkpoints cannot be written, else {} (one sample per reason)."""
+        return {self.reason: 1} if self.state == "failing" else {}
+
+
 class CollectorInfo(Struct, omit_defaults=True, gc=False):
     """The collector's identity."""
 
@@ -376,6 +396,7 @@ class Snapshot(Struct, omit_defaults=True, gc=False):
     buckets: list[int] = []  # every bucket this collector sent a part for, with the same seq
     prefix: list[PrefixCounters] = []  # the engines' prefix-cache counters (the leader's scrape)
     misses: list[MissDelta] = []  # the miss split's sampled changes, one per pool (and resyncs)
+    checkpoint: CheckpointStats | None = None  # None: a collector without checkpoints (older)
 
 
 _encoder = msgspec.msgpack.Encoder()

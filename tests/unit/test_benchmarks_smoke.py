@@ -14,7 +14,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.openmetrics.exposition import generate_latest as om_generate_latest
 from prometheus_client.utils import floatToGoString
 
-from benchmarks import e2e, ingest, memory, misses, overlap, relay, scale, sketch
+from benchmarks import checkpoint, e2e, ingest, memory, misses, overlap, relay, scale, sketch
 from benchmarks._common import build_cycle
 from kvobserve.analysis.analytics import CacheAnalytics
 from kvobserve.analysis.blocks import BlockIndex
@@ -227,3 +227,11 @@ def test_relay_benchmark_delivers_every_frame_both_ways() -> None:
         assert 0 < f["paced"][mode]["p50_ms"] <= f["paced"][mode]["p99_ms"]
     k = f["kvobserve"]
     assert (k["forwarded"], sum(k["dropped"].values()), k["applied"], k["gaps"]) == (800, 0, 800, 0)
+
+
+def test_checkpoint_benchmark_writes_and_restores_every_stream(tmp_path: Path) -> None:
+    r = checkpoint.measure(8, 200, 4, 0.2, str(tmp_path / "state"), steady_s=0.3)
+    assert r["resident"] == 8 * 200  # restored block for block (asserted inside too)
+    assert 15.0 < r["bytes_per_block_no_anchor"] <= 16.0  # 9 + 4 + 2 B a block, and the rest
+    assert r["bytes_per_block"] > r["bytes_per_block_no_anchor"]
+    assert r["copy_cpu_s"] > 0 and r["write_cpu_s"] > 0 and r["capped_written_per_s"] >= 0

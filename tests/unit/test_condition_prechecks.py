@@ -30,6 +30,7 @@ from kvobserve.analysis.views import Key
 from kvobserve.wire.misses import STORE, MissDelta, pack_op
 from kvobserve.wire.snapshot import (
     BindStats,
+    CheckpointStats,
     CollectorInfo,
     DriftStats,
     MediumStats,
@@ -166,6 +167,11 @@ def fleets(draw: st.DrawFn) -> Fleet:
                     "ipc://@r", "up", dropped={"queue_full": 2}, last_drop_time=draw(t)
                 )
                 snap.binds.append(BindStats(w, 0, "tcp://*:5557", relay=relay))
+        if draw(st.booleans()):  # checkpoints written, failing, off, or an older collector
+            snap.checkpoint = draw(
+                st.sampled_from([None, CheckpointStats(), CheckpointStats(state="off"),
+                                 CheckpointStats("failing", "no_space", "/x: full", draw(t))])
+            )  # fmt: skip
         if c == 0 and draw(st.booleans()):  # a pool's sampled misses; placement or not
             snap.misses.append(_pool_delta(draw(st.sampled_from([0, 300, 700])), received))
         state.update(snap, received)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any
 
@@ -488,3 +489,53 @@ def test_config_is_frozen(tmp_path: Path) -> None:
     cfg = load_config(write(tmp_path, FULL), {}, {})
     with pytest.raises(AttributeError):
         cfg.collector.node_rank = 3  # type: ignore[misc]
+
+
+def test_state_dir_defaults_to_the_xdg_state_dir_or_var_lib_for_root(tmp_path: Path) -> None:
+    from kvobserve.config.model import default_state_dir
+
+    assert default_state_dir({}, root=True) == "/var/lib/kvobserve"
+    assert default_state_dir({"XDG_STATE_HOME": "/s", "HOME": "/h"}, root=False) == "/s/kvobserve"
+    # a relative XDG_STATE_HOME is invalid (the XDG spec): the home directory's default instead
+    assert (
+        default_state_dir({"XDG_STATE_HOME": "s", "HOME": "/h"}, False)
+        == "/h/.local/state/kvobserve"
+    )
+    cfg = load_config(None, {}, {"XDG_STATE_HOME": str(tmp_path), "HOME": "/nowhere"})
+    assert cfg.collector.state_dir == (
+        "/var/lib/kvobserve" if os.geteuid() == 0 else str(tmp_path / "kvobserve")
+    )
+    assert cfg.collector.checkpoint_interval_s == 5.0
+    assert not (tmp_path / "kvobserve").exists()  # created when a collector starts, not here
+
+
+def test_state_dir_and_checkpoint_interval_from_file_env_and_flags(tmp_path: Path) -> None:
+    path = write(tmp_path, '[collector]\nstate_dir = "state"\ncheckpoint_interval_s = 2\n')
+    cfg = load_config(path, {}, {})
+    assert cfg.collector.state_dir == os.path.abspath("state")  # absolute from here on
+    assert cfg.collector.checkpoint_interval_s == 2.0
+    env = {"KVOBSERVE_COLLECTOR_STATE_DIR": str(tmp_path / "e")}
+    flags = overrides_from_args(parse_flags(["--checkpoint-interval", "0"]))
+    cfg = load_config(path, flags, env)
+    assert (cfg.collector.state_dir, cfg.collector.checkpoint_interval_s) == (
+        str(tmp_path / "e"),
+        0.0,
+    )
+
+
+def test_state_dir_and_checkpoint_interval_errors_name_the_key(tmp_path: Path) -> None:
+    (tmp_path / "f").write_text("")
+    path = write(tmp_path, f'[collector]\nstate_dir = "{tmp_path / "f"}"\n')
+    with pytest.raises(
+        ConfigError, match=r"^collector\.state_dir: '.*/f' exists and is not a directory$"
+    ):
+        load_config(path, {}, {})
+    with pytest.raises(
+        ConfigError,
+        match=r"^--checkpoint-interval \(collector\.checkpoint_interval_s\): must be >= 0, got -1\.0$",
+    ):
+        load_config(None, overrides_from_args(parse_flags(["--checkpoint-interval", "-1"])), {})
+    with pytest.raises(
+        ConfigError, match=r"^--state-dir \(collector\.state_dir\): a NUL character"
+    ):
+        load_config(None, {"collector.state_dir": "a\0b"}, {})

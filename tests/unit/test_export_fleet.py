@@ -8,6 +8,7 @@ from kvobserve.analysis.views import FleetView
 from kvobserve.wire.misses import STORE, MissDelta, pack_op
 from kvobserve.wire.snapshot import (
     BindStats,
+    CheckpointStats,
     CollectorCounters,
     CollectorInfo,
     DriftSource,
@@ -140,6 +141,14 @@ def _node0() -> Snapshot:
         misses=[_delta([(0, 0, 5 << 40), (0, 0, 6 << 40), (1, 1, 5 << 40)])],
         prefix=[PrefixCounters("sglang-a", -1, 1600.0, 8000.0)],  # the tokenizer's
         counters=CollectorCounters(12345, 1, 5, {"buffer_full": 2}),
+        checkpoint=CheckpointStats(
+            "failing",
+            "no_space",
+            "/var/lib/kvobserve: full",
+            NOW - 700,
+            written=40,
+            errors={"no_space": 12},
+        ),
         scheduler_errors=[SourceErrors("sglang-a", "kv_metrics", "pickle_refused", 2)],
         scheduler=[
             SchedulerStats("sglang-a", 0, "metrics", 3, 1, 0.3, 0.5, 640),
