@@ -22,7 +22,6 @@ BLOCK = (*STREAM, "medium")
 WORKER_MEDIUM = ("worker_id", "medium")
 DRIFT = (*STREAM, "medium", "method")
 BOUND = ("collector", "worker_id", "dp_rank")  # an endpoint a collector binds (bind mode)
-CACHE_DETAIL = "per_stream_counters"  # the create_app flag ([aggregator] per_stream_detail)
 # The "while down" cells of families whose rule `stale` alone does not tell (docs/metrics.md)
 UP_RANKS = "up ranks only"
 SCHEDULER = "absent, also when stale"
@@ -111,8 +110,11 @@ class MetricDef:
     timely: bool = False  # value depends on the wall clock (masked in the golden scrape)
     per: str = "fleet"  # what one series stands for: see PER (the series budget)
     n: int = 1  # series per `per`
-    detail: str = ""  # the FleetCollector flag that serves it per stream instead (labels STREAM+)
-    optin: str = ""  # the FleetCollector flag without which it is not served at all
+    # [aggregator] per_stream_detail (docs/metrics.md, series budget): `detail`: summed per
+    # worker without it, served per stream with it (labels STREAM+); `detail_only`: served only
+    # with it
+    detail: bool = False
+    detail_only: bool = False
     down: str = ""  # the docs' "while down" cell when `stale` alone does not say it
 
     @property
@@ -124,7 +126,7 @@ class MetricDef:
 
     @property
     def detail_labels(self) -> tuple[str, ...]:
-        """Labels with the per-stream opt-in: the stream's, plus the one a worker's series keep."""
+        """Labels with per_stream_detail: the stream's, plus the one a worker's series keep."""
         return (*STREAM, self.labels[-1]) if self.detail else self.labels
 
     @property
@@ -155,8 +157,8 @@ def _d(
     timely: bool = False,
     per: str | None = None,
     n: int = 1,
-    detail: str = "",
-    optin: str = "",
+    detail: bool = False,
+    detail_only: bool = False,
     down: str = "",
 ) -> MetricDef:
     if stale is None and (labels[:3] == STREAM or detail):
@@ -164,7 +166,9 @@ def _d(
         stale = typ != "gauge"
     if per is None:
         per = "stream" if labels[:3] == STREAM else "fleet"
-    return MetricDef(name, typ, labels, text, source, stale, timely, per, n, detail, optin, down)
+    return MetricDef(
+        name, typ, labels, text, source, stale, timely, per, n, detail, detail_only, down
+    )
 
 
 def _st(value: str | int, when: When = When.ALWAYS, **kw: Any) -> From:
@@ -273,7 +277,7 @@ CATALOG: tuple[MetricDef, ...] = (
        "KV events by type, summed over the worker's ranks: stored, removed, cleared (applied); "
        "other_group (vLLM side KV-cache groups, set aside).",
        _st("", each="stats.events", first=EVENT_TYPES),
-       per="worker_type", n=3, detail="per_stream_counters"),
+       per="worker_type", n=3, detail=True),
     # per stream and medium: the block index
     _d("kvobserve_kv_blocks", "gauge", BLOCK, "Resident blocks in the stream's block index.",
        _md("blocks"), per="medium"),
@@ -284,17 +288,17 @@ CATALOG: tuple[MetricDef, ...] = (
        "size.", _md("tokens"), per="medium"),
     _d("kvobserve_kv_blocks_stored_total", "counter", WORKER_MEDIUM,
        "Blocks stored (BlockStored hashes); summed over the worker's ranks.",
-       _md("stored_total"), per="worker_medium", detail="per_stream_counters"),
+       _md("stored_total"), per="worker_medium", detail=True),
     _d("kvobserve_kv_blocks_removed_total", "counter", WORKER_MEDIUM,
        "Blocks removed (BlockRemoved hashes); summed over the worker's ranks.",
-       _md("removed_total"), per="worker_medium", detail="per_stream_counters"),
+       _md("removed_total"), per="worker_medium", detail=True),
     _d("kvobserve_kv_blocks_unchanged_total", "counter", ("worker_id", "kind"),
        "Block hashes in events that changed nothing, summed over the worker's ranks: "
        "already_resident (stored while resident; the first store time is kept), not_resident "
        "(removed while not resident).",
        _st("", fixed=(("already_resident", "stats.already_resident"),
                       ("not_resident", "stats.unknown_removed"))),
-       per="worker_type", n=2, detail="per_stream_counters"),
+       per="worker_type", n=2, detail=True),
     _d("kvobserve_kv_capacity_tokens", "gauge", STREAM,
        "KV capacity in tokens, from the worker config or the rank's scheduler metrics.",
        _st("capacity_tokens", When.NONZERO)),
@@ -303,7 +307,7 @@ CATALOG: tuple[MetricDef, ...] = (
        "absent while the capacity is unknown. Not token usage.", _st("usage_ratio", When.SET)),
     _d("kvobserve_kv_block_lifetime_seconds", "histogram", WORKER_MEDIUM,
        "Block lifetime: removal time - store time (engine timestamps), over the worker's ranks.",
-       _md("lifetime", When.SET), per="histogram", detail="per_stream_histograms"),
+       _md("lifetime", When.SET), per="histogram", detail=True),
     # per stream: sequence accounting
     _d("kvobserve_kv_sequence_gaps_total", "counter", STREAM, "Sequence gaps seen (occurrences).",
        _st("stats.gaps")),
@@ -371,12 +375,12 @@ CATALOG: tuple[MetricDef, ...] = (
     _d("kvobserve_worker_kv_redundancy_ratio", "gauge", ("worker_id",),
        "Top-tier resident blocks summed over the worker's ranks / distinct blocks among them "
        "(1 = no block on two ranks).", _placement("redundancy", When.SET), per="worker",
-       optin=CACHE_DETAIL),
+       detail_only=True),
     _d("kvobserve_worker_kv_recomputed_elsewhere_total", "counter", ("worker_id",),
        "Blocks stored on a rank while another rank of the worker (in the same collector) held "
        "them (the placement misses within one collector: kvobserve_worker_kv_lookups_total "
        "has them fleet-wide).", _placement("recomputed_elsewhere"), per="worker",
-       optin=CACHE_DETAIL),
+       detail_only=True),
     # where the misses come from (docs/cache-analytics.md): per worker, summed per pool
     _d("kvobserve_worker_kv_lookups_total", "counter", ("worker_id", "pool", "result"),
        "Prefix-cache lookups of the worker's ranks in blocks (the engine's pages), by result: "
@@ -388,7 +392,7 @@ CATALOG: tuple[MetricDef, ...] = (
        n=4),
     _d("kvobserve_worker_kv_lookup_tokens_total", "counter", ("worker_id", "pool", "result"),
        "kvobserve_worker_kv_lookups_total in tokens (misses x block size: where it is known).",
-       FromFleet(_lookups(blocks=False)), per="worker", n=4, optin=CACHE_DETAIL),
+       FromFleet(_lookups(blocks=False)), per="worker", n=4, detail_only=True),
     _d("kvobserve_pool_kv_miss_split_untrusted", "gauge", ("pool", "reason"),
        "1 while the pool's miss split is outside its stated bound, by reason: collector_down, "
        "rank_partial (a rank down or its block index partial), deltas_lost (until a full "
@@ -398,35 +402,35 @@ CATALOG: tuple[MetricDef, ...] = (
        "95 % half-width of the widest share of the pool's misses by kind since its start "
        "(0-1), from the sample itself.",
        FromFleet(lambda v, _: (((p.pool,), p.bound) for _, p in sorted(v.misses.items()))),
-       per="worker", optin=CACHE_DETAIL),
+       per="worker", detail_only=True),
     _d("kvobserve_kv_block_restore_gap_seconds", "histogram", ("worker_id",),
        "Removal-to-restore time of restored blocks, over the worker's ranks and tiers.",
-       From(Scope.MEDIUM, "restore_gap", When.SET), per="worker", n=17, optin=CACHE_DETAIL),
+       From(Scope.MEDIUM, "restore_gap", When.SET), per="worker", n=17, detail_only=True),
     _d("kvobserve_kv_tier_moves_total", "counter", ("worker_id", "from", "to"),
        "Blocks stored on tier `to` that tier `from` of the same rank held or had just removed "
        "(GPU to CPU: offload; CPU to GPU: onboard), summed over the worker's ranks.",
        From(Scope.MEDIUM, each="moved_in", key="from", labels=(("to", "medium"),)),
-       per="worker", n=2, optin=CACHE_DETAIL),
+       per="worker", n=2, detail_only=True),
     _d("kvobserve_kv_tier_unread_blocks", "gauge", WORKER_MEDIUM,
        "Lower-tier resident blocks not read back to the top tier so far, summed over the "
        "worker's ranks.", _md("unread_blocks", only=_unread), stale=False, per="worker",
-       optin=CACHE_DETAIL, down=UP_RANKS),
+       detail_only=True, down=UP_RANKS),
     _d("kvobserve_kv_tier_unread_removed_total", "counter", WORKER_MEDIUM,
        "Lower-tier blocks removed without having been read back, summed over the worker's "
-       "ranks.", _md("unread_removed_total", only=_unread), per="worker", optin=CACHE_DETAIL),
+       "ranks.", _md("unread_removed_total", only=_unread), per="worker", detail_only=True),
     _d("kvobserve_kv_lora_blocks", "gauge", ("worker_id", "medium", "lora_name"),
        "Resident blocks per LoRA adapter (names capped per stream; later ones as _other), "
        "summed over the worker's ranks.", _md("", each="lora_blocks"), stale=False,
-       per="worker", optin=CACHE_DETAIL, down=UP_RANKS),
+       per="worker", detail_only=True, down=UP_RANKS),
     _d("kvobserve_worker_kv_blocks_distinct", "gauge", ("worker_id",),
        "Distinct top-tier resident blocks over the worker's ranks (a sketch estimate across "
-       "collectors).", _placement("blocks_distinct"), per="worker", optin=CACHE_DETAIL),
+       "collectors).", _placement("blocks_distinct"), per="worker", detail_only=True),
     _d("kvobserve_worker_kv_blocks_replicated", "gauge", ("worker_id", "ranks"),
        "Distinct top-tier blocks resident on exactly `ranks` ranks of the worker (2, 3, ...; "
-       "8 or more as 8+).", FromFleet(_replicated), per="worker", optin=CACHE_DETAIL),
+       "8 or more as 8+).", FromFleet(_replicated), per="worker", detail_only=True),
     _d("kvobserve_worker_kv_placement_relative_error", "gauge", ("worker_id",),
        "One standard error of the distinct-block estimate, relative (0 when exact).",
-       _placement("relative_error"), per="worker", optin=CACHE_DETAIL),
+       _placement("relative_error"), per="worker", detail_only=True),
     # router-index drift (docs/dynamo.md): the last comparison of a router's index with ours
     _d("kvobserve_router_index_phantom_blocks", "gauge", DRIFT,
        "Blocks the router's index holds that the engine evicted (settled blocks only).",

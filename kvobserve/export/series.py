@@ -35,17 +35,13 @@ from kvobserve.wire.snapshot import SchedulerStats, UnexpectedStream
 
 @dataclass(frozen=True)
 class Detail:
-    """Per-stream series beyond the default budget (docs/metrics.md, series budget)."""
+    """Which series are served, beyond the default budget (docs/metrics.md, series budget)."""
 
-    histograms: bool = False  # kvobserve_kv_block_lifetime_seconds per stream and medium
-    counters: bool = False  # kvobserve_kv_events_total, _blocks_stored/_removed_total per stream
+    # [aggregator] per_stream_detail: the catalog's `detail` rows per stream (block and event
+    # counters, block lifetimes) instead of per worker, and its `detail_only` rows (restore
+    # gaps, tier moves, LoRA blocks, placement)
+    per_stream_detail: bool = False
     shard: str = ""  # sharded aggregators: the `shard` label of per-collector and own series
-
-    def on(self, flag: str) -> bool:
-        """Whether a catalog row's `detail`/`optin` flag is set."""
-        return {"per_stream_counters": self.counters, "per_stream_histograms": self.histograms}[
-            flag
-        ]
 
 
 @dataclass
@@ -184,7 +180,7 @@ class _Row:
         self.name = m.name
         self.hist = m.type == "histogram"
         self.scope = src.scope
-        per_stream = bool(m.detail) and detail.on(m.detail)
+        per_stream = m.detail and detail.per_stream_detail
         self.summed = m.summed and not per_stream
         names = m.detail_labels if per_stream else m.labels
         self.shard = detail.shard if m.name in SHARD_LABELLED and detail.shard else ""
@@ -404,7 +400,7 @@ class Plan:
         self.names: dict[str, tuple[str, ...]] = {}  # label names of each family as served
         for m in CATALOG:
             src = m.source
-            if src is None or (m.optin and not d.on(m.optin)):
+            if src is None or (m.detail_only and not d.per_stream_detail):
                 continue
             if isinstance(src, FromFleet):
                 self.fleet_rows.append((m, src))

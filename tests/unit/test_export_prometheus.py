@@ -31,7 +31,7 @@ def detailed() -> CollectorRegistry:
     """The rich fleet with per-stream counters and histograms (the opt-in)."""
     r = CollectorRegistry()
     view = rich_view()
-    r.register(FleetCollector(lambda: view, per_stream_histograms=True, per_stream_counters=True))
+    r.register(FleetCollector(lambda: view, per_stream_detail=True))
     return r
 
 
