@@ -484,13 +484,13 @@ class Plan:
 
 
 def _first_copies(row: _Row, sc: _Items, col: Column, at: list[int], seen: set[object]) -> Column:
-    """The series of `col` not served yet: by label set, or for a summed row, by the stream
-    (worker, node, rank) and label set it adds to (the first copy wins)."""
+    """The series of `col` not served yet: by label set, or for a summed row, by the item (a
+    stream's, or a storage tier's: worker, node, rank, medium) and the label set it adds to
+    (the first copy wins; two tiers of a stream add to a worker's series both)."""
     if row.summed:
-        streams = list(zip(*(sc.label(n) for n in STREAM), strict=True))
-        keys: list[object] = [
-            (row.name, streams[i], k) for i, k in zip(at, col.labels, strict=True)
-        ]
+        assert sc.scope is not None
+        items = sc.keys_of(tuple((n, "") for n in _IDENTITY[sc.scope]))
+        keys: list[object] = [(row.name, items[i], k) for i, k in zip(at, col.labels, strict=True)]
     else:
         keys = [(row.name, k) for k in col.labels]
     keep = []
