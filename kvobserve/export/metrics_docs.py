@@ -30,9 +30,9 @@ PER = {
 
 
 def per_stream(m: MetricDef, detail: bool = False) -> float:
-    """Series per stream of `m` in the reference fleet (REFERENCE), by default or opted in."""
+    """Series per stream of `m` in the reference fleet (REFERENCE), by default or with per_stream_detail."""
     r = REFERENCE
-    if m.optin and not detail:
+    if m.detail_only and not detail:
         return 0.0
     if m.per == "histogram":
         n = (r["buckets"] + 3) * r["medium"]
@@ -124,11 +124,10 @@ block-lifetime histograms are the bulk of a stream's series and are rarely read 
 are summed over the worker's ranks by default (labels `worker_id` plus `medium`, `type` or `kind`;
 stale streams' values included, a clash counted once). `[aggregator] per_stream_detail = true`
 (`--per-stream-detail`) serves them per stream instead, with the stream's labels (in the table:
-"with `per_stream_counters`" / "`per_stream_histograms`", the two keyword arguments of
-`create_app` that the setting turns on; it also serves the cache-analytics detail families marked
-"only with `per_stream_counters`": restore gaps, tier moves, LoRA blocks, placement). A per-worker sum drops when
-one of its streams' collectors restarts; `rate()` reads that as a counter reset, as for any
-restarted exporter.
+"with `per_stream_detail`"); it also serves the cache-analytics detail families marked "only
+with `per_stream_detail`": restore gaps, tier moves, LoRA blocks, placement. A per-worker sum
+drops when one of its streams' collectors restarts; `rate()` reads that as a counter reset, as
+for any restarted exporter.
 
 Series per stream of each family in the reference fleet: every stream with {medium} storage tiers
 (e.g. `GPU`, `CPU_PINNED`), one replay result and one decode-error reason seen, the worker's
@@ -137,7 +136,7 @@ analytics on (one LoRA adapter, blocks on 2 ranks, moves both ways between the t
 router-index drift source (with one: 5 series per stream and indexed tier, docs/dynamo.md).
 `tests/unit/test_series_budget.py` renders such a fleet and checks this table against it.
 
-| name | one series | per stream | per stream with the opt-in |
+| name | one series | per stream | per stream with `per_stream_detail` |
 |---|---|---|---|
 """
 
@@ -158,17 +157,21 @@ def render_docs() -> str:
         labels = ", ".join(f"`{lb}`" for lb in m.labels) or "-"
         if m.detail:
             labels += (
-                f" (with `{m.detail}`: " + ", ".join(f"`{lb}`" for lb in m.detail_labels) + ")"
+                " (with `per_stream_detail`: "
+                + ", ".join(f"`{lb}`" for lb in m.detail_labels)
+                + ")"
             )
-        if m.optin:
-            labels += f" (only with `{m.optin}`)"
+        if m.detail_only:
+            labels += " (only with `per_stream_detail`)"
         rows.append(f"| `{m.name}` | {m.type} | {labels} | {m.while_down} | {m.help} |\n")
     budget = [_BUDGET.format(budget=BUDGET, **REFERENCE)]
     for m in CATALOG:
         if m.per == "fleet":
             continue
-        opt = _num(per_stream(m, True)) if m.detail or m.optin else ""
+        opt = _num(per_stream(m, True)) if m.detail or m.detail_only else ""
         budget.append(f"| `{m.name}` | {PER[m.per]} | {_num(per_stream(m))} | {opt} |\n")
     total, detailed = reference_total(), reference_total(True)
-    budget.append(f"| **total** | | **{_num(total)}** | {_num(detailed)} (both options) |\n")
+    budget.append(
+        f"| **total** | | **{_num(total)}** | {_num(detailed)} (with `per_stream_detail`) |\n"
+    )
     return _HEADER + "".join(rows) + "".join(budget)

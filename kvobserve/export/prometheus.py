@@ -42,8 +42,8 @@ class FleetCollector(Collector):
     """Builds every catalog family from the current FleetView, plus passthrough and extras.
 
     By default per-stream block counters, event counters and lifetime histograms are summed
-    per worker (the series budget); `per_stream_counters`/`per_stream_histograms` serve
-    them per stream instead.
+    per worker (the series budget); `per_stream_detail` serves them per stream instead, and the
+    cache-analytics detail families besides.
     """
 
     def __init__(
@@ -51,13 +51,12 @@ class FleetCollector(Collector):
         view_provider: ViewProvider,
         extra: ExtraProvider | None = None,
         *,
-        per_stream_histograms: bool = False,
-        per_stream_counters: bool = False,
+        per_stream_detail: bool = False,
         shard: str = "",
     ) -> None:
         self._view = view_provider
         self._extra = extra
-        self.detail = Detail(per_stream_histograms, per_stream_counters, shard)
+        self.detail = Detail(per_stream_detail, shard)
         self._plan = Plan(self.detail)
 
     def take(self) -> tuple[FleetView, list[Metric]]:

@@ -2,9 +2,12 @@
 
 Collectors are read in order (live ones first, then by id: a label clash keeps the first live
 copy). Each family's series are one `Column` (label values, value, the collector it belongs
-to), read column-wise: a row's values for every item at once (operator.attrgetter over the
-items), so the cost per sample stays in C. Values that the series budget sums per worker are
-summed per worker instead (export/sums.py), served by the fleet-level part.
+to), read column-wise: a row's values for every item at once, so the cost per sample stays in
+C: a row's function that only reads attributes (`lambda s: s.stats.gaps`) is read as
+operator.attrgetter of the same path (`reader`), mapped over the items. A row's selection
+(`only`, the stale rule) comes first: its values and labels are read off the items it serves.
+Values that the series budget sums per worker are summed per worker instead (export/sums.py),
+served by the fleet-level part.
 
 export/prometheus.py turns the columns into prometheus_client Metric objects (the reference);
 export/scrape.py turns them into text (export/templates.py).
@@ -14,13 +17,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import chain, compress, repeat
 from operator import add, and_, attrgetter, getitem, is_not, not_, truth
-from typing import Any
+from typing import Any, TypeVar
 
 from kvobserve.analysis.views import CollectorView, FleetView, StreamView
 from kvobserve.export.catalog import (
     CATALOG,
+    SCOPES,
     SHARD_LABELLED,
     STREAM,
     From,
@@ -30,22 +35,56 @@ from kvobserve.export.catalog import (
     When,
 )
 from kvobserve.export.sums import Grouping, Labels, Sums
-from kvobserve.wire.snapshot import SchedulerStats, UnexpectedStream
+from kvobserve.wire.snapshot import (
+    BindStats,
+    CollectorCounters,
+    RelayStats,
+    SchedulerStats,
+    UnexpectedStream,
+)
+
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
 class Detail:
-    """Per-stream series beyond the default budget (docs/metrics.md, series budget)."""
+    """Which series are served, beyond the default budget (docs/metrics.md, series budget)."""
 
-    histograms: bool = False  # kvobserve_kv_block_lifetime_seconds per stream and medium
-    counters: bool = False  # kvobserve_kv_events_total, _blocks_stored/_removed_total per stream
+    # [aggregator] per_stream_detail: the catalog's `detail` rows per stream (block and event
+    # counters, block lifetimes) instead of per worker, and its `detail_only` rows (restore
+    # gaps, tier moves, LoRA blocks, placement)
+    per_stream_detail: bool = False
     shard: str = ""  # sharded aggregators: the `shard` label of per-collector and own series
 
-    def on(self, flag: str) -> bool:
-        """Whether a catalog row's `detail`/`optin` flag is set."""
-        return {"per_stream_counters": self.counters, "per_stream_histograms": self.histograms}[
-            flag
-        ]
+
+class _Path:
+    """Stands in for an item to tell which attributes a function reads (`reader`); anything
+    else done with it (a test of its truth, a call, arithmetic) fails, or gives no _Path."""
+
+    __slots__ = ("names",)
+
+    def __init__(self, names: tuple[str, ...] = ()) -> None:
+        self.names = names
+
+    def __getattr__(self, name: str) -> _Path:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Path((*self.names, name))
+
+    def __bool__(self) -> bool:
+        raise TypeError("a branch on an attribute: not a path")
+
+
+def reader(fn: Callable[[Any], R]) -> Callable[[Any], R]:
+    """`fn`, or operator.attrgetter of the same path when `fn` only reads attributes of its
+    item and returns the last (`lambda s: s.stats.gaps`): the same values, read in C."""
+    try:
+        got: object = fn(_Path())
+    except Exception:
+        return fn
+    if isinstance(got, _Path) and got.names:
+        return attrgetter(".".join(got.names))
+    return fn
 
 
 @dataclass
@@ -101,7 +140,20 @@ class Batch:
     sums: list[Sums]  # with a seen-set (Plan.batch's `dedupe`): each collector's sums
 
 
-_WORKER, _DP = attrgetter("worker_id"), attrgetter("dp_rank")
+# A row's labels other than its key: (label, None) for the scope's own, (label, function) for
+# one the row reads off each item
+ItemLabels = tuple[tuple[str, Callable[[Any], object] | None], ...]
+_CONTEXT = frozenset({"collector", "node_rank"})  # an item's labels from its collector
+
+
+def labels_of(scope: Scope[Any]) -> frozenset[str]:
+    """The labels every item of `scope` has: its own, and its collector's or, for a part of an
+    item of another scope, that item's."""
+    context = _CONTEXT if scope.part_of is None else labels_of(scope.part_of)
+    return frozenset(scope.labels) | context
+
+
+_OWN = {sc: {n: reader(get) for n, get in sc.labels.items()} for sc in SCOPES}
 
 
 @dataclass
@@ -123,7 +175,7 @@ class _Items:
         labels: dict[str, Callable[[], list[str]]],
         live: Callable[[], list[bool] | None] = lambda: None,
     ) -> None:
-        self.scope: Scope | None = None  # set by _scopes
+        self.scope: Scope[Any] | None = None  # set by _scopes
         self.items = items
         self.owner = owner
         self._make = labels
@@ -145,28 +197,25 @@ class _Items:
         memo.last[(self.scope, key)] = keys
         return keys
 
-    def keys_of(self, item_labels: tuple[tuple[str, str], ...]) -> list[Labels]:
-        """Every item's label values (label, path) as tuples, interned."""
+    def keys_of(self, item_labels: ItemLabels) -> list[Labels]:
+        """Every item's label values as tuples, interned: (label, None) the scope's own label,
+        (label, function) one the function reads off the item."""
         cache = (item_labels, True)
         got = self.keys.get(cache)
         if got is None:
-            cols = [self.label(n, p) for n, p in item_labels]
+            cols = [
+                self.label(n) if get is None else list(map(str, map(get, self.items)))
+                for n, get in item_labels
+            ]
             got = list(zip(*cols, strict=True)) if cols else [()] * len(self.items)
             got = self.keys[cache] = self.interned(cache, got)
         return got
 
-    def label(self, name: str, path: str = "") -> list[str]:
-        """Label `name` of every item: the scope's own, else read at `path` (by default the
-        item's attribute of that name)."""
-        make = self._make.get(name)
-        key = name if make is not None else f"{name}={path or name}"
-        got = self._labels.get(key)
+    def label(self, name: str) -> list[str]:
+        """The scope's label `name` of every item."""
+        got = self._labels.get(name)
         if got is None:
-            if make is not None:
-                got = make()
-            else:
-                got = list(map(str, map(attrgetter(path or name), self.items)))
-            self._labels[key] = got
+            got = self._labels[name] = self._make[name]()
         return got
 
     @property
@@ -180,35 +229,37 @@ class _Items:
 class _Row:
     """A catalog row as one batch reads it."""
 
-    def __init__(self, m: MetricDef, src: From, detail: Detail) -> None:
+    def __init__(self, m: MetricDef, src: From[Any], detail: Detail) -> None:
         self.name = m.name
         self.hist = m.type == "histogram"
         self.scope = src.scope
-        per_stream = bool(m.detail) and detail.on(m.detail)
+        per_stream = m.detail and detail.per_stream_detail
         self.summed = m.summed and not per_stream
         names = m.detail_labels if per_stream else m.labels
         self.shard = detail.shard if m.name in SHARD_LABELLED and detail.shard else ""
         self.names = (*names, "shard") if self.shard else names
         self.key = (src.key or names[-1]) if src.each or src.fixed else ""
-        paths = dict(src.labels)
-        self.item_labels = tuple((n, paths.get(n, "")) for n in names if n != self.key)
+        own = {n: reader(get) for n, get in src.labels}
+        self.item_labels: ItemLabels = tuple((n, own.get(n)) for n in names if n != self.key)
+        unknown = [
+            n for n, get in self.item_labels if get is None and n not in labels_of(src.scope)
+        ]
+        if unknown:
+            raise ValueError(f"{m.name}: labels {unknown} are not the {src.scope!r} scope's")
         self.live = m.stale is False
-        only = src.only
-        self.only: Callable[[Any], object] | None = (
-            attrgetter(only) if isinstance(only, str) and only else only or None
-        )
+        self.only = reader(src.only) if src.only is not None else None
         self.value: Callable[[Any], Any] | None = None
         self.const: int | None = None
         if isinstance(src.value, int):
             self.const = src.value
-        elif isinstance(src.value, str):
-            self.value = attrgetter(src.value) if src.value else None
-        else:
-            self.value = src.value
+        elif src.value is not None:
+            self.value = reader(src.value)
         self.when = src.when
-        self.each = attrgetter(src.each) if src.each else None
+        self.each: Callable[[Any], Any] | None = None  # dicts: read by key, column-wise
+        if src.each is not None:
+            self.each = reader(src.each)
         self.first = src.first
-        self.fixed = [(lv, attrgetter(p)) for lv, p in src.fixed]
+        self.fixed = [(lv, reader(get)) for lv, get in src.fixed]
 
     def _select(
         self, sc: _Items, track: bool
@@ -232,8 +283,11 @@ class _Row:
         owner = list(compress(owner, sel))
         cache = (self.item_labels, False)
         keys = sc.keys.get(cache) if sel is sc.live else None
-        if keys is None:
-            cols = [list(compress(sc.label(n, p), sel)) for n, p in self.item_labels]
+        if keys is None:  # the scope's labels of the items served; the row's read off them
+            cols = [
+                list(compress(sc.label(n), sel)) if get is None else list(map(str, map(get, items)))
+                for n, get in self.item_labels
+            ]
             keys = list(zip(*cols, strict=True)) if cols else [()] * len(items)
             if sel is sc.live:
                 keys = sc.keys[cache] = sc.interned(cache, keys)
@@ -404,7 +458,7 @@ class Plan:
         self.names: dict[str, tuple[str, ...]] = {}  # label names of each family as served
         for m in CATALOG:
             src = m.source
-            if src is None or (m.optin and not d.on(m.optin)):
+            if src is None or (m.detail_only and not d.per_stream_detail):
                 continue
             if isinstance(src, FromFleet):
                 self.fleet_rows.append((m, src))
@@ -488,13 +542,13 @@ class Plan:
 
 
 def _first_copies(row: _Row, sc: _Items, col: Column, at: list[int], seen: set[object]) -> Column:
-    """The series of `col` not served yet: by label set, or for a summed row, by the stream
-    (worker, node, rank) and label set it adds to (the first copy wins)."""
+    """The series of `col` not served yet: by label set, or for a summed row, by the item (a
+    stream's, or a storage tier's: worker, node, rank, medium) and the label set it adds to
+    (the first copy wins; two tiers of a stream add to a worker's series both)."""
     if row.summed:
-        streams = list(zip(*(sc.label(n) for n in STREAM), strict=True))
-        keys: list[object] = [
-            (row.name, streams[i], k) for i, k in zip(at, col.labels, strict=True)
-        ]
+        assert sc.scope is not None
+        items = sc.keys_of(tuple((n, None) for n in _IDENTITY[sc.scope]))
+        keys: list[object] = [(row.name, items[i], k) for i, k in zip(at, col.labels, strict=True)]
     else:
         keys = [(row.name, k) for k in col.labels]
     keep = []
@@ -506,131 +560,123 @@ def _first_copies(row: _Row, sc: _Items, col: Column, at: list[int], seen: set[o
     return Column(*(list(compress(x, keep)) for x in (col.labels, col.values, col.owner)))
 
 
-def _scopes(cgs: list[tuple[CollectorView, Group]]) -> dict[Scope, _Items]:
+def _read(get: Callable[[Any], object], items: list[Any]) -> list[str]:
+    return list(map(str, map(get, items)))
+
+
+def _via(whole: _Items, name: str, parent: list[int]) -> list[str]:
+    return list(map(whole.label(name).__getitem__, parent))
+
+
+def _part_live(whole: _Items, parent: list[int]) -> Callable[[], list[bool] | None]:
+    """Whether each item is up: while the item it is part of is."""
+
+    def live() -> list[bool] | None:
+        up = whole.live
+        return None if up is None else list(map(up.__getitem__, parent))
+
+    return live
+
+
+def _none() -> None:
+    return None
+
+
+def _scopes(cgs: list[tuple[CollectorView, Group]]) -> dict[Scope[Any], _Items]:
     """Every scope's items over the batch."""
     nodes = [str(c.info.node_rank) for c, _ in cgs]
-    streams: list[StreamView] = _concat(g.streams for _, g in cgs)
-    s_owner = _concat([i] * len(g.streams) for i, (_, g) in enumerate(cgs))
-    stats = list(map(attrgetter("stats"), streams))
+    cids = [c.info.collector_id for c, _ in cgs]
+    up = [c.up for c, _ in cgs]
+    out: dict[Scope[Any], _Items] = {}
+
+    def add(
+        scope: Scope[Any],
+        items: list[Any],
+        owner: list[int],
+        live: Callable[[], list[bool] | None] = _none,
+        parent: list[int] | None = None,
+    ) -> _Items:
+        """The scope's items, labelled (on first use) by their own labels and those of their
+        collector, or with `parent` (the position of each one's whole among the items of the
+        scope it is part of) those of their whole."""
+        made: dict[str, Callable[[], list[str]]] = {}
+        if scope.part_of is None:
+            made["collector"] = lambda: list(map(cids.__getitem__, owner))
+            made["node_rank"] = lambda: list(map(nodes.__getitem__, owner))
+        else:
+            assert parent is not None
+            whole = out[scope.part_of]
+            for n in labels_of(scope.part_of):
+                made[n] = partial(_via, whole, n, parent)
+        for n, get in _OWN[scope].items():
+            made[n] = partial(_read, get, items)
+        sc = out[scope] = _Items(items, owner, made, live)
+        sc.scope = scope
+        return sc
+
+    def collectors_up(owner: list[int]) -> Callable[[], list[bool] | None]:
+        return lambda: None if all(up) else list(map(up.__getitem__, owner))
+
+    def per_collector(
+        get: Callable[[CollectorView, Group], list[R]],
+    ) -> tuple[list[R], list[int]]:
+        parts = [get(c, g) for c, g in cgs]
+        return _concat(parts), _concat([i] * len(p) for i, p in enumerate(parts))
+
+    streams, s_owner = per_collector(lambda c, g: g.streams)
 
     def s_live() -> list[bool] | None:
         up = list(map(attrgetter("up"), streams))
         return None if all(up) else up
 
-    st = _Items(
-        streams,
-        s_owner,
-        {
-            "worker_id": lambda: list(map(_WORKER, stats)),
-            "dp_rank": lambda: list(map(str, map(_DP, stats))),
-            "node_rank": lambda: list(map(nodes.__getitem__, s_owner)),
-        },
-        s_live,
-    )
-    media_lists = list(map(attrgetter("media"), stats))
+    st = add(Scope.STREAM, streams, s_owner, s_live)
+    media_lists = list(map(attrgetter("stats.media"), streams))
     if all(len(ms) == 1 for ms in media_lists):
         media = [ms[0] for ms in media_lists]
         parent = list(range(len(media)))
     else:
         media = _concat(media_lists)
         parent = _concat([i] * len(ms) for i, ms in enumerate(media_lists))
+    m_owner = list(map(s_owner.__getitem__, parent))
+    add(Scope.MEDIUM, media, m_owner, _part_live(st, parent), parent)
 
-    def via_parent(name: str) -> Callable[[], list[str]]:
-        return lambda: list(map(st.label(name).__getitem__, parent))
-
-    def m_live() -> list[bool] | None:
-        up = st.live
-        return None if up is None else list(map(up.__getitem__, parent))
-
-    md = _Items(
-        media,
-        list(map(s_owner.__getitem__, parent)),
-        {n: via_parent(n) for n in STREAM},
-        m_live,
-    )
-
-    cids = [c.info.collector_id for c, _ in cgs]
-
-    def ranked(items: list[Any], owner: list[int]) -> _Items:
-        """Items that name their worker and rank, under their collector's node."""
-        return _Items(
-            items,
-            owner,
-            {
-                "worker_id": lambda: list(map(_WORKER, items)),
-                "dp_rank": lambda: list(map(str, map(_DP, items))),
-                "node_rank": lambda: list(map(nodes.__getitem__, owner)),
-            },
-        )
-
-    def per_collector(
-        get: Callable[[CollectorView, Group], list[Any]],
-    ) -> tuple[list[Any], list[int]]:
-        parts = [get(c, g) for c, g in cgs]
-        return _concat(parts), _concat([i] * len(p) for i, p in enumerate(parts))
-
-    sched, sched_owner = per_collector(lambda c, g: g.scheduler)
-    unexp, unexp_owner = per_collector(lambda c, g: g.unexpected)
-    drift, drift_owner = per_collector(_drift)
-    sources, src_owner = per_collector(lambda c, g: c.snapshot.drift_sources if c.up else [])
-    errors, err_owner = per_collector(lambda c, g: c.snapshot.scheduler_errors)
-    workers, w_owner = per_collector(lambda c, g: c.snapshot.workers)
-    states, s_owner_ = per_collector(lambda c, g: c.snapshot.sources)
+    of_items: list[tuple[Scope[Any], Callable[[CollectorView, Group], list[Any]]]] = [
+        (Scope.SCHEDULER, lambda c, g: g.scheduler),
+        (Scope.UNEXPECTED, lambda c, g: g.unexpected),
+        (Scope.DRIFT, _drift),
+        (Scope.DRIFT_SOURCE, lambda c, g: c.snapshot.drift_sources if c.up else []),
+        (Scope.SOURCE_ERROR, lambda c, g: c.snapshot.scheduler_errors),
+    ]
+    for scope, get in of_items:
+        add(scope, *per_collector(get))
+    of_live: list[tuple[Scope[Any], Callable[[CollectorView, Group], list[Any]]]] = [
+        (Scope.WORKER, lambda c, g: c.snapshot.workers),
+        (Scope.SOURCE, lambda c, g: c.snapshot.sources),
+    ]
+    for scope, get in of_live:
+        items, owner = per_collector(get)
+        add(scope, items, owner, collectors_up(owner))
+    binds: list[BindStats]
     binds, b_owner = per_collector(lambda c, g: c.snapshot.binds)
-    up = [c.up for c, _ in cgs]
-
-    def collectors_up(owner: list[int]) -> Callable[[], list[bool] | None]:
-        return lambda: None if all(up) else list(map(up.__getitem__, owner))
-
-    def of_collector(items: list[Any], owner: list[int]) -> _Items:
-        """Items of a collector, labelled with its id and node (up while it is)."""
-        made: dict[str, Callable[[], list[str]]] = {
-            "collector": lambda: list(map(cids.__getitem__, owner)),
-            "node_rank": lambda: list(map(nodes.__getitem__, owner)),
-            "worker_id": lambda: list(map(_WORKER, items)),
-            "dp_rank": lambda: list(map(str, map(_DP, items))),
-        }
-        return _Items(items, owner, made, collectors_up(owner))
+    bound = add(Scope.BIND, binds, b_owner, collectors_up(b_owner))
+    relays: list[RelayStats] = []
+    r_parent: list[int] = []
+    for i, b in enumerate(binds):
+        if b.relay is not None:
+            relays.append(b.relay)
+            r_parent.append(i)
+    r_owner = list(map(b_owner.__getitem__, r_parent))
+    add(Scope.RELAY, relays, r_owner, _part_live(bound, r_parent), r_parent)
 
     collectors = [c for c, _ in cgs]
-    co_owner = list(range(len(cgs)))
-    out = {
-        Scope.STREAM: st,
-        Scope.MEDIUM: md,
-        Scope.SCHEDULER: ranked(sched, sched_owner),
-        Scope.UNEXPECTED: ranked(unexp, unexp_owner),
-        Scope.DRIFT: ranked(drift, drift_owner),
-        Scope.DRIFT_SOURCE: _Items(
-            sources,
-            src_owner,
-            {
-                "collector": lambda: list(map(cids.__getitem__, src_owner)),
-                "worker_id": lambda: list(map(_WORKER, sources)),
-            },
-        ),
-        Scope.COLLECTOR: _Items(
-            collectors,
-            co_owner,
-            {
-                "collector": lambda: cids,
-                "node_rank": lambda: nodes,
-                "hostname": lambda: [c.info.hostname for c in collectors],
-            },
-        ),
-        Scope.WORKER: of_collector(workers, w_owner),
-        Scope.SOURCE: of_collector(states, s_owner_),
-        Scope.BIND: of_collector(binds, b_owner),
-        Scope.SOURCE_ERROR: _Items(
-            errors,
-            err_owner,
-            {
-                "worker_id": lambda: list(map(_WORKER, errors)),
-                "node_rank": lambda: list(map(nodes.__getitem__, err_owner)),
-            },
-        ),
-    }
-    for scope, sc in out.items():
-        sc.scope = scope
+    add(Scope.COLLECTOR, collectors, list(range(len(cgs))))
+    counters: list[CollectorCounters] = []
+    k_parent: list[int] = []
+    for i, c in enumerate(collectors):
+        if c.snapshot.counters is not None:
+            counters.append(c.snapshot.counters)
+            k_parent.append(i)
+    add(Scope.COUNTERS, counters, k_parent, parent=k_parent)
     return out
 
 
@@ -646,7 +692,7 @@ def _drift(c: CollectorView, g: Group) -> list[Any]:
 
 # the labels that tell a scope's items apart: every row of the scope serves them, so no two of
 # its series are the same while no two items are (the collector scope: one item per collector)
-_IDENTITY: dict[Scope, tuple[str, ...]] = {
+_IDENTITY: dict[Scope[Any], tuple[str, ...]] = {
     Scope.STREAM: STREAM,
     Scope.MEDIUM: (*STREAM, "medium"),
     Scope.SCHEDULER: STREAM,
@@ -657,17 +703,18 @@ _IDENTITY: dict[Scope, tuple[str, ...]] = {
     Scope.WORKER: ("collector", "worker_id", "state"),
     Scope.SOURCE: ("collector", "worker_id", "source", "state"),
     Scope.BIND: ("collector", "worker_id", "dp_rank"),
+    Scope.RELAY: ("collector", "worker_id", "dp_rank"),
 }
 
 
-def _repeats(scopes: dict[Scope, _Items]) -> bool:
+def _repeats(scopes: dict[Scope[Any], _Items]) -> bool:
     """Whether two items of a scope have the same label sets (two collectors claim a stream,
     a collector repeats one of its own): then the first copy of each series wins."""
     for scope, names in _IDENTITY.items():
         sc = scopes[scope]
         if len(sc.items) < 2:
             continue
-        keys = sc.keys_of(tuple((n, "") for n in names))
+        keys = sc.keys_of(tuple((n, None) for n in names))
         memo = sc.memo
         hit = memo.last.get(("unique", scope)) if memo is not None else None
         if hit is not None and hit[0] is keys:

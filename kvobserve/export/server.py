@@ -273,8 +273,7 @@ def create_app(
     basic_auth: tuple[str, str] | None = None,
     ready: Callable[[], bool] | None = None,
     refresh_s: float = 5.0,
-    per_stream_histograms: bool = False,
-    per_stream_counters: bool = False,
+    per_stream_detail: bool = False,
     scrape_cache: bool = True,
     render_ahead_s: float = 2.0,
     events: Callable[[], list[dict[str, Any]]] | None = None,
@@ -284,8 +283,8 @@ def create_app(
 ) -> web.Application:
     """The aiohttp application; `ready` defaults to "at least one collector snapshot".
 
-    `per_stream_histograms`/`per_stream_counters` serve block lifetimes and block/event
-    counters per stream instead of per worker (docs/metrics.md, series budget);
+    `per_stream_detail` serves block lifetimes and block/event counters per stream instead of
+    per worker, and the cache-analytics detail families (docs/metrics.md, series budget);
     `scrape_cache=False` renders every scrape afresh with prometheus_client's encoders;
     `render_ahead_s`: bodies for steady scrapers are rendered just before their requests and at
     most this old when served (export/ahead.py; 0: on request only);
@@ -301,8 +300,7 @@ def create_app(
     fleet = FleetCollector(
         view_provider,
         extra_metrics,
-        per_stream_histograms=per_stream_histograms,
-        per_stream_counters=per_stream_counters,
+        per_stream_detail=per_stream_detail,
         shard=shard,
     )
     registry.register(fleet)

@@ -4,14 +4,16 @@ condition, the API and the status page (the rich fleet's node-1 binds `llmd` wit
 from __future__ import annotations
 
 import msgspec
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
 from kvobserve.analysis.conditions import active
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.export import api, status_page
 from kvobserve.export.prometheus import FleetCollector
+from kvobserve.export.scrape import ScrapeCache
 from kvobserve.wire.snapshot import Snapshot
 from tests.unit.test_export_fleet import NOW, _node1, rich_view
+from tests.unit.test_export_scrape import check
 
 BOUND = {"collector": "node-1", "worker_id": "llmd", "dp_rank": "0"}
 
@@ -85,3 +87,27 @@ def test_the_api_and_the_page_show_the_endpoint_and_its_relay() -> None:
     # a fleet without bind mode has no such section
     plain = {**fleet, "binds": []}
     assert "Bound endpoints" not in status_page.render(plain, [], [], generated=NOW, refresh_s=5)
+
+
+def test_a_bound_endpoint_without_a_relay_beside_one_with_a_relay() -> None:
+    """Bind mode without `relay_to` (docs/deployment.md "Engines that connect"): its endpoints
+    serve their own series and no relay series, beside one that relays, in both writers (a
+    scrape of main answered 500: the relay's target was read off every bound endpoint)."""
+    snap = _node1()
+    plain = msgspec.structs.replace(snap.binds[0], worker_id="vllm", relay=None, publishers=1)
+    snap = msgspec.structs.replace(snap, binds=[plain, snap.binds[0]])
+    r = _registry(snap, NOW)
+    value = r.get_sample_value
+    mine = {**BOUND, "worker_id": "vllm"}
+    assert value("kvobserve_bind_publishers", {**mine, "endpoint": "tcp://*:5556"}) == 1
+    assert value("kvobserve_bind_messages_total", mine) == 500
+    assert value("kvobserve_relay_forwarded_total", mine) is None
+    assert value("kvobserve_relay_forwarded_total", BOUND) == 480
+    assert value("kvobserve_relay_up", {**BOUND, "target": "tcp://10.0.1.9:5556"}) == 0
+    body = generate_latest(r).decode()
+    assert body.count("kvobserve_relay_up{") == 1
+    assert body.count('kvobserve_relay_dropped_total{collector="node-1",dp_rank="0",reason=') == 2
+    state = FleetState()
+    state.update(snap, snap.time)
+    for om in (False, True):
+        check(ScrapeCache(), state.view(NOW), om)  # the cached text: the same bytes

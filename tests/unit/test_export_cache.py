@@ -11,7 +11,7 @@ from tests.unit.test_export_fleet import rich_view
 def _reg(detail: bool) -> CollectorRegistry:
     view = rich_view()
     r = CollectorRegistry()
-    r.register(FleetCollector(lambda: view, per_stream_counters=detail))
+    r.register(FleetCollector(lambda: view, per_stream_detail=detail))
     return r
 
 

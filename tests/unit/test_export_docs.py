@@ -42,7 +42,7 @@ def test_every_served_kvobserve_family_is_in_the_catalog_and_the_docs() -> None:
     served = {f.name for f in r.collect() if f.name.startswith("kvobserve_")}
     # the opt-in families (docs/metrics.md, series budget) with per_stream_detail
     r2 = CollectorRegistry()
-    r2.register(FleetCollector(lambda: view, per_stream_counters=True))
+    r2.register(FleetCollector(lambda: view, per_stream_detail=True))
     served |= {f.name for f in r2.collect() if f.name.startswith("kvobserve_")}
     assert served - set(BY_FAMILY) == set()
     docs = render_docs()

@@ -12,6 +12,14 @@ from kvobserve.analysis.fleet import FleetState
 from kvobserve.analysis.views import FleetView
 from kvobserve.export.catalog import CATALOG, EVENT_TYPES
 from kvobserve.export.prometheus import FleetCollector, aggregator_metrics, catalog_metric
+from kvobserve.wire.snapshot import (
+    CollectorInfo,
+    Histogram,
+    MediumStats,
+    Snapshot,
+    StreamStats,
+    WorkerInfo,
+)
 from tests.unit.test_export_fleet import NOW, rich_state, rich_view
 
 S0 = {"worker_id": "sglang-a", "node_rank": "0", "dp_rank": "0"}
@@ -31,7 +39,7 @@ def detailed() -> CollectorRegistry:
     """The rich fleet with per-stream counters and histograms (the opt-in)."""
     r = CollectorRegistry()
     view = rich_view()
-    r.register(FleetCollector(lambda: view, per_stream_histograms=True, per_stream_counters=True))
+    r.register(FleetCollector(lambda: view, per_stream_detail=True))
     return r
 
 
@@ -118,6 +126,30 @@ def test_a_repeated_stream_is_summed_once() -> None:
         "kvobserve_kv_events_total", {"worker_id": "sglang-a", "type": "stored"}
     )
     assert got == 80 + 40 + 20 + 45  # node-1's rank 1 (10) lost the clash; its rank 2 counts
+
+
+def test_restore_gaps_are_summed_over_every_tier_of_a_rank() -> None:
+    """A worker's restore-gap histogram sums every tier of each rank (a summed row whose labels
+    do not name the tier: the first copy of a series is per tier, not per stream), as the cached
+    text sums them too."""
+    gap = Histogram([1.0, 10.0], [2, 3], 6, 20.0)
+    media = [MediumStats(m, 4, 64, restore_gap=gap) for m in ("GPU", "CPU_PINNED")]
+    snap = Snapshot(
+        CollectorInfo("node-0", 0, "gpu-0", 1.0),
+        seq=1,
+        time=NOW,
+        workers=[WorkerInfo("w", "sglang", 1, [0])],
+        streams=[StreamStats("w", 0, up=True, media=media)],
+    )
+    state = FleetState()
+    state.update(snap, NOW)
+    view = state.view(NOW)
+    r = CollectorRegistry()
+    r.register(FleetCollector(lambda: view, per_stream_detail=True))
+    name = "kvobserve_kv_block_restore_gap_seconds"
+    assert val(r, f"{name}_count", worker_id="w") == 12
+    assert val(r, f"{name}_sum", worker_id="w") == 40.0
+    assert val(r, f"{name}_bucket", worker_id="w", le="1.0") == 4
 
 
 def test_configured_capacity_wins_over_scheduler(reg: CollectorRegistry) -> None:

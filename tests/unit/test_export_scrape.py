@@ -25,8 +25,7 @@ from tests.unit.test_export_fleet import NOW, rich_state
 EXTRA = [catalog_metric("kvobserve_nats_connected", [({}, 1.0)])]
 DETAILS = [
     Detail(),
-    Detail(histograms=True, counters=True),
-    Detail(histograms=True),
+    Detail(per_stream_detail=True),
     Detail(shard="1"),  # one of several sharded aggregators: per-collector series labelled
 ]
 
@@ -38,8 +37,7 @@ def reference(view: FleetView, detail: Detail, om: bool, extra: list[Metric] = E
         FleetCollector(
             lambda: view,
             lambda: extra,
-            per_stream_histograms=detail.histograms,
-            per_stream_counters=detail.counters,
+            per_stream_detail=detail.per_stream_detail,
             shard=detail.shard,
         )
     )
@@ -72,7 +70,7 @@ def synthetic(collectors: int, seq: int, now: float) -> FleetState:
 
 
 @pytest.mark.parametrize("om", [False, True])
-@pytest.mark.parametrize("detail", DETAILS, ids=["default", "detail", "histograms", "shard"])
+@pytest.mark.parametrize("detail", DETAILS, ids=["default", "detail", "shard"])
 def test_cached_bytes_equal_prometheus_client(om: bool, detail: Detail) -> None:
     now = time.time()
     clash = rich_state()

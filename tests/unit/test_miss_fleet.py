@@ -179,7 +179,7 @@ def test_hits_from_the_engines_counters_in_blocks_and_the_families() -> None:
     tokens = "kvobserve_worker_kv_lookup_tokens_total"
     assert r.get_sample_value(tokens, {"worker_id": "w0", "pool": "p", "result": "hit"}) is None
     detail = CollectorRegistry()
-    detail.register(FleetCollector(lambda: v, per_stream_counters=True))
+    detail.register(FleetCollector(lambda: v, per_stream_detail=True))
     labels = {"worker_id": "w0", "pool": "p", "result": "compulsory"}
     assert detail.get_sample_value(tokens, labels) == 32  # 2 blocks of 16 tokens
 

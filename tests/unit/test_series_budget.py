@@ -123,17 +123,17 @@ def test_default_series_per_stream_is_within_budget() -> None:
 
 @pytest.mark.parametrize("detail", [False, True])
 def test_each_family_costs_what_the_catalog_says(detail: bool) -> None:
-    counts, streams = _series(per_stream_histograms=detail, per_stream_counters=detail)
+    counts, streams = _series(per_stream_detail=detail)
     for m in CATALOG:
         if m.per == "fleet":
             continue  # the aggregator's own series (build info here), not per stream
-        want = per_stream(m, detail) if m.detail or m.optin else per_stream(m)
+        want = per_stream(m, detail) if m.detail or m.detail_only else per_stream(m)
         assert counts.get(m.name, 0) / streams == pytest.approx(want), m.name
 
 
-def test_the_opt_in_restores_per_stream_histograms() -> None:
+def test_per_stream_detail_restores_per_stream_histograms() -> None:
     default, _ = _series()
-    detailed, streams = _series(per_stream_histograms=True)
+    detailed, streams = _series(per_stream_detail=True)
     hist = "kvobserve_kv_block_lifetime_seconds"
     buckets = len(DEFAULT_LIFETIME_BUCKETS) + 3
     assert detailed[hist] == streams * len(MEDIA) * buckets

@@ -114,8 +114,7 @@ def _scrape(detail: Detail) -> bytes:
     reg.register(
         FleetCollector(
             lambda: state.view(NOW),
-            per_stream_histograms=detail.histograms,
-            per_stream_counters=detail.counters,
+            per_stream_detail=detail.per_stream_detail,
         )
     )
     return generate_latest(reg)
@@ -141,7 +140,7 @@ def test_every_per_stream_family_follows_its_catalog_rule() -> None:
     """Rank 0 (up) has every family; rank 1 (stream down) and rank 3 (collector gone) exactly
     the families the catalog keeps; rank 2 (stream up, scheduler values stale) its stream's
     families but no scheduler gauge."""
-    got = _samples(_scrape(Detail(histograms=True, counters=True)))
+    got = _samples(_scrape(Detail(per_stream_detail=True)))
     per_stream = [
         m for m in CATALOG if (m.stale is not None and m.labels[:3] == STREAM) or m.detail
     ]
@@ -167,7 +166,7 @@ def test_worker_sums_count_up_ranks_only() -> None:
     assert 'kvobserve_kv_resident_over_capacity{dp_rank="1"' not in text
 
 
-@pytest.mark.parametrize("detail", [Detail(), Detail(histograms=True, counters=True)])
+@pytest.mark.parametrize("detail", [Detail(), Detail(per_stream_detail=True)])
 def test_every_writer_serves_the_same_bytes(detail: Detail) -> None:
     view = _state().view(NOW)
     cache = ScrapeCache(detail)
