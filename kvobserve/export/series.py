@@ -15,6 +15,8 @@ export/scrape.py turns them into text (export/templates.py).
 
 from __future__ import annotations
 
+import dis
+import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
@@ -57,34 +59,26 @@ class Detail:
     shard: str = ""  # sharded aggregators: the `shard` label of per-collector and own series
 
 
-class _Path:
-    """Stands in for an item to tell which attributes a function reads (`reader`); anything
-    else done with it (a test of its truth, a call, arithmetic) fails, or gives no _Path."""
-
-    __slots__ = ("names",)
-
-    def __init__(self, names: tuple[str, ...] = ()) -> None:
-        self.names = names
-
-    def __getattr__(self, name: str) -> _Path:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _Path((*self.names, name))
-
-    def __bool__(self) -> bool:
-        raise TypeError("a branch on an attribute: not a path")
-
-
 def reader(fn: Callable[[Any], R]) -> Callable[[Any], R]:
     """`fn`, or operator.attrgetter of the same path when `fn` only reads attributes of its
-    item and returns the last (`lambda s: s.stats.gaps`): the same values, read in C."""
-    try:
-        got: object = fn(_Path())
-    except Exception:
+    item and returns the last (`lambda s: s.stats.gaps`): the same values, read in C. Told by
+    its bytecode (load the argument, read attributes, return), so a function that tests or
+    calls anything keeps running as written."""
+    code = getattr(fn, "__code__", None)
+    if code is None or code.co_argcount != 1 or code.co_flags & _VARARGS:
         return fn
-    if isinstance(got, _Path) and got.names:
-        return attrgetter(".".join(got.names))
-    return fn
+    ops = [i for i in dis.get_instructions(code) if i.opname not in ("RESUME", "NOP")]
+    if (
+        len(ops) < 3
+        or (ops[0].opname, ops[0].argval) != ("LOAD_FAST", code.co_varnames[0])
+        or ops[-1].opname != "RETURN_VALUE"
+        or any(i.opname != "LOAD_ATTR" for i in ops[1:-1])
+    ):
+        return fn
+    return attrgetter(".".join(str(i.argval) for i in ops[1:-1]))
+
+
+_VARARGS = inspect.CO_VARARGS | inspect.CO_VARKEYWORDS
 
 
 @dataclass

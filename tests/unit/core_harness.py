@@ -248,7 +248,7 @@ class Harness:
         fs = FleetState()
         fs.update(self.snapshot(workers), self.wall)
         reg = CollectorRegistry(auto_describe=False)
-        reg.register(FleetCollector(lambda: fs.view(self.wall), per_stream_counters=True))
+        reg.register(FleetCollector(lambda: fs.view(self.wall), per_stream_detail=True))
         out: dict[tuple[str, str], float] = {}
         for fam in text_string_to_metric_families(generate_latest(reg).decode()):
             for s in fam.samples:

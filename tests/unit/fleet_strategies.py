@@ -399,6 +399,16 @@ def _collector(draw: st.DrawFn, c: int) -> list[tuple[Snapshot, float]]:
             draw(_NUMBERS), draw(_int(0, 2)), publish_dropped=_pick(draw, [{}, {"buffer_full": 2}])
         )
     snap.refused = _pick(draw, [{}, {"streams": 2}])
+    # checkpoints written, failing, off, or none (an older collector)
+    snap.checkpoint = _pick(
+        draw,
+        [
+            None,
+            CheckpointStats(),
+            CheckpointStats(state="off"),
+            CheckpointStats("failing", "no_space", "/x: full", NOW - 9),
+        ],
+    )
     if draw(_BOOL):
         running = "sglang:num_running_reqs"
         snap.passthrough = [Family(running, "gauge", "Running.", [Sample(running, {"dp": "0"}, 2)])]

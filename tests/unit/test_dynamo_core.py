@@ -56,7 +56,7 @@ def _served(t: object, now: float) -> dict[tuple[str, int], float]:
     fs = FleetState()
     fs.update(snap, now)
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(FleetCollector(lambda: fs.view(now), per_stream_counters=True))
+    reg.register(FleetCollector(lambda: fs.view(now), per_stream_detail=True))
     out: dict[tuple[str, int], float] = {}
     for fam in text_string_to_metric_families(generate_latest(reg).decode()):
         for s in fam.samples:

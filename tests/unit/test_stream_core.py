@@ -308,7 +308,7 @@ def test_metrics_render_in_every_mode(mode: str) -> None:
     fs = FleetState()
     fs.update(h.snapshot(m.workers()), h.wall)
     view = fs.view(h.wall)
-    for detail in (Detail(), Detail(histograms=True, counters=True)):
+    for detail in (Detail(), Detail(per_stream_detail=True)):
         for om in (False, True):
             body = check(ScrapeCache(detail), view, om)  # both writers, the same bytes
             assert b"kvobserve_kv_blocks{" in body
