@@ -12,15 +12,19 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import re
 import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 from kvobserve import __version__
 from kvobserve.aio import cancel_and_wait
 from kvobserve.config import Config, WorkerConfig
 from kvobserve.engines import profile
+from kvobserve.sources.checkpoint_store import CheckpointStore, config_fingerprint
+from kvobserve.sources.checkpoint_writer import CheckpointWriter
 from kvobserve.sources.discovery import Rediscovery, discover_urls
 from kvobserve.sources.discovery_parse import DiscoveredEngine, DiscoveryError
 from kvobserve.sources.dynamo_drift import DriftPoller
@@ -166,7 +170,8 @@ class Collector:
         specs = self._replan()
         pools = {w.id: w.pool_id for w in self.cfg.workers}  # the miss split's pools
         self.ingest = IngestLoop(specs, self._ingest_options, events=self.events,
-                                 listens=self._listens(), pools=pools)  # fmt: skip
+                                 listens=self._listens(), pools=pools,
+                                 checkpoints=self._checkpoints(), fingerprint=self._fingerprint)  # fmt: skip
         self.ingest.start()
         await self._sync_scheduler()
         for r in self._rediscovery:
@@ -184,6 +189,23 @@ class Collector:
                 await watch.start()
         await self._start_dynamo()
         self._task = asyncio.create_task(self._loop(), name="kvobserve-snapshots")
+
+    def _checkpoints(self) -> CheckpointWriter | None:
+        """The writer of this collector's checkpoints, in its own folder of state_dir (one
+        process per folder: a second collector of the same id on this host is refused there)."""
+        c = self.cfg.collector
+        if c.checkpoint_interval_s <= 0:
+            return None
+        folder = Path(c.state_dir) / _safe(self.cfg.cluster) / _safe(c.id)
+        return CheckpointWriter(CheckpointStore(str(folder), self.events), c.checkpoint_interval_s)
+
+    def _fingerprint(self, worker_id: str) -> str:
+        """The fingerprint of the settings that shape a worker's (or pod's) index."""
+        try:
+            w: WorkerConfig | None = self._config_of(worker_id)
+        except KeyError:
+            w = None
+        return config_fingerprint(self.cfg.cluster, w)
 
     async def _start_dynamo(self) -> None:
         """The Dynamo event planes and their drift pollers, when the config has any."""
@@ -401,6 +423,7 @@ class Collector:
                 dict(self.transport.counters.dropped),
             ),
             **dynamo,
+            checkpoint=ingest.checkpoint,
             sources=self._source_states(),
             events=self.events.recent(),
         )
@@ -553,6 +576,11 @@ class Collector:
             await loop.run_in_executor(None, self.dynamo.stop)
         if self.ingest is not None:
             await loop.run_in_executor(None, self.ingest.stop)
+
+
+def _safe(name: str) -> str:
+    """A name as one path component."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name).lstrip(".") or "_"
 
 
 def _dyn(w: WorkerConfig) -> bool:

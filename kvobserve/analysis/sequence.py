@@ -75,7 +75,8 @@ class ReplayInFlight:
     # The engine answers with its ring as of the request, so every seq <= `covered` that the
     # reply did not carry is not in the ring; a later hole may simply be younger than the reply.
     covered: int = -1
-    ahead: dict[int, KvBatch] = field(default_factory=dict)  # replayed seqs live had not reached
+    # replayed seqs live had not reached, with their payloads
+    ahead: dict[int, tuple[KvBatch, bytes]] = field(default_factory=dict)
     tail: bool = False  # an idle stream's tail check: nothing was known to be missing
     anchor: bytes | None = None  # tail check after a reconnect: our last batch's bytes, to match
     found: int = 0  # tail check: batches live had not delivered, applied from the reply
@@ -107,6 +108,9 @@ class StreamSequencer:
         self.trust = t.Trust()  # complete / replay_filled / partial, with the reason
         self.last_seq: int | None = None
         self.last_ts: float | None = None
+        self.last_payload = (
+            b""  # the payload bytes of the last batch applied (a checkpoint's anchor)
+        )
         self.duplicate_stream_seen: float | None = None  # the latest evidence of a second publisher
         self.duplicate_stream_began: float | None = None  # the first evidence of this episode
         # rare happenings for the event log (sources/stream_events.py): (kind, seq, seq, now)
@@ -177,14 +181,14 @@ class StreamSequencer:
             elif rp.tail:
                 self._tail_found(rp, batch, payload, rp.started if now is None else now)
             elif len(rp.ahead) < self.limits.hold_limit:  # kept in case live loses it
-                rp.ahead[seq] = batch
+                rp.ahead[seq] = (batch, payload)
             return None
         self._advance_to(rp, seq)
         if rp.held and rp.held[0][0].seq == seq:
             rp.held.popleft()  # live had it too: not a recovery
-            self._apply(batch)
+            self._apply(batch, payload)
         else:
-            self._recover(rp, batch)
+            self._recover(rp, batch, payload)
         return None
 
     def on_replay_end(
@@ -550,7 +554,7 @@ class StreamSequencer:
         if payload and len(self._tail_copies) < self.limits.hold_limit:
             self._tail_copies[seq] = payload
             self._tail_found_at = now
-        self._apply(batch)
+        self._apply(batch, payload)
 
     def _idle_join_batch(
         self, rp: ReplayInFlight, batch: KvBatch, payload: bytes, now: float
@@ -563,7 +567,7 @@ class StreamSequencer:
         self._advance_to(rp, seq)  # seqs before the ring's first: never seen (joined mid-stream)
         self._high = seq
         self._recent.append((seq, payload))
-        self._apply(batch)
+        self._apply(batch, payload)
 
     def _is_other_head(self, batch: KvBatch, payload: bytes, head: int, now: float) -> bool:
         """Whether `batch` continues the remembered second head (then it is consumed here)."""
@@ -599,9 +603,9 @@ class StreamSequencer:
         self._recent.append((batch.seq, payload))
         self._high = batch.seq
         self._other_run = 0
-        self._apply(batch)
+        self._apply(batch, payload)
 
-    def _apply(self, batch: KvBatch) -> None:
+    def _apply(self, batch: KvBatch, payload: bytes) -> None:
         clears = self.index.clears_total
         self.index.apply_batch(batch)
         if self.tap is not None:
@@ -611,15 +615,16 @@ class StreamSequencer:
         self.batches_applied += 1
         self.last_seq = batch.seq
         self.last_ts = batch.ts
+        self.last_payload = payload
 
     def _advance_to(self, rp: ReplayInFlight, seq: int) -> None:
         """Apply held batches below `seq`; count what is neither held nor replayed below it."""
         prev = self.last_seq if self.last_seq is not None else -1
         held = rp.held
         while held and held[0][0].seq < seq:
-            batch = held.popleft()[0]
+            batch, payload = held.popleft()
             self._fill(rp, prev + 1, batch.seq)
-            self._apply(batch)
+            self._apply(batch, payload)
             prev = batch.seq
         self._fill(rp, prev + 1, seq)
 
@@ -628,16 +633,16 @@ class StreamSequencer:
         if rp.ahead and end > start:
             for seq in sorted(q for q in rp.ahead if start <= q < end):
                 self._skip(rp, start, seq)
-                self._recover(rp, rp.ahead.pop(seq))
+                self._recover(rp, *rp.ahead.pop(seq))
                 start = seq + 1
         self._skip(rp, start, end)
 
-    def _recover(self, rp: ReplayInFlight, batch: KvBatch) -> None:
+    def _recover(self, rp: ReplayInFlight, batch: KvBatch, payload: bytes) -> None:
         """Apply a replayed batch that live did not deliver."""
         if batch.seq >= rp.missed_from:
             self.recovered += 1
             rp.recovered += 1
-        self._apply(batch)
+        self._apply(batch, payload)
 
     def _skip(self, rp: ReplayInFlight, start: int, end: int) -> None:
         """Seqs [start, end) will never be applied."""

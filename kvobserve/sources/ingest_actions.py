@@ -1,4 +1,5 @@
-"""What the stream core asks of the sockets (sources/stream_table.py -> sources/kv_stream.py).
+"""What the stream core asks of the sockets and the disk (sources/stream_table.py ->
+sources/kv_stream.py).
 
 The core owns every stream's state and opens no socket: each input it takes may append actions to
 its outbox, and the shell that owns the sockets carries them out, in order, then reports back what
@@ -63,6 +64,14 @@ class EndReplay:
 
 
 @dataclass(frozen=True, slots=True)
+class Restore:
+    """Read the stream's checkpoint (its identity and `config` fingerprint) and report it with
+    `StreamTable.restored`, before any message of the stream is taken."""
+
+    stream: WatchedStream
+
+
+@dataclass(frozen=True, slots=True)
 class Bind:
     """Bind the endpoint's SUB (its spec's endpoint; with `relay_to`, have the relay process
     bind it and forward first); report with `StreamTable.bound`."""
@@ -77,4 +86,6 @@ class Unbind:
     listener: Listener
 
 
-SocketAction = Connect | Disconnect | Probe | EndProbe | Replay | EndReplay | Bind | Unbind
+SocketAction = (
+    Connect | Disconnect | Probe | EndProbe | Replay | EndReplay | Restore | Bind | Unbind
+)

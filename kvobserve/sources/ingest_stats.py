@@ -16,7 +16,13 @@ from kvobserve.sources.miss_stats import UNTIL_SLACK_S
 from kvobserve.sources.stream_state import stream_stats
 from kvobserve.sources.stream_table import StreamTable
 from kvobserve.wire.misses import MissDelta
-from kvobserve.wire.snapshot import BindStats, StreamStats, UnexpectedStream, WorkerPlacement
+from kvobserve.wire.snapshot import (
+    BindStats,
+    CheckpointStats,
+    StreamStats,
+    UnexpectedStream,
+    WorkerPlacement,
+)
 
 
 @dataclass(frozen=True)
@@ -32,6 +38,7 @@ class IngestStats:
     binds: list[BindStats] = field(default_factory=list)  # bind mode: the endpoints bound
     pods: dict[str, list[str]] = field(default_factory=dict)  # [[worker]] id -> its pods' ids
     misses: list[MissDelta] = field(default_factory=list)  # the miss split's, one per pool
+    checkpoint: CheckpointStats | None = None  # the checkpoints' state (None: off)
 
 
 def build_stats(
@@ -40,6 +47,7 @@ def build_stats(
     wall: float,
     whole: frozenset[str] = frozenset(),
     loop_errors: int = 0,
+    checkpoint: CheckpointStats | None = None,
 ) -> IngestStats:
     """The table as one snapshot sees it (`now` monotonic, `wall` the same instant); `whole`:
     workers whose every rank this collector watches (their placement needs no sketch)."""
@@ -96,4 +104,5 @@ def build_stats(
         [lst.stats() for lst in table.listeners.values()],
         {w: sorted(set(ids)) for w, ids in pods.items()},
         misses,
+        checkpoint,
     )

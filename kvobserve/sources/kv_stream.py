@@ -29,6 +29,8 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvobserve.analysis.sequence import StreamSequencer
 from kvobserve.sources.bind import Listener
+from kvobserve.sources.checkpoint_store import identity_of
+from kvobserve.sources.checkpoint_writer import CheckpointWriter
 from kvobserve.sources.ingest_actions import (
     Bind,
     Connect,
@@ -37,6 +39,7 @@ from kvobserve.sources.ingest_actions import (
     EndReplay,
     Probe,
     Replay,
+    Restore,
     SocketAction,
     Unbind,
 )
@@ -63,6 +66,7 @@ T = TypeVar("T")
 _RCVMORE, _NOBLOCK, _SRCFD = int(zmq.RCVMORE), int(zmq.NOBLOCK), int(zmq.SRCFD)
 Socket = zmq.Socket[bytes]
 Handler = Callable[[float], None]
+FLUSH_S = 1.0  # at stop, checkpoints are written for this long (a collector ends within 2 s)
 
 
 class IngestLoop:
@@ -78,11 +82,18 @@ class IngestLoop:
         events: RecentEvents | None = None,
         listens: Sequence[ListenSpec] = (),
         pools: Mapping[str, str] | None = None,
+        checkpoints: CheckpointWriter | None = None,
+        fingerprint: Callable[[str], str] | None = None,
     ) -> None:
         self.options = options or IngestOptions()
         self._clock, self._wall = clock, wall
         self.events = events if events is not None else RecentEvents(wall=wall)
-        self.table = StreamTable(self.options, events=self.events, pools=pools)
+        # checkpoints (docs/reliability.md): their writer, and each worker's config fingerprint
+        self.checkpoints = checkpoints if checkpoints is not None and checkpoints.enabled else None
+        self.table = StreamTable(
+            self.options, events=self.events, pools=pools,
+            fingerprint=fingerprint if self.checkpoints is not None else None,
+        )  # fmt: skip
         self._ctx: zmq.Context[Socket] = zmq.Context()
         self._poller = zmq.Poller()
         self._handlers: dict[Any, Handler] = {}  # socket (or a file descriptor) -> its handler
@@ -111,7 +122,9 @@ class IngestLoop:
     # --- public, any thread -----------------------------------------------------------------
 
     def start(self) -> None:
-        """Open the sockets and start the thread."""
+        """Open the sockets and start the thread (and the checkpoints' writer)."""
+        if self.checkpoints is not None:
+            self.checkpoints.start()
         self._thread.start()
 
     def stop(self, timeout: float = 2.0) -> None:
@@ -123,6 +136,8 @@ class IngestLoop:
             self._ctx.destroy(linger=0)
         self._wake_tx.close()
         self._wake_rx.close()
+        if self.checkpoints is not None:
+            self.checkpoints.close()
 
     def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         """Run `fn` in the ingest thread; the Future gets its result."""
@@ -138,9 +153,13 @@ class IngestLoop:
     def stats(self, whole: frozenset[str] = frozenset()) -> concurrent.futures.Future[IngestStats]:
         """A consistent picture of every stream, built in the ingest thread; `whole`: workers
         whose every rank this collector watches (their placement needs no sketch)."""
+        ck = self.checkpoints
         return self.call(
-            lambda: build_stats(self.table, self._clock(), self._wall(), whole, self.loop_errors)
-        )
+            lambda: build_stats(
+                self.table, self._clock(), self._wall(), whole, self.loop_errors,
+                ck.stats() if ck is not None else None,
+            )
+        )  # fmt: skip
 
     def overlap(
         self, hashes: list[BlockHash], workers: frozenset[str] | None = None
@@ -204,8 +223,11 @@ class IngestLoop:
                     if handler is not None:  # None: closed by an earlier handler this turn
                         handler(now)
                 self._run_calls()
-                table.tick(self._clock(), self._wall())
+                now = self._clock()
+                table.tick(now, self._wall())
                 self._carry_out()
+                if self.checkpoints is not None:
+                    self.checkpoints.tick(now, table.checkpointables())
                 if self._relay is not None and now >= self._next_relay_check:
                     self._next_relay_check = now + 1.0
                     self._check_relay()
@@ -214,6 +236,8 @@ class IngestLoop:
             except Exception:  # one bad turn must not end ingest: count, log, go on
                 self.loop_errors += 1
                 log.exception("ingest loop error (continuing)")
+        if self.checkpoints is not None:  # SIGTERM: what changed, in the time stop() allows
+            self.checkpoints.flush(table.checkpointables(), FLUSH_S)
         table.close_all()
         self._carry_out()
         self._forget_relay()
@@ -272,10 +296,17 @@ class IngestLoop:
             self._probe(a.stream)
         elif isinstance(a, EndProbe):
             self._close_one(self._probes.pop(a.stream, None))
+        elif isinstance(a, Restore):
+            self._restore(a.stream)
         elif isinstance(a, Bind):
             self._bind(a.listener)
         elif isinstance(a, Unbind):
             self._unbind(a.listener)
+
+    def _restore(self, st: WatchedStream) -> None:
+        ck = self.checkpoints
+        got = ck.store.load(identity_of(st.spec), st.config) if ck is not None else None
+        self.table.restored(st, got, self._clock(), self._wall())
 
     def _close_one(self, sock: Socket | None) -> None:
         if sock is not None:
@@ -462,6 +493,7 @@ class IngestLoop:
                 st = table.route(lst, topic, source, now, wall)
                 if st is None:
                     continue
+                self._carry_out()  # a new pod's checkpoint before its first message
             take(st, frames, now, wall)
         table.bound_drained(lst, n)
 

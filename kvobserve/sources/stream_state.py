@@ -5,8 +5,10 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from kvobserve.analysis.checkpoint import StreamCopy, copy_stream, state_mark
 from kvobserve.analysis.mirror import MirrorDetector
 from kvobserve.analysis.sequence import StreamSequencer
+from kvobserve.sources.checkpoint_store import identity_of
 from kvobserve.sources.health import UP_STATES, Health
 from kvobserve.sources.link import Link, LinkTimes
 from kvobserve.sources.plan import StreamSpec
@@ -22,6 +24,7 @@ class WatchedStream:
     __slots__ = (
         "bad_seqs",
         "batches",
+        "config",
         "connected",
         "decode_errors",
         "duplicate_wall",
@@ -42,6 +45,7 @@ class WatchedStream:
         self.spec = spec
         self.seq = seq  # None for probe ports
         self.open = False  # its SUB is open (connect mode; the shell holds the socket)
+        self.config = ""  # its worker's config fingerprint ("": no checkpoints)
         # a pod of a bound endpoint: the connection (the shell's id for it, e.g. its fd) its
         # messages arrive on, once known (sources/bind.py)
         self.source: int | None = None
@@ -59,6 +63,25 @@ class WatchedStream:
         # (monotonic, wall) start of the current duplicate-stream episode: the wall time is
         # taken once, so every snapshot carries the same `duplicate_since`
         self.duplicate_wall: tuple[float, float] | None = None
+
+    # --- what the checkpoint writer reads (sources/checkpoint_writer.py Checkpointable) -----
+
+    @property
+    def checkpoint_key(self) -> tuple[str, int]:
+        """(worker_id, dp_rank): the file its checkpoint is written to."""
+        return self.spec.key
+
+    def checkpoint_mark(self) -> object:
+        """Changes whenever what its checkpoint would hold does."""
+        return state_mark(self.seq) if self.seq is not None else None
+
+    def checkpoint_copy(self) -> StreamCopy | None:
+        """A consistent copy of its state; None while there is nothing to resume from (no batch
+        yet, or restored and not confirmed: its file already holds that)."""
+        sq = self.seq
+        if sq is None or sq.resuming:
+            return None
+        return copy_stream(identity_of(self.spec), sq, sq.last_payload or None, self.config)
 
 
 def new_link(spec: StreamSpec, times: LinkTimes, events: RecentEvents, wall: float) -> Link:

@@ -18,15 +18,23 @@ therefore a test of this class with a fake clock and the engines' bytes
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from kvobserve.analysis.actions import CancelReplay, RequestReplay
+from kvobserve.analysis.checkpoint import restore_index
 from kvobserve.analysis.mirror import MirrorDetector
 from kvobserve.analysis.sequence import StreamSequencer
 from kvobserve.sources import cache_stats
 from kvobserve.sources.bind import Listener
-from kvobserve.sources.ingest_actions import Bind, Connect, Disconnect, SocketAction, Unbind
+from kvobserve.sources.ingest_actions import (
+    Bind,
+    Connect,
+    Disconnect,
+    Restore,
+    SocketAction,
+    Unbind,
+)
 from kvobserve.sources.ingest_options import IngestOptions
 from kvobserve.sources.link import Link
 from kvobserve.sources.miss_stats import MissSamplers
@@ -35,6 +43,7 @@ from kvobserve.sources.replays import ReplayQueue
 from kvobserve.sources.stream_events import RecentEvents, StreamHistory
 from kvobserve.sources.stream_state import WatchedStream, new_link
 from kvobserve.sources.topic_probe import TopicProbes
+from kvobserve.wire.checkpoint import StreamCheckpoint
 from kvobserve.wire.errors import WireError
 from kvobserve.wire.kv_events import decode_message
 from kvobserve.wire.replay import decode_replay_message
@@ -66,8 +75,12 @@ class StreamTable:
         *,
         events: RecentEvents | None = None,
         pools: Mapping[str, str] | None = None,
+        fingerprint: Callable[[str], str] | None = None,
     ) -> None:
         self.options = o = options or IngestOptions()
+        # checkpoints (docs/reliability.md): worker_id -> the fingerprint of its config, which a
+        # checkpoint must carry to be restored; None: no checkpoints
+        self.fingerprint = fingerprint
         self.events = events if events is not None else RecentEvents()
         self.out: list[SocketAction] = []  # socket actions for the shell, in order
         self.streams: dict[Key, WatchedStream] = {}
@@ -165,6 +178,10 @@ class StreamTable:
                 cache_stats.attach(seq, self.options.analytics)
             if self.misses is not None:
                 self.misses.attach(spec.worker_id, spec.dp_rank, spec.engine, seq)
+            if self.fingerprint is not None:
+                st.config = self.fingerprint(spec.worker_id)
+                if seq.replay_enabled:  # only its ring can confirm a checkpoint
+                    self.out.append(Restore(st))
         return st
 
     def _open(self, st: WatchedStream) -> None:
@@ -195,6 +212,30 @@ class StreamTable:
             )
 
     # --- what the shell reports -------------------------------------------------------------------
+
+    def restored(
+        self, st: WatchedStream, ck: StreamCheckpoint | None, now: float, wall: float
+    ) -> None:
+        """The shell's answer to `Restore`: the stream's checkpoint (None: none it can trust).
+        Its index is filled and the ring is asked from the checkpoint's seq (`resume`)."""
+        sq = st.seq
+        last = ck.last_seq if ck is not None else None
+        if ck is None or last is None or sq is None or sq.last_seq is not None:
+            return  # nothing to resume, or batches were applied first
+        if not sq.replay_enabled:
+            return
+        n = restore_index(ck, sq.index)
+        ask = sq.resume(last, ck.anchor, (ck.trust_state, ck.trust_reason), now)
+        if ask is not None:
+            self.replays.act(st, ask)
+        spec = st.spec
+        msg = f"restored {n} blocks from its checkpoint at seq {last}; asking its ring"
+        log.info("stream %s rank %d: %s", spec.worker_id, spec.dp_rank, msg)
+        self.events.add("checkpoint", msg, worker_id=spec.worker_id, dp_rank=spec.dp_rank, at=wall)
+
+    def checkpointables(self) -> Iterator[WatchedStream]:
+        """The streams a checkpoint may be written of (with a sequencer)."""
+        return (st for st in self.streams.values() if st.seq is not None and st.config)
 
     def connect_failed(self, st: WatchedStream, why: str, wall: float) -> None:
         """The stream's endpoint could not be connected (a bad endpoint); the others go on."""
@@ -450,10 +491,16 @@ class StreamTable:
             link.tick(now, wall)
             last, connected = link.last_data, link.zmq_at
             ask: RequestReplay | CancelReplay | None = None
-            if connected is not None and last is None:
+            if connected is None:
+                pass
+            elif last is None and sq.last_seq is None:
                 # connected and nothing received: an idle publisher's ring is asked from 0
                 ask = sq.check_join(now, connected)
-            elif last is not None and connected is not None:
+            elif last is None:
+                # restored from a checkpoint and nothing received live: its anchor is asked for
+                # again (a resume whose replay did not answer)
+                ask = sq.check_tail(now, connected, reconnected=True)
+            else:
                 # an idle stream asks for batches after its last one (a lost tail shows no gap);
                 # a SUB that connected again since may face another publisher process
                 ask = sq.check_tail(now, last, reconnected=connected > last)

@@ -21,12 +21,14 @@ import zmq
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvobserve.analysis.checkpoint import encode_copy
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.export.prometheus import FleetCollector
 from kvobserve.simulate.encoders import encode_batch, event_from_dict, get_format, replay_end
 from kvobserve.simulate.encoders import live_frames as encode_live
 from kvobserve.simulate.encoders import replay_frames as encode_replay
 from kvobserve.sources.bind import Listener
+from kvobserve.sources.checkpoint_store import identity_of
 from kvobserve.sources.ingest_actions import (
     Bind,
     Connect,
@@ -35,6 +37,7 @@ from kvobserve.sources.ingest_actions import (
     EndReplay,
     Probe,
     Replay,
+    Restore,
     SocketAction,
     Unbind,
 )
@@ -43,6 +46,7 @@ from kvobserve.sources.ingest_stats import IngestStats, build_stats
 from kvobserve.sources.plan import ListenSpec, StreamSpec
 from kvobserve.sources.stream_state import WatchedStream
 from kvobserve.sources.stream_table import StreamTable
+from kvobserve.wire.checkpoint import decode_checkpoint
 from kvobserve.wire.snapshot import CollectorInfo, Snapshot, StreamStats, WorkerInfo
 
 WALL0 = 1_800_000_000.0  # the wall clock at monotonic 0
@@ -157,9 +161,18 @@ class Harness:
     bound: dict[Listener, bool] = field(default_factory=dict)
     bind_error: str | None = None  # what the next Bind answers (None: bound)
     actions: list[SocketAction] = field(default_factory=list)  # every action, in order
+    # checkpoints on: the files a `Restore` reads, by stream key (None: checkpoints off)
+    checkpoints: dict[tuple[str, int], bytes] | None = None
 
     def __post_init__(self) -> None:
-        self.table = StreamTable(self.options)
+        on = self.checkpoints is not None
+        self.table = StreamTable(self.options, fingerprint=(lambda w: "cfg") if on else None)
+
+    def checkpoint(self, key: tuple[str, int]) -> bytes:
+        """What a checkpoint round writes of the stream now (its file's bytes)."""
+        copy = self.table.streams[key].checkpoint_copy()
+        assert copy is not None, f"nothing to checkpoint of {key}"
+        return encode_copy(copy, "test", self.wall)
 
     @property
     def wall(self) -> float:
@@ -188,6 +201,11 @@ class Harness:
             self.probes.add(a.stream)
         elif isinstance(a, EndProbe):
             self.probes.discard(a.stream)
+        elif isinstance(a, Restore):
+            st = a.stream
+            data = self.checkpoints.get(st.spec.key)
+            ck = decode_checkpoint(data, identity_of(st.spec), st.config) if data else None
+            self.table.restored(st, ck, self.now, self.wall)
         elif isinstance(a, Bind):
             self.bound[a.listener] = self.bind_error is None
             self.table.bound(a.listener, self.bind_error, self.now, self.wall)
@@ -423,6 +441,7 @@ class BindMode(Mode):
                 if st is None:
                     continue
                 h.engines[st] = e
+                h.settle()  # a new pod's checkpoint before its first message, as the shell
             h.table.take_bound(st, frames, h.now, h.wall)
         h.table.bound_drained(lst, len(messages))
         h.settle()
@@ -488,6 +507,7 @@ class RelayMode(TemplateMode):
                 if st is None:
                     continue
                 h.engines[st] = e
+                h.settle()
                 new = True
                 self.topics[frames[0].hex()] = self.fds[e]
             h.table.take_bound(st, frames, h.now, h.wall)

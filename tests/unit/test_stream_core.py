@@ -46,6 +46,7 @@ TABLE: dict[str, dict[str, str | None]] = {
     "a_reconnect_of_the_same_publisher_recovers_what_it_missed": dict.fromkeys(MODES),
     "streams_past_max_streams_are_refused_and_counted": dict.fromkeys(MODES),
     "metrics_render_in_every_mode": dict.fromkeys(MODES),
+    "a_restarted_collector_resumes_from_its_checkpoint": dict.fromkeys(MODES),
 }
 
 
@@ -63,8 +64,8 @@ def test_the_table_names_every_mode_for_every_guarantee() -> None:
 
 
 def _setup(mode: str, *, n: int = 1, options: IngestOptions | None = None,
-           **engine: object) -> tuple[Harness, Mode, list[Engine]]:  # fmt: skip
-    h = Harness(options or IngestOptions())
+           checkpoints: bool = False, **engine: object) -> tuple[Harness, Mode, list[Engine]]:  # fmt: skip
+    h = Harness(options or IngestOptions(), checkpoints={} if checkpoints else None)
     m = MODES[mode](h)
     # n ranks of one worker, or n pods (of rank 0) where streams are pods
     engines = [engine_for(m, rank=0 if m.pods else i, pod=f"p{i}", **engine)  # type: ignore[arg-type]
@@ -314,3 +315,54 @@ def test_metrics_render_in_every_mode(mode: str) -> None:
             assert b"kvobserve_kv_blocks{" in body
     served = h.metrics(m.workers())
     assert served[("kvobserve_kv_blocks", f"{m.key(a)[0]}#{m.key(a)[1]}")] == len(a.truth)
+
+
+def _restarted(mode: str, e: Engine, saved: bytes, key: tuple[str, int]) -> tuple[Harness, Mode]:
+    """A new collector (a new core) with the checkpoint `saved` of `key`, watching `e` again."""
+    h = Harness(checkpoints={key: saved})
+    m = MODES[mode](h)
+    m.plan(e)
+    m.connect(e)
+    return h, m
+
+
+@pytest.mark.parametrize("mode", cells("a_restarted_collector_resumes_from_its_checkpoint"))
+@pytest.mark.parametrize("case", ["exact", "ring_too_short", "engine_restarted"])
+def test_a_restarted_collector_resumes_from_its_checkpoint(mode: str, case: str) -> None:
+    ring = 4 if case == "ring_too_short" else 10_000
+    h, m, (e,) = _setup(mode, ring=ring, keep=100, checkpoints=True)
+    _send(h, m, e, 10)
+    saved = h.checkpoint(m.key(e))  # the last round before kvobserve went down
+    if case == "engine_restarted":
+        e.restart()
+    for _ in range(6):  # published while kvobserve was down
+        e.batch(h.wall)
+    h, m = _restarted(mode, e, saved, m.key(e))
+    after = 6
+    if mode in ("template", "relay"):  # a pod is known from its next message on
+        _send(h, m, e, 1)
+        after += 1
+    s = h.stream_stats(*m.key(e))
+    if case == "exact":  # the ring began with the checkpoint's batch: all of it applied
+        assert (s.gaps, s.missed, s.recovered, s.lost, s.restarts) == (1, after, after, 0, 0)
+        assert (s.trust, s.trust_reason) == ("replay_filled", "gap_replayed")
+        assert h.resident(*m.key(e)) == e.truth
+    elif case == "ring_too_short":  # the ring holds the last 4: the rest lost, the index partial
+        lost = after - 4
+        assert (s.gaps, s.missed, s.recovered, s.lost, s.restarts) == (1, after, 4, lost, 0)
+        assert (s.trust, s.trust_reason) == ("partial", "lost_batches")
+        assert h.resident(*m.key(e)) < e.truth
+    else:  # another publisher process: the checkpoint is not its state
+        assert (s.restarts, s.lost) == (1, 0)
+        assert h.resident(*m.key(e)) <= e.truth
+    _send(h, m, e, 2)  # and it goes on
+    assert h.stream_stats(*m.key(e)).lost == (after - 4 if case == "ring_too_short" else 0)
+
+
+def test_a_checkpoint_is_not_restored_without_a_replay_endpoint() -> None:
+    h, m, (e,) = _setup("connect", replay=False, checkpoints=True)
+    _send(h, m, e, 5)
+    saved = h.checkpoint(m.key(e))
+    h, m = _restarted("connect", e, saved, m.key(e))
+    assert not any(type(a).__name__ == "Restore" for a in h.actions)  # nothing could confirm it
+    assert h.resident(*m.key(e)) == set()
