@@ -132,6 +132,9 @@ class Collector:
         self.pod_watches: dict[str, PodWatch] = {}
         self._sched_specs: dict[str, tuple[SchedulerSpec, ...]] = {}
         self._pods_seen: dict[str, list[str]] = {}  # [[worker]] id -> pods its topics named
+        # each stream's engine KV capacity (tokens, read at: wall), as the last snapshot knew
+        # it: what lets an incomplete index vouch for itself (analysis/vouch.py)
+        self._capacities: dict[tuple[str, int], tuple[float, float]] = {}
         self._task: asyncio.Task[None] | None = None
         self._seq = 0
         self.snapshots_published = 0
@@ -314,6 +317,25 @@ class Collector:
         await self._sync_scheduler()
         log.info("endpoints of %s changed; now watching %d streams", new.url, len(specs))
 
+    def _capacity_of(
+        self, sched: list[SchedulerStats]
+    ) -> dict[tuple[str, int], tuple[float, float]]:
+        """Each stream's KV capacity: `capacity_tokens` where configured (known all along),
+        else what the engine's scheduler metrics said last, with when."""
+        out = {
+            (s.worker_id, s.dp_rank): (s.max_total_tokens, s.updated)
+            for s in sched
+            if s.max_total_tokens
+        }
+        for plan in self.plans:
+            cap, wid = plan.worker.capacity_tokens, plan.worker.id
+            if not cap:
+                continue
+            ids = self._pods_seen.get(wid, []) if plan.pods else [wid]  # each pod: its own engine
+            ranks = range(plan.dp_size) if plan.pods else plan.watched_ranks
+            out.update(((w, r), (float(cap), 0.0)) for w in ids for r in ranks)
+        return out
+
     def _config_of(self, worker_id: str) -> WorkerConfig:
         """The config of a worker, a Kubernetes pod's (its plan's) or a topic-named pod's (its
         [[worker]]'s)."""
@@ -342,7 +364,7 @@ class Collector:
         whole = frozenset(
             p.worker.id for p in self.plans if p.dp_size and len(p.watched_ranks) >= p.dp_size
         )
-        ingest = await asyncio.wrap_future(self.ingest.stats(whole))
+        ingest = await asyncio.wrap_future(self.ingest.stats(whole, self._capacities))
         if ingest.pods != self._pods_seen:  # pods a topic template named: their own sources
             self._pods_seen = ingest.pods
             await self._sync_scheduler()
@@ -385,6 +407,7 @@ class Collector:
                         continue
                     room -= len(fam.samples)
                     passthrough.append(fam)
+        self._capacities = self._capacity_of(sched)
         if self._passthrough_refused:
             refused["passthrough_samples"] = self._passthrough_refused
         streams, workers = ingest.streams, self._worker_infos(ingest.pods)

@@ -108,6 +108,9 @@ class EngineProfile:
     default_endpoint: str = ""  # the KV-event endpoint the engine binds when its config names none
     default_namespace: str = ""  # an event plane's namespace when the deployment names none
     signed_hashes: bool = False  # block hashes are signed int64 (placement shifts them by 2^63)
+    # its BlockStored events name full blocks only (a block an index lacks holds a whole block's
+    # tokens: analysis/vouch.py); else a sequence's last page may be short (SGLang)
+    full_blocks_only: bool = False
     versions: tuple[WireVersion, ...] = ()
 
     @property

@@ -22,6 +22,7 @@ PROFILE = EngineProfile(
     name="vllm",
     title="vLLM",
     pods=True,
+    full_blocks_only=True,  # KVCacheManager stores a block once it is full (block_size tokens)
     layout=RankLayout(keeps_port_zero=True),  # every DP rank publishes as itself, wherever it runs
     discovery=Discovery(
         routes=("/kv_event_sources",),

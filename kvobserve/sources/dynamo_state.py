@@ -51,9 +51,11 @@ class DynamoStream:
         "watched",
     )
 
-    def __init__(self, plan: DynamoPlan, spec: StreamSpec, dynamo_worker_id: int) -> None:
+    def __init__(
+        self, plan: DynamoPlan, spec: StreamSpec, dynamo_worker_id: int, wall: float = 0.0
+    ) -> None:
         self.plan = plan
-        self.watched = WatchedStream(spec, StreamSequencer(spec.dp_rank, replay=False))
+        self.watched = WatchedStream(spec, StreamSequencer(spec.dp_rank, replay=False), wall)
         self.dynamo_worker_id = dynamo_worker_id
         self.env: dict[int, int] = {}  # publisher_id -> last envelope sequence
         self.pid = 0

@@ -217,7 +217,10 @@ class DynamoTable:
             self._refuse(key)
             return None
         spec = StreamSpec(key[0], key[1], ps.plan.worker.engine, where, KV_EVENTS_TOPIC)
-        st = self.streams[key] = DynamoStream(ps.plan, spec, dynamo_worker_id)
+        st = self.streams[key] = DynamoStream(ps.plan, spec, dynamo_worker_id, self._wall())
+        cap = ps.plan.worker.capacity_tokens
+        if cap:
+            st.watched.capacity = (float(cap), 0.0)  # configured: known before any loss
         if ps.plan.index in self.touching:
             st.touched = set()
         return st

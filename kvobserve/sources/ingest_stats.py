@@ -8,6 +8,7 @@ their topics named, the placement of each worker's blocks and the miss split's d
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvobserve.analysis.sequence import StreamSequencer
@@ -48,9 +49,11 @@ def build_stats(
     whole: frozenset[str] = frozenset(),
     loop_errors: int = 0,
     checkpoint: CheckpointStats | None = None,
+    capacities: Mapping[tuple[str, int], tuple[float, float]] | None = None,
 ) -> IngestStats:
     """The table as one snapshot sees it (`now` monotonic, `wall` the same instant); `whole`:
-    workers whose every rank this collector watches (their placement needs no sketch)."""
+    workers whose every rank this collector watches (their placement needs no sketch);
+    `capacities`: the engines' KV capacity in tokens by stream, and when it was read (wall)."""
     siblings: dict[str, list[StreamSequencer]] = {}
     for (worker_id, _), w in table.streams.items():
         if w.seq is not None:
@@ -71,6 +74,8 @@ def build_stats(
             st.link.observe_duplicate(st.seq.duplicate_stream(now), wall)
         if st.history is not None:
             st.history.update(st.seq, st.decode_errors, now, wall)
+        if capacities is not None:
+            st.capacity = capacities.get(spec.key)
         s = stream_stats(st, st.seq, now, wall)
         cache_stats.fill_stream(s, st.seq, [q.index for q in siblings[spec.worker_id]], wall)
         if st.link is not None:

@@ -150,14 +150,19 @@ class IngestLoop:
             self._wake_tx.send(b"\0")
         return fut
 
-    def stats(self, whole: frozenset[str] = frozenset()) -> concurrent.futures.Future[IngestStats]:
+    def stats(
+        self,
+        whole: frozenset[str] = frozenset(),
+        capacities: Mapping[tuple[str, int], tuple[float, float]] | None = None,
+    ) -> concurrent.futures.Future[IngestStats]:
         """A consistent picture of every stream, built in the ingest thread; `whole`: workers
-        whose every rank this collector watches (their placement needs no sketch)."""
+        whose every rank this collector watches (their placement needs no sketch);
+        `capacities`: the engines' KV capacity by stream (tokens, read at: wall clock)."""
         ck = self.checkpoints
         return self.call(
             lambda: build_stats(
                 self.table, self._clock(), self._wall(), whole, self.loop_errors,
-                ck.stats() if ck is not None else None,
+                ck.stats() if ck is not None else None, capacities,
             )
         )  # fmt: skip
 

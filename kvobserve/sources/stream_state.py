@@ -8,6 +8,8 @@ from collections import deque
 from kvobserve.analysis.checkpoint import StreamCopy, copy_stream, state_mark
 from kvobserve.analysis.mirror import MirrorDetector
 from kvobserve.analysis.sequence import StreamSequencer
+from kvobserve.analysis.vouch import Vouch
+from kvobserve.engines import profile
 from kvobserve.sources.checkpoint_store import identity_of
 from kvobserve.sources.health import UP_STATES, Health
 from kvobserve.sources.link import Link, LinkTimes
@@ -24,6 +26,7 @@ class WatchedStream:
     __slots__ = (
         "bad_seqs",
         "batches",
+        "capacity",
         "config",
         "connected",
         "decode_errors",
@@ -39,13 +42,17 @@ class WatchedStream:
         "seq",
         "source",
         "spec",
+        "vouch",
     )
 
-    def __init__(self, spec: StreamSpec, seq: StreamSequencer | None) -> None:
+    def __init__(self, spec: StreamSpec, seq: StreamSequencer | None, wall: float = 0.0) -> None:
         self.spec = spec
         self.seq = seq  # None for probe ports
         self.open = False  # its SUB is open (connect mode; the shell holds the socket)
         self.config = ""  # its worker's config fingerprint ("": no checkpoints)
+        self.vouch = Vouch(now=wall)  # whether its index vouches for its numbers (vouch.py)
+        # the engine's KV capacity in tokens and when it was sampled (wall clock), if known
+        self.capacity: tuple[float, float] | None = None
         # a pod of a bound endpoint: the connection (the shell's id for it, e.g. its fd) its
         # messages arrive on, once known (sources/bind.py)
         self.source: int | None = None
@@ -137,6 +144,12 @@ def stream_stats(
         st.duplicate_wall = None
     elif st.duplicate_wall is None or st.duplicate_wall[0] != began:
         st.duplicate_wall = (began, wall - (now - began))
+    v = st.vouch
+    if profile(spec.engine).full_blocks_only and idx.block_size:
+        v.min_block_tokens = idx.block_size
+    if st.capacity is not None:
+        v.on_capacity(*st.capacity)
+    verdict = v.update_from(wall, sq)
     return StreamStats(
         spec.worker_id,
         spec.dp_rank,
@@ -178,4 +191,9 @@ def stream_stats(
         incomplete_reason=hist.incomplete_reason if hist is not None else "",
         replaying=sq.replay_in_flight is not None,
         block_size=idx.block_size,
+        vouched=verdict.vouched,
+        vouch_reason=verdict.reason,
+        vouched_since=verdict.since,
+        lower_tokens=verdict.lower_tokens,
+        lower_blocks=verdict.lower_blocks,
     )

@@ -169,7 +169,7 @@ class StreamTable:
             seq = StreamSequencer(
                 spec.dp_rank, replay=spec.replay_endpoint is not None, limits=self.options.limits
             )
-        st = WatchedStream(spec, seq)
+        st = WatchedStream(spec, seq, wall)
         if seq is not None:
             st.mirror = self._mirrors.setdefault(spec.worker_id, MirrorDetector())
             st.link = new_link(spec, self.options.link, self.events, wall)

@@ -112,6 +112,14 @@ class StreamStats(Struct, omit_defaults=True, gc=False):
     hot_error: int = 0  # bound on how far each hot store count may fall short
     lora_refused: int = 0  # stores of adapters past the name cap (counted as "_other")
     block_size: int = 0  # tokens per block of the stream's events (the usual one); 0: none yet
+    # analysis/vouch.py: whether the index can vouch for its blocks, tokens and usage (an older
+    # collector: as state_complete says), why, since when (wall clock), and what is certainly
+    # resident meanwhile (the top tier's tokens and blocks: a lower bound while unvouched)
+    vouched: bool = True
+    vouch_reason: str = ""
+    vouched_since: float = 0.0
+    lower_tokens: int = 0
+    lower_blocks: int = 0
 
 
 class WorkerPlacement(Struct, omit_defaults=True, gc=False):

@@ -37,6 +37,10 @@ DYNAMO: dict[str, str | None] = {
     "a_reconnect_of_the_same_publisher_recovers_what_it_missed": NO_REPLAY,
     "streams_past_max_streams_are_refused_and_counted": None,
     "metrics_render_in_every_mode": None,
+    "a_restarted_collector_resumes_from_its_checkpoint": (
+        "not built: a Dynamo stream starts anew after kvobserve restarts (no replay confirms a "
+        "checkpoint; the envelope's publisher and sequence could: docs/reliability.md)"
+    ),
 }
 KEY = (f"dynamo/{W}", 0)
 
