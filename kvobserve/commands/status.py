@@ -109,10 +109,19 @@ def _row(s: dict[str, Any]) -> tuple[str, ...]:
         "-" if dup is None else "yes" if dup else "no",
         _secs(s.get("lag_seconds")),
         _secs(s.get("last_message_age_s")),
-        _pct(s.get("cache_usage_ratio")),
+        _pct(s.get("cache_usage_ratio")) if not s.get("unvouched") else "?",
         _pct(s.get("token_usage_ratio")),
-        str(s.get("reason") or ""),
+        str(s.get("reason") or "") + _unvouched(s),
     )
+
+
+def _unvouched(s: dict[str, Any]) -> str:
+    """Why cache usage is "?": the index cannot vouch for it (what is certainly resident)."""
+    un = s.get("unvouched")
+    if not un:
+        return ""
+    lower = un["lower_bound"]["tokens"]
+    return f"; cache not seen whole ({un['reason']}): >= {lower:,} tokens resident"
 
 
 def _table(rows: list[tuple[str, ...]]) -> list[str]:

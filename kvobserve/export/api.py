@@ -45,6 +45,7 @@ def stream_json(s: StreamView, now: float = 0.0, token_usage: float | None = Non
         state, since = "stale", s.collector_last_seen
         reason = f"collector {s.collector.collector_id} silent; last known: {st.state or '?'}"
     up = s.up
+    seen = up and st.vouched  # the index vouches for its blocks, tokens and usage (vouch.py)
     return {
         "worker_id": st.worker_id,
         "node_rank": s.collector.node_rank,
@@ -68,10 +69,22 @@ def stream_json(s: StreamView, now: float = 0.0, token_usage: float | None = Non
         "rank_mismatch_batches": st.rank_mismatch_batches,
         "decode_errors": dict(st.decode_errors),
         "state_complete": st.state_complete if up else None,
-        "blocks": {m.medium: m.blocks for m in st.media} if up else {},
-        "tokens": {m.medium: m.tokens for m in st.media} if up else {},
+        "blocks": {m.medium: m.blocks for m in st.media} if seen else {},
+        "tokens": {m.medium: m.tokens for m in st.media} if seen else {},
         "capacity_tokens": s.capacity_tokens if up else None,
-        "cache_usage_ratio": s.usage_ratio if up else None,  # GPU-tier resident tokens / capacity
+        "cache_usage_ratio": s.usage_ratio if seen else None,  # GPU-tier resident / capacity
+        # while the index cannot vouch for those (docs/cache-analytics.md): why, since when,
+        # and what is certainly resident in the engine's top tier meanwhile
+        "vouched": st.vouched if up else None,
+        "unvouched": (
+            {
+                "reason": st.incomplete_reason or st.vouch_reason,
+                "since": _t(st.vouched_since),
+                "lower_bound": {"tokens": st.lower_tokens, "blocks": st.lower_blocks},
+            }
+            if up and not st.vouched
+            else None
+        ),
         "token_usage_ratio": token_usage if up else None,  # the scheduler's: running requests
         # which scheduler sources report this rank (load, metrics, ...); "none": no source does
         "scheduler_source": (s.scheduler_source or "none") if live else None,

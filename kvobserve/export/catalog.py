@@ -39,6 +39,7 @@ DRIFT = (*STREAM, "medium", "method")
 BOUND = ("collector", "worker_id", "dp_rank")  # an endpoint a collector binds (bind mode)
 # The "while down" cells of families whose rule `stale` alone does not tell (docs/metrics.md)
 UP_RANKS = "up ranks only"
+VOUCHED = "absent, also while unvouched"  # served while the index vouches (analysis/vouch.py)
 SCHEDULER = "absent, also when stale"
 EVENT_TYPES = ("stored", "removed", "cleared")  # always served, in this order, before the others
 REPLICATED_CAP = 8  # blocks on this many ranks or more share one `ranks` label value ("8+")
@@ -200,12 +201,17 @@ class MetricDef:
     detail: bool = False
     detail_only: bool = False
     down: str = ""  # the docs' "while down" cell when `stale` alone does not say it
+    # served only while its stream's index vouches for it (analysis/vouch.py): blocks, tokens,
+    # cache usage; absent while it cannot, as while the stream is down
+    vouched: bool = False
 
     @property
     def while_down(self) -> str:
         """What /metrics serves of this family while its source is down (docs/metrics.md)."""
         if self.down:
             return self.down
+        if self.vouched:
+            return VOUCHED
         return "-" if self.stale is None else "kept" if self.stale else "absent"
 
     @property
@@ -244,6 +250,7 @@ def _d(
     detail: bool = False,
     detail_only: bool = False,
     down: str = "",
+    vouched: bool = False,
 ) -> MetricDef:
     if stale is None and (labels[:3] == STREAM or detail):
         # Counters and histograms are cumulative, so a stale value is still true: serve them.
@@ -251,8 +258,9 @@ def _d(
     if per is None:
         per = "stream" if labels[:3] == STREAM else "fleet"
     return MetricDef(
-        name, typ, labels, text, source, stale, timely, per, n, detail, detail_only, down
-    )
+        name, typ, labels, text, source, stale, timely, per, n, detail, detail_only, down,
+        vouched,
+    )  # fmt: skip
 
 
 def _worker_trouble(w: WorkerInfo) -> bool:
@@ -352,13 +360,32 @@ CATALOG: tuple[MetricDef, ...] = (
        From(Scope.STREAM, None, each=lambda s: s.stats.events, first=EVENT_TYPES),
        per="worker_type", n=3, detail=True),
     # per stream and medium: the block index
-    _d("kvobserve_kv_blocks", "gauge", BLOCK, "Resident blocks in the stream's block index.",
-       From(Scope.MEDIUM, lambda m: m.blocks), per="medium"),
+    _d("kvobserve_kv_blocks", "gauge", BLOCK,
+       "Resident blocks in the stream's block index; absent while the index cannot vouch for "
+       "them (kvobserve_kv_index_unvouched: kvobserve_kv_blocks_lower_bound instead).",
+       From(Scope.MEDIUM, lambda m: m.blocks), per="medium", vouched=True),
     _d("kvobserve_kv_tokens", "gauge", BLOCK,
        "Resident tokens: each resident block counts the tokens its BlockStored event gave it "
        "(the event's block_size; SGLang's last page of a request holds fewer than the page "
        "size; Dynamo events carry none: the worker's block_size), so at most blocks x block "
-       "size.", From(Scope.MEDIUM, lambda m: m.tokens), per="medium"),
+       "size. Absent while the index cannot vouch for them (kvobserve_kv_tokens_lower_bound).",
+       From(Scope.MEDIUM, lambda m: m.tokens), per="medium", vouched=True),
+    _d("kvobserve_kv_index_unvouched", "gauge", STREAM,
+       "1 while the stream's block index cannot vouch for its blocks, tokens and cache usage "
+       "(joined mid-stream, lost batches, resuming from a checkpoint, ... and not shown whole "
+       "since: docs/cache-analytics.md): they are absent then, their lower bounds served "
+       "instead; absent while it can.",
+       From(Scope.STREAM, 1, only=lambda s: not s.stats.vouched), per="fault"),
+    _d("kvobserve_kv_tokens_lower_bound", "gauge", STREAM,
+       "While the index cannot vouch for itself: top-tier tokens certainly resident in the "
+       "engine (what the index holds, less what it may hold after a loss).",
+       From(Scope.STREAM, lambda s: s.stats.lower_tokens, only=lambda s: not s.stats.vouched),
+       per="fault"),
+    _d("kvobserve_kv_blocks_lower_bound", "gauge", STREAM,
+       "While the index cannot vouch for itself: top-tier blocks certainly resident in the "
+       "engine.",
+       From(Scope.STREAM, lambda s: s.stats.lower_blocks, only=lambda s: not s.stats.vouched),
+       per="fault"),
     _d("kvobserve_kv_blocks_stored_total", "counter", WORKER_MEDIUM,
        "Blocks stored (BlockStored hashes); summed over the worker's ranks.",
        From(Scope.MEDIUM, lambda m: m.stored_total), per="worker_medium", detail=True),
@@ -377,8 +404,9 @@ CATALOG: tuple[MetricDef, ...] = (
        From(Scope.STREAM, lambda s: s.capacity_tokens, When.NONZERO)),
     _d("kvobserve_kv_cache_usage_ratio", "gauge", STREAM,
        "Cache usage: GPU-tier resident tokens / capacity (about 1 on any warm prefix cache); "
-       "absent while the capacity is unknown. Not token usage.",
-       From(Scope.STREAM, lambda s: s.usage_ratio, When.SET)),
+       "absent while the capacity is unknown or the index cannot vouch for its tokens. Not "
+       "token usage.",
+       From(Scope.STREAM, lambda s: s.usage_ratio, When.SET), vouched=True),
     _d("kvobserve_kv_block_lifetime_seconds", "histogram", WORKER_MEDIUM,
        "Block lifetime: removal time - store time (engine timestamps), over the worker's ranks.",
        From(Scope.MEDIUM, lambda m: m.lifetime, When.SET), per="histogram", detail=True),

@@ -168,6 +168,7 @@ class _Items:
         owner: list[int],
         labels: dict[str, Callable[[], list[str]]],
         live: Callable[[], list[bool] | None] = lambda: None,
+        vouched: Callable[[], list[bool] | None] = lambda: None,
     ) -> None:
         self.scope: Scope[Any] | None = None  # set by _scopes
         self.items = items
@@ -176,6 +177,8 @@ class _Items:
         self._labels: dict[str, list[str]] = {}
         self._live = live
         self._live_got: tuple[list[bool] | None] | None = None
+        self._vouched = vouched
+        self._vouched_got: tuple[list[bool] | None] | None = None
         self.keys: dict[object, list[Labels]] = {}  # label value tuples by (labels, selection)
         self.memo: Memo | None = None  # what the last read left, to reuse (Plan.batch)
 
@@ -219,6 +222,19 @@ class _Items:
             self._live_got = (self._live(),)
         return self._live_got[0]
 
+    @property
+    def vouched(self) -> list[bool] | None:
+        """Whether each item is up and its index vouches for it (served by rows whose
+        `vouched` is set); None: all are."""
+        if self._vouched_got is None:
+            live, ok = self.live, self._vouched()
+            if live is None or ok is None:
+                both = ok if live is None else live
+            else:
+                both = list(map(and_, live, ok))
+            self._vouched_got = (both,)
+        return self._vouched_got[0]
+
 
 class _Row:
     """A catalog row as one batch reads it."""
@@ -241,6 +257,7 @@ class _Row:
         if unknown:
             raise ValueError(f"{m.name}: labels {unknown} are not the {src.scope!r} scope's")
         self.live = m.stale is False
+        self.vouched = m.vouched
         self.only = reader(src.only) if src.only is not None else None
         self.value: Callable[[Any], Any] | None = None
         self.const: int | None = None
@@ -261,7 +278,7 @@ class _Row:
         """(the items served, their collectors, their labels but the key, with `track` their
         positions in the scope)."""
         items, owner = sc.items, sc.owner
-        sel = sc.live if self.live else None
+        sel = sc.vouched if self.vouched else sc.live if self.live else None
         if self.only is not None:
             mask = list(map(truth, map(self.only, items)))
             sel = mask if sel is None else list(map(and_, sel, mask))
@@ -275,15 +292,17 @@ class _Row:
         at = list(compress(range(len(items)), sel)) if track else None
         items = list(compress(items, sel))
         owner = list(compress(owner, sel))
-        cache = (self.item_labels, False)
-        keys = sc.keys.get(cache) if sel is sc.live else None
+        # label sets kept for the next read, by selection (up, or up and vouched)
+        cache = (self.item_labels, "vouched" if self.vouched else False)
+        kept = sc.vouched if self.vouched else sc.live
+        keys = sc.keys.get(cache) if sel is kept else None
         if keys is None:  # the scope's labels of the items served; the row's read off them
             cols = [
                 list(compress(sc.label(n), sel)) if get is None else list(map(str, map(get, items)))
                 for n, get in self.item_labels
             ]
             keys = list(zip(*cols, strict=True)) if cols else [()] * len(items)
-            if sel is sc.live:
+            if sel is kept:
                 keys = sc.keys[cache] = sc.interned(cache, keys)
         return items, owner, keys, at
 
@@ -589,6 +608,7 @@ def _scopes(cgs: list[tuple[CollectorView, Group]]) -> dict[Scope[Any], _Items]:
         owner: list[int],
         live: Callable[[], list[bool] | None] = _none,
         parent: list[int] | None = None,
+        vouched: Callable[[], list[bool] | None] = _none,
     ) -> _Items:
         """The scope's items, labelled (on first use) by their own labels and those of their
         collector, or with `parent` (the position of each one's whole among the items of the
@@ -604,7 +624,7 @@ def _scopes(cgs: list[tuple[CollectorView, Group]]) -> dict[Scope[Any], _Items]:
                 made[n] = partial(_via, whole, n, parent)
         for n, get in _OWN[scope].items():
             made[n] = partial(_read, get, items)
-        sc = out[scope] = _Items(items, owner, made, live)
+        sc = out[scope] = _Items(items, owner, made, live, vouched)
         sc.scope = scope
         return sc
 
@@ -623,7 +643,11 @@ def _scopes(cgs: list[tuple[CollectorView, Group]]) -> dict[Scope[Any], _Items]:
         up = list(map(attrgetter("up"), streams))
         return None if all(up) else up
 
-    st = add(Scope.STREAM, streams, s_owner, s_live)
+    def s_vouched() -> list[bool] | None:
+        ok = list(map(attrgetter("stats.vouched"), streams))
+        return None if all(ok) else ok
+
+    st = add(Scope.STREAM, streams, s_owner, s_live, vouched=s_vouched)
     media_lists = list(map(attrgetter("stats.media"), streams))
     if all(len(ms) == 1 for ms in media_lists):
         media = [ms[0] for ms in media_lists]
@@ -632,7 +656,9 @@ def _scopes(cgs: list[tuple[CollectorView, Group]]) -> dict[Scope[Any], _Items]:
         media = _concat(media_lists)
         parent = _concat([i] * len(ms) for i, ms in enumerate(media_lists))
     m_owner = list(map(s_owner.__getitem__, parent))
-    add(Scope.MEDIUM, media, m_owner, _part_live(st, parent), parent)
+    vouched = s_vouched()
+    add(Scope.MEDIUM, media, m_owner, _part_live(st, parent), parent,
+        (lambda: None) if vouched is None else (lambda: list(map(vouched.__getitem__, parent))))  # fmt: skip
 
     of_items: list[tuple[Scope[Any], Callable[[CollectorView, Group], list[Any]]]] = [
         (Scope.SCHEDULER, lambda c, g: g.scheduler),

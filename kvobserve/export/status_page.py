@@ -208,9 +208,22 @@ def _stream_row(s: Json, cond: dict[str, str], clock: _Clock) -> str:
         f"<td class=n>{_secs(s.get('last_message_age_s'))}</td>"
         f"{td('gaps', gaps, True)}{td('restarts', restarts, True)}{td('dup', dup)}"
         f"{td('index', index)}{td('errors', errors, True)}"
-        f"<td class=n>{_pct(s.get('cache_usage_ratio'))}</td>"
+        f"<td class=n>{_usage(s)}</td>"
         f"{td('sched', _pct(s.get('token_usage_ratio')) + _via(s), True)}"
         f'<td class="small">{_html(s["endpoint"])}<br>{_html(s["collector"])}</td></tr>'
+    )
+
+
+def _usage(s: Json) -> str:
+    """The cache-usage cell: the share, or while the index cannot vouch for it what is
+    certainly resident and why ("-" while the stream is down)."""
+    un = s.get("unvouched")
+    if not un:
+        return _pct(s.get("cache_usage_ratio"))
+    lower = un["lower_bound"]["tokens"]
+    return (
+        f'<span title="{_html(un["reason"])}">&ge; {lower:,} tok</span>'
+        f'<br><span class="muted small">unvouched</span>'
     )
 
 

@@ -93,7 +93,8 @@ def _node0() -> Snapshot:
     r1 = StreamStats(
         "sglang-a", 1, engine="sglang", endpoint="tcp://10.0.0.5:5558", topic="kv-events", up=True,
         batches_total=40, events={"stored": 40}, media=[MediumStats("GPU", 8, 128, 8, 0)],
-        state_complete=True,
+        state_complete=True, vouched=False, vouch_reason="resuming", lower_tokens=96,
+        lower_blocks=6,  # restored from a checkpoint, its ring not asked yet: lower bounds
     )  # fmt: skip
     v0 = StreamStats(
         "vllm-b", 0, engine="vllm", endpoint="tcp://10.0.0.6:5557", topic="", up=True,

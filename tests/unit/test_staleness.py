@@ -263,7 +263,8 @@ def test_scheduler_values_age_against_their_collector_and_source(
 
 def test_the_catalog_says_it_per_family() -> None:
     assert BY_NAME["kvobserve_kv_last_batch_timestamp_seconds"].while_down == "kept"
-    assert BY_NAME["kvobserve_kv_cache_usage_ratio"].while_down == "absent"
+    assert BY_NAME["kvobserve_kv_cache_usage_ratio"].while_down == "absent, also while unvouched"
+    assert BY_NAME["kvobserve_kv_blocks"].while_down == "absent, also while unvouched"
     assert BY_NAME["kvobserve_kv_event_batches_total"].while_down == "kept"
     for name in SCHEDULER_FAMILIES:
         assert BY_NAME[name].while_down == "absent, also when stale", name
