@@ -80,6 +80,12 @@ class Procs:
             raise AssertionError(f"pid {pid} ignored SIGTERM for {timeout_s} s") from None
         return rc, time.monotonic() - t0
 
+    def kill(self, pid: int) -> None:
+        """SIGKILL by PID (nothing of the process runs on: no shutdown), and reap it."""
+        proc = self._find(pid)[0]
+        proc.kill()
+        proc.wait(timeout=5)
+
     def stop_all(self) -> None:
         """SIGTERM every process still running, then KILL what is left (teardown)."""
         for proc, _ in self.started:
