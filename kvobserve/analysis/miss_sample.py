@@ -249,6 +249,46 @@ class SplitEstimate:
     reasons: tuple[str, ...] = ()  # codes: deltas_lost, few_samples
 
 
+class _ClusterSums:
+    """Sums over the sampled blocks (each block's misses c by kind, s their sum) that the
+    clusters' variance of a share q of kind i reads: sum (c_i - q s)^2 = A_i - 2 q B_i + q^2 C,
+    with A_i = sum c_i^2, B_i = sum c_i s, C = sum s^2; kept as each count grows, so the bound
+    costs the same whatever the number of blocks (integers: exact)."""
+
+    __slots__ = ("a", "b", "c")
+
+    def __init__(self) -> None:
+        self.a = [0, 0, 0]
+        self.b = [0, 0, 0]
+        self.c = 0
+
+    @classmethod
+    def of(cls, blocks: Iterable[list[int]]) -> _ClusterSums:
+        """The sums over `blocks` from scratch (after the level rose and blocks left)."""
+        out = cls()
+        for per in blocks:
+            s = sum(per)
+            for i in range(3):
+                out.a[i] += per[i] * per[i]
+                out.b[i] += per[i] * s
+            out.c += s * s
+        return out
+
+    def count(self, per: list[int], kind: int) -> None:
+        """A block's count of `kind` is about to grow by one (`per`: its counts before)."""
+        s = per[0] + per[1] + per[2]
+        k = per[kind]
+        self.a[kind] += 2 * k + 1
+        for i in range(3):
+            self.b[i] += per[i]
+        self.b[kind] += s + 1
+        self.c += 2 * s + 1
+
+    def spread(self, i: int, q: float) -> float:
+        """sum over the blocks of (c_i - q s)^2."""
+        return max(0.0, self.a[i] - 2 * q * self.b[i] + q * q * self.c)
+
+
 class SampledSplit:
     """Aggregator side: one pool's sampled residency from every collector's deltas."""
 
@@ -261,8 +301,10 @@ class SampledSplit:
         # rank -> kind -> misses, each sampled miss weighed by 2^level when it was classified
         # (unbiased, and it only grows: a counter); since this process started
         self.weighed: dict[Rank, list[float]] = {}
-        # sampled block -> its misses by kind, all ranks: the spread of the clusters (`bound`)
+        # sampled block -> its misses by kind, all ranks: the spread of the clusters (`bound`),
+        # with the sums over the blocks its variance needs, kept as they change (`_sums`)
         self.per_block: dict[int, list[int]] = {}
+        self._sums = _ClusterSums()
         self._pending: dict[str, list[tuple[float, int, Op | MissDelta]]] = {}
         self._until: dict[str, float] = {}
         self._seq: dict[str, int] = {}
@@ -384,6 +426,7 @@ class SampledSplit:
         per = self.per_block.get(ident)
         if per is None:
             per = self.per_block[ident] = [0, 0, 0]
+        self._sums.count(per, kind)
         per[kind] += 1
         res.add(ident)
         self.seen.add(ident)
@@ -432,6 +475,7 @@ class SampledSplit:
             self.resident[rank] = {i for i in res if i < cut}
         self.seen = {i for i in self.seen if i < cut}
         self.per_block = {i: c for i, c in self.per_block.items() if i < cut}
+        self._sums = _ClusterSums.of(self.per_block.values())
 
     # --- output -----------------------------------------------------------------------------
 
@@ -446,10 +490,8 @@ class SampledSplit:
         if m and blocks > 1:
             q = [pool[i] / m for i in range(3)]
             clustered = max(
-                sum((c[i] - q[i] * sum(c)) ** 2 for c in self.per_block.values())
-                * blocks / (blocks - 1) / (m * m)
-                for i in range(3)
-            )  # fmt: skip
+                self._sums.spread(i, q[i]) * blocks / (blocks - 1) / (m * m) for i in range(3)
+            )
             binomial = max(x * (1 - x) for x in q) / m
             deff = max(1.0, clustered / binomial) if binomial else 1.0
         else:
