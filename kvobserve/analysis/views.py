@@ -145,6 +145,8 @@ class FleetView:
     placement: dict[str, PlacementEstimate] = field(default_factory=dict)  # per worker
     # an uncovered rank -> the down collector that owned it at its last snapshot (the latest)
     last_owner: dict[tuple[str, int], CollectorView] = field(default_factory=dict)
+    # an uncovered rank -> since when no live collector has owned it, as the fleet state saw it
+    uncovered_since: dict[tuple[str, int], float] = field(default_factory=dict)
     # when each condition was first active, as the aggregator remembers it (analysis/conditions)
     began: dict[Key, float] = field(default_factory=dict)
     # what live collectors say about each worker they are configured with, and their scheduler

@@ -96,7 +96,7 @@ async def test_status_exits_0_without_critical_conditions_and_takes_host_port() 
     finally:
         await srv.close()
     assert rc == 0, text
-    assert "1/1 streams up, 0 active conditions (0 critical)" in text
+    assert "1/1 streams up, 0 active conditions (none)" in text
     assert "recent events (1):" in text
     assert "gap           w 0              gap: seq 3-4 missed (2); recovered by replay" in text
 
