@@ -249,6 +249,17 @@ def _lookups(blocks: bool) -> FleetSamples:
     return samples
 
 
+def _prefix_tokens(
+    v: FleetView, order: list[CollectorView]
+) -> Iterable[tuple[tuple[str, str], float]]:
+    """Each worker's prefix-cache hit and queried tokens, as the engine counts them."""
+    for _, p in sorted(v.misses.items()):
+        for w in p.workers:
+            if w.hit_tokens is not None and w.query_tokens is not None:
+                yield (w.worker_id, "hit"), w.hit_tokens
+                yield (w.worker_id, "queried"), w.query_tokens
+
+
 def _untrusted(v: FleetView, order: list[CollectorView]) -> Iterable[tuple[tuple[str, str], int]]:
     for name, p in sorted(v.misses.items()):
         for reason in p.reasons:
@@ -386,6 +397,14 @@ CATALOG: tuple[MetricDef, ...] = (
        "rank of the pool then). Misses: the hash sample's estimate since the aggregator "
        "started; sum by pool for the pool.", FromFleet(_lookups(blocks=True)), per="worker",
        n=4),
+    _d("kvobserve_worker_prefix_cache_tokens_total", "counter", ("worker_id", "tokens"),
+       "The engine's own prefix-cache counters in tokens, hit and queried (vLLM "
+       "prefix_cache_hits and prefix_cache_queries summed over the worker's ranks; SGLang "
+       "cached_tokens and prompt_tokens, its tokenizer's), as its /metrics last said; absent "
+       "while unknown. rate(hit) / rate(queried) is the engine's hit rate over any window "
+       "(kvobserve_scheduler_cache_hit_ratio is SGLang's last prefill batch's; "
+       "kvobserve_worker_kv_lookups_total counts stored generated tokens as misses too).",
+       FromFleet(_prefix_tokens), per="worker", n=2),
     _d("kvobserve_worker_kv_lookup_tokens_total", "counter", ("worker_id", "pool", "result"),
        "kvobserve_worker_kv_lookups_total in tokens (misses x block size: where it is known).",
        FromFleet(_lookups(blocks=False)), per="worker", n=4, optin=CACHE_DETAIL),
