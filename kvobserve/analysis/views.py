@@ -55,6 +55,12 @@ class StreamView(Struct, frozen=True, gc=False):
         return self.live and self.stats.up
 
     @property
+    def view_trust(self) -> str:
+        """The trust state of its view now: `unknown` while it is not up (nothing it holds is
+        known now), else the stream's (docs/cache-analytics.md; "" from older collectors)."""
+        return self.stats.trust if self.live and self.stats.up else "unknown"
+
+    @property
     def usage_ratio(self) -> float | None:
         """GPU-tier resident tokens / capacity, when the capacity is known."""
         if not self.capacity_tokens:

@@ -74,8 +74,9 @@ def stream_json(s: StreamView, now: float = 0.0, token_usage: float | None = Non
         "capacity_tokens": s.capacity_tokens if up else None,
         "cache_usage_ratio": s.usage_ratio if up else None,  # GPU-tier resident tokens / capacity
         "token_usage_ratio": token_usage if up else None,  # the scheduler's: running requests
-        # which scheduler sources report this rank (load, metrics, ...); "none": no source does
-        "scheduler_source": (s.scheduler_source or "none") if live else None,
+        # which scheduler sources report this rank (load, metrics, ...); "none": no source does;
+        # null while the stream is not up (a dead rank's scheduler values are not served)
+        "scheduler_source": (s.scheduler_source or "none") if up else None,
         "last_batch_ts": st.last_batch_ts or None,
         "lag_seconds": st.lag_seconds if up else None,
         "state": state,

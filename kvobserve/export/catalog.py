@@ -360,10 +360,11 @@ CATALOG: tuple[MetricDef, ...] = (
        timely=True),
     # cache analytics (docs/cache-analytics.md): trust, silent loss, thrash, placement
     _d("kvobserve_kv_view_trust_ranks", "gauge", ("worker_id", "trust"),
-       "Ranks of the worker that are up whose block-index view is in each trust state: "
-       "complete, replay_filled, partial (a state no rank is in is not served).",
-       _st(1, labels=(("trust", "stats.trust"),), only="stats.trust"), stale=False,
-       per="worker", down=UP_RANKS),
+       "Ranks of the worker by the trust state of their block-index view: complete, "
+       "replay_filled, partial, and unknown (down, or its collector silent: not known now) "
+       "(a state no rank is in is not served).",
+       _st(1, labels=(("trust", "view_trust"),), only="view_trust"), stale=True,
+       per="worker", down="down ranks as unknown"),
     _d("kvobserve_kv_silent_loss_evidence_total", "counter", (*STREAM, "reason"),
        "Evidence of KV events lost without a sequence gap, by reason: remove_unknown (blocks "
        "removed that were not resident), parent_unknown (stores whose parent is not resident); "
