@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
+from kvobserve import __version__
 from kvobserve.export.catalog import BY_NAME
 from tests.design_contract import DESIGN_ALERTS, DESIGN_METRICS
 
@@ -29,7 +30,7 @@ RULES = ROOT / "alerts" / "kvobserve-rules.yml"
 TESTS_DIR = ROOT / "alerts" / "tests"
 ALERTMANAGER = ROOT / "alerts" / "alertmanager.yml"
 RUNBOOK = ROOT / "docs" / "alerts.md"
-RUNBOOK_BASE = "https://github.com/kvobserve/kvobserve/blob/main/docs/alerts.md"
+RUNBOOK_BASE = f"https://github.com/kvobserve/kvobserve/blob/v{__version__}/docs/alerts.md"
 
 
 PAGING = {"KVEventsLost", "DPRankUncovered", "KVObserveCollectorDown", "KVEventStreamDown"}

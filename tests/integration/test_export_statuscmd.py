@@ -9,6 +9,7 @@ import socket
 
 import pytest
 
+from kvobserve import __version__
 from kvobserve.aggregator import Aggregator
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.commands import status as statuscmd
@@ -69,8 +70,8 @@ async def test_status_table_and_conditions() -> None:
     down = [ln for ln in lines if "collector_down" in ln]
     assert down and down[0].split()[0] == "CRITICAL"
     assert (
-        "runbook: https://github.com/kvobserve/kvobserve/blob/main/docs/alerts.md#kvobservecollectordown"
-        in text
+        f"runbook: https://github.com/kvobserve/kvobserve/blob/v{__version__}/docs/alerts.md"
+        "#kvobservecollectordown" in text
     )
 
 
