@@ -121,7 +121,7 @@ class PoolSplit:
     pool: str
     workers: tuple[WorkerSplit, ...]
     shares: dict[str, float]  # kind -> share of the misses since the pool's start
-    bound: float  # 95 % half-width of the widest share
+    bound: float  # 99 % half-width of the widest share (over draws of the sample: see BOUND_Z)
     sampled: int  # sampled misses behind the shares
     level: int  # the sample holds 2^-level of the blocks
     trusted: bool  # the bound holds (else `reasons`)

@@ -415,8 +415,9 @@ CATALOG: tuple[MetricDef, ...] = (
        "resync), few_samples (fewer than 4,000 sampled misses); served only then.",
        FromFleet(_untrusted), per="fault"),
     _d("kvobserve_pool_kv_miss_share_bound", "gauge", ("pool",),
-       "95 % half-width of the widest share of the pool's misses by kind since its start "
-       "(0-1), from the sample itself.",
+       "99 % half-width of the widest share of the pool's misses by kind since its start "
+       "(0-1), from the sample itself (over draws of the sample: one workload's estimate errs "
+       "the same way in every run).",
        FromFleet(lambda v, _: (((p.pool,), p.bound) for _, p in sorted(v.misses.items()))),
        per="worker", optin=CACHE_DETAIL),
     _d("kvobserve_kv_block_restore_gap_seconds", "histogram", ("worker_id",),

@@ -456,7 +456,7 @@ def _misses(misses: Json | None, alerts: list[Json]) -> str:
                 f'{shares}<td colspan=7 class="muted">{_html(said)} (blocks, since the '
                 "aggregator started)</td></tr>"
             )
-    head = ("pool", "compulsory", "capacity", "placement", "bound", "sampled", "trust",
+    head = ("pool", "compulsory", "capacity", "placement", "bound (99 %)", "sampled", "trust",
             "placement, 15 min", "hit rate, 15 min", "perfect router", "+ unlimited capacity")  # fmt: skip
     return _table(
         head, rows, "No miss split (no pool with the cache analytics on yet).", "misses-table"
