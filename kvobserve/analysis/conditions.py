@@ -739,6 +739,9 @@ FOLLOWS: Final = (
     # batches lost for good: the gap they were missed in; a stream down: its index
     Follows("events_lost", "sequence_gap", ("worker_id", "node_rank", "dp_rank")),
     Follows(STREAM_DOWN, "index_incomplete", ("worker_id", "node_rank", "dp_rank")),
+    # an index incomplete because batches were lost, or because a second publisher wrote into it
+    Follows("events_lost", "index_incomplete", ("worker_id", "node_rank", "dp_rank")),
+    Follows("duplicate_stream", "index_incomplete", ("worker_id", "node_rank", "dp_rank")),
     # a worker a collector cannot watch as configured: the ranks it leaves uncovered
     Follows("worker_undiscovered", UNCOVERED, ("worker_id",)),
     Follows("layout_mismatch", UNCOVERED, ("worker_id",)),

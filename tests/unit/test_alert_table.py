@@ -90,11 +90,14 @@ def test_the_api_gives_the_rule_files_severity() -> None:
     )  # fmt: skip
     state = FleetState()
     state.update(snap, 100.0)
-    alerts = {a["kind"]: a for a in api.alerts_json(state.view(100.5))}
+    alerts = {a["kind"]: a for a in api.every_alert(api.alerts_json(state.view(100.5)))}
     rules = _rule_severities()
     assert alerts["duplicate_stream"]["severity"] == rules["KVEventDuplicateStream"] == "warning"
     assert alerts["index_incomplete"]["severity"] == rules["KVIndexIncomplete"] == "info"
     assert alerts["duplicate_stream"]["runbook_url"].endswith("alerts.md#kveventduplicatestream")
+    # the index is incomplete because of the second publisher: under it, one entry
+    (top,) = api.alerts_json(state.view(100.5))
+    assert [c["kind"] for c in top["consequences"]] == ["index_incomplete"]
 
 
 def test_the_inhibition_rules_are_what_follows_from_a_cause() -> None:
