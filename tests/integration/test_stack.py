@@ -220,6 +220,15 @@ def test_clean_profile_fires_nothing(stack_factory: Any) -> None:
     a router that is not cache-aware is information, issue 30)."""
     stack, t0 = stack_factory("clean")
     assert "clean" in stack.command("engine-node-1")
+    streams = stack.url("aggregator", 9477, "/api/v1/streams")
+    fleet = stack.url("aggregator", 9477, "/api/v1/fleet")
+
+    def all_up() -> bool:  # the engines start last (bring_up): until then nothing listens
+        got, sources = http_json(streams), http_json(fleet)["scheduler_sources"]
+        return (len(got) == 2 and all(s["up"] for s in got)
+                and bool(sources) and all(s["state"] == "up" for s in sources))  # fmt: skip
+
+    poll(all_up, t0 + 10, "both streams and the scheduler sources up", stack)
     end = t0 + SETTLE_S
     while time.monotonic() < end:
         stack.check_running()
