@@ -184,7 +184,13 @@ class Aggregator:
         for ev in events:
             self.transitions_total[ev["state"]] = self.transitions_total.get(ev["state"], 0) + 1
             labels = " ".join(f"{k}={v}" for k, v in ev["labels"].items())
-            log.info("condition %s: %s %s: %s", ev["state"], ev["kind"], labels, ev["description"])
+            # a resolved condition's description is what it said last, not why it ended
+            said = (
+                ev["description"]
+                if ev["state"] == "firing"
+                else f"it last said: {ev['description']}"
+            )
+            log.info("condition %s: %s %s: %s", ev["state"], ev["kind"], labels, said)
             self.events.append(
                 {
                     "time": ev["time"],
@@ -193,7 +199,7 @@ class Aggregator:
                     "state": ev["state"],
                     "severity": ev["severity"],
                     "labels": ev["labels"],
-                    "message": f"{ev['kind']} {ev['state']}: {ev['description']}",
+                    "message": f"{ev['kind']} {ev['state']}: {said}",
                 }
             )
             if self._transport is not None:

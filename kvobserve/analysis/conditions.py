@@ -16,10 +16,17 @@ the time is recent. Any other stream condition (stream_down, duplicate_stream, .
 analysis/fleet.py) builds views only of the streams some row's pre-check lets through
 (`may_have_condition`): a pre-check that missed a case would leave a condition on the page that
 never fires. A property test over generated fleets holds every row's pre-check to its check and
-the per-second check to the whole view (tests/unit/test_condition_prechecks.py). The other
-conditions are found over the fleet's membership (collectors, workers, owners, leaders, scheduler
-values, what collectors report of relays and drift, unexpected streams), which both paths build
-whole: they need no pre-check. Pure: `now` is the view's.
+the per-second check to the whole view (tests/unit/test_condition_prechecks.py). Every other
+row is found over the fleet's membership (collectors, workers, owners, leaders, scheduler
+values, what collectors report of relays and drift, the pools' miss splits, unexpected streams)
+by its row's own finder (`Kind.finds`), which both paths build whole: they need no pre-check.
+Pure: `now` is the view's.
+
+What follows from a cause is declared once (`FOLLOWS`): a lost collector's streams down and its
+ranks uncovered, a worker that cannot be watched and its ranks uncovered, lost batches and the
+gap they were missed in. `grouped` lists each condition under its cause, as the page, `kvobserve
+status` and /api/v1/alerts show them; the example Alertmanager config inhibits the same alerts
+under the same ones (alerts/alertmanager.yml, held to `FOLLOWS` by tests/unit/test_alert_table.py).
 
 `since` is when the condition began. Each condition takes it from its evidence (a collector's
 last snapshot, a stream's state change, the first sign of a second publisher, ...); what
@@ -38,9 +45,16 @@ from typing import Final
 
 from kvobserve.analysis.layout import ranged
 from kvobserve.analysis.tiers import TOP_MEDIA
-from kvobserve.analysis.views import FleetView, Key, Labels, StreamView
+from kvobserve.analysis.views import (
+    FleetView,
+    Key,
+    Labels,
+    PoolSplit,
+    RecentSplit,
+    StreamView,
+)
 from kvobserve.config.model import HttpConfig
-from kvobserve.wire.snapshot import BindStats, DriftStats, StreamStats
+from kvobserve.wire.snapshot import CollectorInfo, DriftStats, StreamStats, WorkerInfo
 
 SEVERITIES: Final = ("critical", "warning", "info")  # most severe first
 RECENT_S: Final = 900.0  # event conditions hold this long after the event, like increase([15m])
@@ -58,9 +72,17 @@ DRIFT_SHARE = 0.05
 DRIFT_MIN_BLOCKS = 10
 # placement_misses: a pool's placement share of the misses over the last RECENT_S above this
 # (random routing gives 8 % on 2 ranks and 16 % on 4 on the trace fixture, KV-aware 0 %:
-# docs/alerts.md), once that many blocks missed in the window, with the split trusted
+# docs/alerts.md), judged once that many blocks missed in a window at least that long, with the
+# split trusted; once active, it holds until a judged share falls under PLACEMENT_CLEAR (a share
+# near the threshold, or a while of thin or untrusted evidence, does not make it flap)
 PLACEMENT_SHARE = 0.05
+PLACEMENT_CLEAR = 0.025
 PLACEMENT_MIN_MISSES = 10_000
+PLACEMENT_MIN_S = 300.0
+# the kinds whose own check reads whether they were active already (FleetView.began)
+STREAM_DOWN: Final = "stream_down"
+UNCOVERED: Final = "dp_rank_uncovered"
+PLACEMENT: Final = "placement_misses"
 MISMATCH = "layout_mismatch"  # the worker state (WorkerInfo.state) of the condition
 WORKER_TROUBLE = frozenset({"undiscovered", MISMATCH})  # worker states with a condition
 SOURCE_DOWN = frozenset({"down", "undecodable"})  # scheduler-source states that deliver nothing
@@ -84,11 +106,6 @@ class Condition:
     labels: Labels
     description: str
     since: float = field(default=0.0, compare=False)  # when its cause began (0: unknown)
-
-    @classmethod
-    def of(cls, kind: str, labels: Labels, description: str, since: float = 0.0) -> Condition:
-        """A condition of `kind` with the table's severity (KeyError for a kind not in it)."""
-        return cls(kind, KINDS[kind].severity, labels, description, since)
 
     @property
     def key(self) -> Key:
@@ -123,10 +140,13 @@ class Around:
 
 # A stream's pre-check: (its stats, whether its collector is up, now) -> whether its check may
 # find the condition. Its check: (the stream's view, the rest) -> (description, since) of the
-# condition it found (since 0: unknown), or None.
+# condition it found (since 0: unknown), or None. A fleet row's finder: the view -> (labels,
+# description, since) of each condition it finds.
 Found = tuple[str, float] | None
 PreCheck = Callable[[StreamStats, bool, float], bool]
 StreamCheck = Callable[[StreamView, Around], Found]
+Finding = tuple[Labels, str, float]
+FleetFinder = Callable[[FleetView], Iterable[Finding]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +161,8 @@ class Kind:
     # restarts, dup, index, errors, sched), the worker's or the scheduler source's row; None:
     # only the conditions table shows it
     cell: str | None = None
+    # A fleet-wide condition: what finds it over the whole view.
+    finds: FleetFinder | None = None
     # A stream's condition: an event kind holds for RECENT_S after the event's last occurrence,
     # the StreamStats time field `event_time`, as `describe` tells it (None: no condition after
     # all); any other has its own `check` and a cheap `precheck` (the module's docstring).
@@ -234,29 +256,19 @@ def may_have_condition(st: StreamStats, live: bool, now: float) -> bool:
 
 
 def _found(v: FleetView) -> Iterable[Condition]:
-    """The view's conditions in the order the API lists them within a severity."""
-    for c in v.collectors:
-        if not c.up:
-            yield Condition.of(
-                "collector_down",
-                labels(collector=c.info.collector_id, node_rank=c.info.node_rank),
-                f"collector {c.info.collector_id} ({c.info.hostname or '?'}) silent for "
-                f"{c.age_s:.0f} s",
-                c.snapshot.time,
-            )
-    yield from configured(v)
-    yield from _owners(v)
-    for w, ids in sorted(v.leaders.items()):
-        if len(ids) > 1:
-            yield Condition.of(
-                "multiple_scheduler_leaders",
-                labels(worker_id=w),
-                f"{w} has {len(ids)} scheduler-metrics leaders: {', '.join(ids)}",
-            )
-    yield from _reported(v)
-    yield from _checkpoints(v)
-    yield from _placement(v)
-    at = Around(v)
+    """The view's conditions in the table's order: each fleet row's finder, and at the first
+    stream row every stream's conditions (stream by stream, its rows in the table's order)."""
+    at: Around | None = None
+    for k in _ROWS:
+        if k.finds is not None:
+            for where, what, since in k.finds(v):
+                yield Condition(k.kind, k.severity, where, what, since)
+        elif at is None:
+            at = Around(v)
+            yield from _streams(v, at)
+
+
+def _streams(v: FleetView, at: Around) -> Iterable[Condition]:
     for s in v.streams:
         where: Labels | None = None
         for k in _PER_STREAM:
@@ -264,52 +276,60 @@ def _found(v: FleetView) -> Iterable[Condition]:
             if found is not None:
                 where = where or _where(s)
                 yield Condition(k.kind, k.severity, where, *found)
-    for u, info in v.unexpected:
-        if u.active:
-            yield Condition.of(
-                "unexpected_stream",
-                labels(worker_id=u.worker_id, node_rank=info.node_rank, endpoint=u.endpoint),
-                f"{u.worker_id}: KV events on {u.endpoint}, past the last rank (dp_size too small?)",
+
+
+# --- found over the fleet's membership: each row's finder --------------------------------------
+# A finder yields what it found, (labels, description, since) per condition (since 0: unknown);
+# the table's loop makes each a condition of its row's kind.
+
+
+def _collectors_down(v: FleetView) -> Iterable[Finding]:
+    for c in v.collectors:
+        if not c.up:
+            yield (
+                labels(collector=c.info.collector_id, node_rank=c.info.node_rank),
+                f"collector {c.info.collector_id} ({c.info.hostname or '?'}) silent for "
+                f"{c.age_s:.0f} s",
+                c.snapshot.time,
             )
-    for sch, info in v.scheduler:
-        if sch.token_usage_ratio is not None and sch.token_usage_ratio > NEAR_FULL:
-            yield Condition.of(
-                "cache_near_full",
-                labels(worker_id=sch.worker_id, node_rank=info.node_rank, dp_rank=sch.dp_rank),
-                f"{sch.worker_id} rank {sch.dp_rank}: running requests hold "
-                f"{100 * sch.token_usage_ratio:.0f}% of the KV cache",
-                sch.updated,
-            )
 
 
-# --- found over the fleet's membership -------------------------------------------------------
-
-
-def configured(v: FleetView) -> Iterable[Condition]:
-    """Configured workers and scheduler sources a live collector cannot watch (docs/collector.md
+def _troubled(v: FleetView, state: str) -> Iterable[tuple[WorkerInfo, CollectorInfo, Labels]]:
+    """Configured workers in `state` as a live collector reports them (docs/collector.md
     "Worker states"): one condition per worker and collector, not one per rank."""
     for w, info in v.workers:
-        if w.state not in WORKER_TROUBLE:
-            continue
-        where = labels(worker_id=w.worker_id, node_rank=info.node_rank, collector=info.collector_id)
-        on = f"{w.worker_id} on {info.collector_id}"
-        if w.state == "undiscovered":
-            yield Condition.of(
-                "worker_undiscovered", where, f"{on}: undiscovered: {w.reason}", w.since
+        if w.state == state:
+            yield (
+                w,
+                info,
+                labels(
+                    worker_id=w.worker_id, node_rank=info.node_rank, collector=info.collector_id
+                ),
             )
-        else:
-            left = (
-                f" (ranks {ranged(w.elsewhere)} are not watched here: the engine does not run them "
-                "on this node)"
-                if w.elsewhere
-                else ""
-            )
-            yield Condition.of("layout_mismatch", where, f"{on}: {w.reason}{left}", w.since)
+
+
+def _undiscovered(v: FleetView) -> Iterable[Finding]:
+    for w, info, where in _troubled(v, "undiscovered"):
+        yield where, f"{w.worker_id} on {info.collector_id}: undiscovered: {w.reason}", w.since
+
+
+def _mismatched(v: FleetView) -> Iterable[Finding]:
+    for w, info, where in _troubled(v, MISMATCH):
+        left = (
+            f" (ranks {ranged(w.elsewhere)} are not watched here: the engine does not run them "
+            "on this node)"
+            if w.elsewhere
+            else ""
+        )
+        yield where, f"{w.worker_id} on {info.collector_id}: {w.reason}{left}", w.since
+
+
+def _sources_down(v: FleetView) -> Iterable[Finding]:
+    """Scheduler sources a live collector cannot read."""
     for src, info in v.sources:
         # a failed scrape is retried at the next interval: down for DOWN_AFTER_S is an outage
         if src.state in SOURCE_DOWN and v.now - src.since >= DOWN_AFTER_S:
-            yield Condition.of(
-                "scheduler_source_down",
+            yield (
                 labels(
                     worker_id=src.worker_id,
                     node_rank=info.node_rank,
@@ -322,57 +342,81 @@ def configured(v: FleetView) -> Iterable[Condition]:
             )
 
 
-def _owners(v: FleetView) -> Iterable[Condition]:
-    """dp_rank_uncovered and dp_rank_multiple_owners, rank by rank."""
-    # A worker that a live collector cannot watch as configured has one condition, not one per
-    # rank left uncovered (the shipped Alertmanager config inhibits DPRankUncovered the same way)
-    explained = {w.worker_id for w, _ in v.workers if w.state in WORKER_TROUBLE}
+def _uncovered(v: FleetView) -> Iterable[Finding]:
+    """Ranks no live collector owns, with the collector that owned the rank last when that one
+    is down: its labels tie the rank to that collector's collector_down (FOLLOWS, and the
+    Alertmanager inhibition), and its last snapshot is when the rank lost its owner. A rank
+    with no such collector counts after DOWN_AFTER_S without an owner, as a stream does: the
+    collectors of a fleet that starts send their first snapshots a moment apart."""
     for (w, r), ids in sorted(v.owners.items()):
-        if not ids:
-            if w in explained:
+        if ids:
+            continue
+        last = v.last_owner.get((w, r))
+        if last is None:
+            where = labels(worker_id=w, dp_rank=r)
+            since = v.uncovered_since.get((w, r), 0.0)
+            if since and v.now - since < DOWN_AFTER_S and (UNCOVERED, where) not in v.began:
                 continue
-            yield _uncovered(v, w, r)
-        elif len(ids) > 1:
-            yield Condition.of(
-                "dp_rank_multiple_owners",
+            yield where, f"{w} rank {r} is watched by no live collector", since
+            continue
+        i = last.info
+        yield (
+            labels(worker_id=w, dp_rank=r, node_rank=i.node_rank, collector=i.collector_id),
+            f"{w} rank {r} is watched by no live collector: its collector {i.collector_id} "
+            f"(node_rank {i.node_rank}) is down",
+            last.snapshot.time,
+        )
+
+
+def _owned_twice(v: FleetView) -> Iterable[Finding]:
+    for (w, r), ids in sorted(v.owners.items()):
+        if len(ids) > 1:
+            yield (
                 labels(worker_id=w, dp_rank=r),
                 f"{w} rank {r} is owned by {len(ids)} collectors: {', '.join(ids)}",
+                0.0,
             )
 
 
-def _uncovered(v: FleetView, w: str, r: int) -> Condition:
-    """dp_rank_uncovered, with the collector that owned the rank last when that one is down:
-    its labels let Alertmanager inhibit the alert under that collector's KVObserveCollectorDown,
-    and its last snapshot is when the rank lost its owner."""
-    last = v.last_owner.get((w, r))
-    if last is None:
-        return Condition.of(
-            "dp_rank_uncovered",
-            labels(worker_id=w, dp_rank=r),
-            f"{w} rank {r} is watched by no live collector",
-        )
-    i = last.info
-    return Condition.of(
-        "dp_rank_uncovered",
-        labels(worker_id=w, dp_rank=r, node_rank=i.node_rank, collector=i.collector_id),
-        f"{w} rank {r} is watched by no live collector: its collector {i.collector_id} "
-        f"(node_rank {i.node_rank}) is down",
-        last.snapshot.time,
-    )
+def _leaders(v: FleetView) -> Iterable[Finding]:
+    for w, ids in sorted(v.leaders.items()):
+        if len(ids) > 1:
+            yield (
+                labels(worker_id=w),
+                f"{w} has {len(ids)} scheduler-metrics leaders: {', '.join(ids)}",
+                0.0,
+            )
 
 
-def _reported(v: FleetView) -> Iterable[Condition]:
-    """What each live collector reports: its relays dropping frames, and router-index drift of
-    its comparisons (except of ranks that are down)."""
+def _relays(v: FleetView) -> Iterable[Finding]:
+    """relay_dropping: a live collector's relay that did not forward frames within RECENT_S,
+    and why."""
+    for c in v.collectors:
+        if not c.up:
+            continue
+        for b in c.snapshot.binds:
+            r = b.relay
+            if r is None or not r.last_drop_time or v.now - r.last_drop_time > RECENT_S:
+                continue
+            drops = ", ".join(f"{k} {n}" for k, n in sorted(r.dropped.items()))
+            yield (
+                labels(collector=c.info.collector_id, worker_id=b.worker_id, dp_rank=b.dp_rank),
+                f"{b.worker_id} rank {b.dp_rank}: frames not forwarded to {r.target} ({drops}); "
+                f"relay {r.state}: {r.reason}",
+                r.last_drop_time,
+            )
+
+
+def _drift(v: FleetView) -> Iterable[Finding]:
+    """router_index_drift of a live collector's comparisons, except of ranks that are down
+    (their index is not known now)."""
     down = {(s.stats.worker_id, s.stats.dp_rank) for s in v.streams if not s.up}
     for c in v.collectors:
         if not c.up:
             continue
-        yield from _relays(c.snapshot.binds, c.info.collector_id, v.now)
         for d in c.snapshot.drift:
-            if drifted(d) and (d.worker_id, d.dp_rank) not in down:  # a down stream: unknown
-                yield Condition.of(
-                    "router_index_drift",
+            if drifted(d) and (d.worker_id, d.dp_rank) not in down:
+                yield (
                     labels(worker_id=d.worker_id, dp_rank=d.dp_rank, medium=d.medium),
                     f"{d.worker_id} rank {d.dp_rank} {d.medium}: the router's index holds "
                     f"{d.phantom} evicted blocks and lacks {d.missing} resident ones of "
@@ -381,13 +425,12 @@ def _reported(v: FleetView) -> Iterable[Condition]:
                 )
 
 
-def _checkpoints(v: FleetView) -> Iterable[Condition]:
+def _checkpoints(v: FleetView) -> Iterable[Finding]:
     """Live collectors that cannot write their checkpoints (docs/reliability.md)."""
     for c in v.collectors:
         ck = c.snapshot.checkpoint
         if c.up and ck is not None and ck.state == "failing":
-            yield Condition.of(
-                "checkpoint_failing",
+            yield (
                 labels(collector=c.info.collector_id, node_rank=c.info.node_rank),
                 f"collector {c.info.collector_id} cannot write its checkpoints ({ck.reason}): "
                 f"{ck.detail}; a restart now resumes from older ones or none",
@@ -395,42 +438,74 @@ def _checkpoints(v: FleetView) -> Iterable[Condition]:
             )
 
 
-def _placement(v: FleetView) -> Iterable[Condition]:
+def _placement(v: FleetView) -> Iterable[Finding]:
     """placement_misses: a pool whose misses were resident on another of its ranks (a router
-    that knew would have hit) more than PLACEMENT_SHARE of the time, over the last window."""
+    that knew would have hit) more than PLACEMENT_SHARE of the time, judged on enough evidence
+    (`_unjudged`); once active it holds until judged evidence shows the share under
+    PLACEMENT_CLEAR, or the pool misses nothing in the window."""
     for name, p in v.misses.items():
         r = p.recent
-        if r is None or not p.trusted or r.total_misses < PLACEMENT_MIN_MISSES:
+        if r is None:
             continue
-        share = r.share("placement") or 0.0
-        if share > PLACEMENT_SHARE:
-            yield Condition.of(
-                "placement_misses",
-                labels(pool=name),
-                f"pool {name}: {100 * share:.0f}% of its misses in the last {_span(r.seconds)} "
-                "were resident on another of its ranks (the router does not send requests where "
-                "their prefix is cached)",
+        where = labels(pool=name)
+        share = r.share("placement")
+        why_not = _unjudged(p, r)
+        if (PLACEMENT, where) not in v.began:
+            if not why_not and share is not None and share > PLACEMENT_SHARE:
+                yield where, _placement_said(name, share, r.seconds), 0.0
+            continue
+        if share is None or (not why_not and share < PLACEMENT_CLEAR):
+            continue  # nothing missed, or the share is down for good
+        held = f"; not judged now ({why_not}), so it holds" if why_not else ""
+        yield where, _placement_said(name, share, r.seconds) + held, 0.0
+
+
+def _unjudged(p: PoolSplit, r: RecentSplit) -> str:
+    """Why the pool's window is not enough evidence to judge its placement share ("": it is):
+    the split trusted, PLACEMENT_MIN_MISSES missed blocks over PLACEMENT_MIN_S at least."""
+    if not p.trusted:
+        return f"the split is not trusted: {p.reason or ', '.join(p.reasons)}"
+    if r.total_misses < PLACEMENT_MIN_MISSES:
+        return f"{r.total_misses:,.0f} missed blocks in the window, under {PLACEMENT_MIN_MISSES:,}"
+    if r.seconds < PLACEMENT_MIN_S:
+        return f"{_span(r.seconds)} of misses, under {_span(PLACEMENT_MIN_S)}"
+    return ""
+
+
+def _placement_said(pool: str, share: float, seconds: float) -> str:
+    return (
+        f"pool {pool}: {100 * share:.1f}% of its misses in the last {_span(seconds)} were "
+        "resident on another of its ranks (the router does not send requests where their "
+        "prefix is cached)"
+    )
+
+
+def _near_full(v: FleetView) -> Iterable[Finding]:
+    """cache_near_full: running requests hold more than NEAR_FULL of a rank's cache."""
+    for sch, info in v.scheduler:
+        if sch.token_usage_ratio is not None and sch.token_usage_ratio > NEAR_FULL:
+            yield (
+                labels(worker_id=sch.worker_id, node_rank=info.node_rank, dp_rank=sch.dp_rank),
+                f"{sch.worker_id} rank {sch.dp_rank}: running requests hold "
+                f"{100 * sch.token_usage_ratio:.0f}% of the KV cache",
+                sch.updated,
+            )
+
+
+def _unexpected(v: FleetView) -> Iterable[Finding]:
+    """unexpected_stream: KV events on a port past a worker's last rank."""
+    for u, info in v.unexpected:
+        if u.active:
+            yield (
+                labels(worker_id=u.worker_id, node_rank=info.node_rank, endpoint=u.endpoint),
+                f"{u.worker_id}: KV events on {u.endpoint}, past the last rank (dp_size too "
+                "small?)",
+                0.0,
             )
 
 
 def _span(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
-
-
-def _relays(binds: list[BindStats], collector: str, now: float) -> Iterable[Condition]:
-    """relay_dropping: a relay that did not forward frames within RECENT_S, and why."""
-    for b in binds:
-        r = b.relay
-        if r is None or not r.last_drop_time or now - r.last_drop_time > RECENT_S:
-            continue
-        drops = ", ".join(f"{k} {n}" for k, n in sorted(r.dropped.items()))
-        yield Condition.of(
-            "relay_dropping",
-            labels(collector=collector, worker_id=b.worker_id, dp_rank=b.dp_rank),
-            f"{b.worker_id} rank {b.dp_rank}: frames not forwarded to {r.target} ({drops}); "
-            f"relay {r.state}: {r.reason}",
-            r.last_drop_time,
-        )
 
 
 # --- a stream's conditions: each a pre-check and a check -------------------------------------
@@ -442,8 +517,15 @@ def _relays(binds: list[BindStats], collector: str, now: float) -> Iterable[Cond
 
 
 def _where(s: StreamView) -> Labels:
+    """A stream's labels: its rank, node and the collector that watches it (what ties a
+    stream_down to its collector's collector_down: FOLLOWS)."""
     st = s.stats
-    return labels(worker_id=st.worker_id, node_rank=s.collector.node_rank, dp_rank=st.dp_rank)
+    return labels(
+        worker_id=st.worker_id,
+        node_rank=s.collector.node_rank,
+        dp_rank=st.dp_rank,
+        collector=s.collector.collector_id,
+    )
 
 
 def _name(st: StreamStats) -> str:
@@ -473,7 +555,7 @@ def _down(s: StreamView, at: Around) -> Found:
     # its first connect under way, or it just went (a restart): not down yet; a stream that
     # is down already stays down while its state changes (one outage, one start)
     settling = st.state == "starting" or at.now - st.state_since < DOWN_AFTER_S
-    if settling and ("stream_down", _where(s)) not in at.began:
+    if settling and (STREAM_DOWN, _where(s)) not in at.began:
         return None
     why = f"{st.state or 'down'}: {st.reason}" if st.reason else st.state or "not connected"
     return f"{_name(st)} is down: {why}", st.state_since
@@ -517,10 +599,12 @@ def _lost(st: StreamStats) -> str:
 
 
 def _gap(st: StreamStats) -> str:
-    return (
-        f"sequence gap ({st.gaps} in total: {st.missed} batches missed, "
-        f"{st.recovered} recovered, {st.lost} lost)"
+    told = (
+        f"{st.gaps} in total: {st.missed} batches missed, {st.recovered} recovered, {st.lost} lost"
     )
+    if st.missed and st.recovered == st.missed:  # what is lost is events_lost's (critical)
+        return f"sequence gap, every missed batch recovered by replay ({told})"
+    return f"sequence gap ({told})"
 
 
 def _restarted(st: StreamStats) -> str:
@@ -581,27 +665,34 @@ def _stalled(s: StreamView, at: Around) -> Found:
 
 # --- the table ----------------------------------------------------------------------------------
 # In the order the API lists a severity's conditions: fleet-wide ones, then each stream's (its
-# rows in this order), then unexpected streams and full caches.
+# rows in this order, stream by stream), then unexpected streams and full caches.
 
 _ROWS: Final = (
-    Kind("collector_down", "KVObserveCollectorDown", "critical", "collector down"),
+    Kind("collector_down", "KVObserveCollectorDown", "critical", "collector down",
+         finds=_collectors_down),
     # configured parts that cannot be watched (docs/collector.md "Worker states")
     Kind("worker_undiscovered", "KVWorkerUndiscovered", "critical", "worker not discovered",
-         cell="worker"),
+         cell="worker", finds=_undiscovered),
     Kind("layout_mismatch", "KVWorkerLayoutMismatch", "critical", "engine layout differs",
-         cell="worker"),
+         cell="worker", finds=_mismatched),
     Kind("scheduler_source_down", "KVSchedulerSourceDown", "warning", "scheduler source down",
-         cell="source"),
-    Kind("dp_rank_uncovered", "DPRankUncovered", "critical", "rank not watched"),
-    Kind("dp_rank_multiple_owners", "DPRankMultipleOwners", "warning", "rank watched twice"),
-    Kind("multiple_scheduler_leaders", "MultipleSchedulerLeaders", "warning", "several leaders"),
-    Kind("relay_dropping", "KVRelayDropping", "warning", "relay dropping frames"),
-    Kind("checkpoint_failing", "KVObserveCheckpointFailing", "warning", "checkpoints not written"),
-    Kind("router_index_drift", "KVRouterIndexDrift", "warning", "router index drifted"),
-    Kind("placement_misses", "KVCachePlacementMisses", "warning", "misses another rank held",
-         cell="pool"),
+         cell="source", finds=_sources_down),
+    Kind(UNCOVERED, "DPRankUncovered", "critical", "rank not watched",
+         finds=_uncovered),
+    Kind("dp_rank_multiple_owners", "DPRankMultipleOwners", "warning", "rank watched twice",
+         finds=_owned_twice),
+    Kind("multiple_scheduler_leaders", "MultipleSchedulerLeaders", "warning", "several leaders",
+         finds=_leaders),
+    Kind("relay_dropping", "KVRelayDropping", "warning", "relay dropping frames",
+         finds=_relays),
+    Kind("checkpoint_failing", "KVObserveCheckpointFailing", "warning", "checkpoints not written",
+         finds=_checkpoints),
+    Kind("router_index_drift", "KVRouterIndexDrift", "warning", "router index drifted",
+         finds=_drift),
+    Kind(PLACEMENT, "KVCachePlacementMisses", "info", "misses another rank held",
+         cell="pool", finds=_placement),
     # a stream's conditions
-    Kind("stream_down", "KVEventStreamDown", "critical", "stream down",
+    Kind(STREAM_DOWN, "KVEventStreamDown", "critical", "stream down",
          cell="state", precheck=_maybe_down, check=_down),
     Kind("duplicate_stream", "KVEventDuplicateStream", "warning", "two publishers",
          cell="dup", precheck=_maybe_duplicate, check=_duplicate),
@@ -609,7 +700,7 @@ _ROWS: Final = (
          cell="index", precheck=_maybe_incomplete, check=_incomplete),
     Kind("events_lost", "KVEventsLost", "critical", "batches lost",
          cell="gaps", event_time="last_loss_time", describe=_lost),
-    Kind("sequence_gap", "KVEventSequenceGap", "warning", "sequence gap",
+    Kind("sequence_gap", "KVEventSequenceGap", "info", "sequence gap",
          cell="gaps", event_time="last_gap_time", describe=_gap),
     Kind("publisher_restarted", "KVEventPublisherRestarted", "info", "publisher restarted",
          cell="restarts", event_time="last_restart_time", describe=_restarted),
@@ -624,12 +715,91 @@ _ROWS: Final = (
     Kind("stream_stalled", "KVEventStreamStalled", "warning", "stream stalled",
          cell="state", precheck=_maybe_stalled, check=_stalled),
     # the rest of the fleet
-    Kind("unexpected_stream", "KVEventUnexpectedStream", "warning", "events past the last rank"),
+    Kind("unexpected_stream", "KVEventUnexpectedStream", "warning", "events past the last rank",
+         finds=_unexpected),
     Kind("cache_near_full", "KVCacheNearFull", "warning", "running requests fill the cache",
-         cell="sched"),
+         cell="sched", finds=_near_full),
 )  # fmt: skip
 KINDS: Final[dict[str, Kind]] = {k.kind: k for k in _ROWS}
 BY_ALERT: Final[dict[str, Kind]] = {k.alert: k for k in _ROWS}
 _PER_STREAM: Final = tuple(k for k in _ROWS if k.per_stream)
 _EVENT_TIMES: Final = attrgetter(*(k.event_time for k in _PER_STREAM if k.event_time))
 _PRECHECKS: Final = tuple(k.precheck for k in _PER_STREAM if k.precheck is not None)
+
+
+# --- what follows from what -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Follows:
+    """A condition of kind `then` follows from one of kind `cause` whose labels `on` are the
+    same: one of the example Alertmanager config's inhibit_rules (source: the cause's alert,
+    target: the consequence's, equal: `on` with `job` and `instance`, the aggregator that saw
+    both)."""
+
+    cause: str
+    then: str
+    on: tuple[str, ...]
+
+    def key(self, c: Condition) -> tuple[str, ...]:
+        """The values of `on` in `c`'s labels ("" where it has none, as Alertmanager compares)."""
+        got = dict(c.labels)
+        return tuple(got.get(name, "") for name in self.on)
+
+
+FOLLOWS: Final = (
+    # a lost collector (or node): its streams' stream_down, the ranks it owned last uncovered
+    Follows("collector_down", STREAM_DOWN, ("collector",)),
+    Follows("collector_down", UNCOVERED, ("collector",)),
+    # batches lost for good: the gap they were missed in; a stream down: its index
+    Follows("events_lost", "sequence_gap", ("worker_id", "node_rank", "dp_rank")),
+    Follows(STREAM_DOWN, "index_incomplete", ("worker_id", "node_rank", "dp_rank")),
+    # an index incomplete because batches were lost, or because a second publisher wrote into it
+    Follows("events_lost", "index_incomplete", ("worker_id", "node_rank", "dp_rank")),
+    Follows("duplicate_stream", "index_incomplete", ("worker_id", "node_rank", "dp_rank")),
+    # a worker a collector cannot watch as configured: the ranks it leaves uncovered
+    Follows("worker_undiscovered", UNCOVERED, ("worker_id",)),
+    Follows("layout_mismatch", UNCOVERED, ("worker_id",)),
+)
+
+
+def _known(follows: tuple[Follows, ...]) -> dict[str, tuple[Follows, ...]]:
+    """Each consequence's kind -> its rules, in order (ValueError at import for a kind that is
+    not in the table)."""
+    out: dict[str, list[Follows]] = {}
+    for f in follows:
+        for kind in (f.cause, f.then):
+            if kind not in KINDS:
+                raise ValueError(f"FOLLOWS: {kind!r} is not a condition kind")
+        out.setdefault(f.then, []).append(f)
+    return {k: tuple(v) for k, v in out.items()}
+
+
+_FOLLOWING: Final = _known(FOLLOWS)
+_CAUSING: Final = {f.cause: tuple(g for g in FOLLOWS if g.cause == f.cause) for f in FOLLOWS}
+
+
+def grouped(conditions: list[Condition]) -> list[tuple[Condition, list[Condition]]]:
+    """Each condition that follows from no other (FOLLOWS), in the given order, with those that
+    follow from it listed under it, in the given order (one that follows from a consequence
+    goes under that one's cause)."""
+    causes: dict[tuple[Follows, tuple[str, ...]], int] = {}  # the first of each cause
+    for i, c in enumerate(conditions):
+        for f in _CAUSING.get(c.kind, ()):
+            causes.setdefault((f, f.key(c)), i)
+    cause_of: dict[int, int] = {}
+    if causes:
+        for i, c in enumerate(conditions):
+            for f in _FOLLOWING.get(c.kind, ()):
+                j = causes.get((f, f.key(c)))
+                if j is not None:
+                    cause_of[i] = j
+                    break
+    under: dict[int, list[Condition]] = {i: [] for i in range(len(conditions)) if i not in cause_of}
+    for i in sorted(cause_of):
+        root, seen = cause_of[i], {i}
+        while root in cause_of and root not in seen:  # FOLLOWS has no cycle; this never loops
+            seen.add(root)
+            root = cause_of[root]
+        under.setdefault(root, []).append(conditions[i])
+    return [(conditions[i], under[i]) for i in sorted(under)]

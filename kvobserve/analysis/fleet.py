@@ -105,12 +105,14 @@ class _Entry:
 class _Ownership:
     """What the collectors' workers said at a view (each collector's id, whether it was up and
     its workers), and the dp sizes, live owners and leaders that follows: kept while they say
-    the same (read-only, shared by the views)."""
+    the same (read-only, shared by the views); since when each rank without a live owner has
+    had none (the time of the first view that saw it so)."""
 
     said: list[tuple[str, bool, list[WorkerInfo]]]
     dp_size: dict[str, int]
     owners: dict[tuple[str, int], list[str]]
     leaders: dict[str, list[str]]
+    uncovered: dict[tuple[str, int], float]
 
 
 @dataclass(slots=True)
@@ -214,8 +216,9 @@ class FleetState:
         streams of the view; returns whether each entry is up, the scheduler sources and the
         capacity reported per (worker_id, dp_rank)."""
         ups = [self._is_up(e, now) for e in entries]
-        own = self._ownership(entries, ups)
+        own = self._ownership(entries, ups, now)
         v.dp_size, v.owners, v.leaders = dict(own.dp_size), dict(own.owners), dict(own.leaders)
+        v.uncovered_since = own.uncovered
         reported: list[tuple[list[SchedulerStats], CollectorInfo]] = []  # fresh, by collector
         lost: dict[tuple[str, int], CollectorView] = {}  # the ranks of down collectors
         quiet: dict[tuple[str, int], tuple[str, float | None]] = {}  # stale: source, capacity
@@ -250,9 +253,10 @@ class FleetState:
                 capacity.setdefault(key, cap)
         return ups, sources, capacity
 
-    def _ownership(self, entries: list[_Entry], ups: list[bool]) -> _Ownership:
+    def _ownership(self, entries: list[_Entry], ups: list[bool], now: float) -> _Ownership:
         """Dp sizes (every collector's word), live owners of each rank (none: uncovered) and
-        scheduler leaders; the last view's while every collector says the same."""
+        scheduler leaders; the last view's while every collector says the same. A rank still
+        uncovered keeps when it became so; one uncovered anew, `now`."""
         said = [
             (e.snapshot.collector.collector_id, up, e.snapshot.workers)
             for e, up in zip(entries, ups, strict=True)
@@ -282,7 +286,9 @@ class FleetState:
             for r in range(size):
                 if (w_id, r) not in owners:
                     owners[(w_id, r)] = []
-        self._own = own = _Ownership(said, dp_size, owners, leaders)
+        before = own.uncovered if own is not None else {}
+        uncovered = {k: before.get(k, now) for k, ids in owners.items() if not ids}
+        self._own = own = _Ownership(said, dp_size, owners, leaders, uncovered)
         return own
 
     def view(self, now: float) -> FleetView:

@@ -55,6 +55,12 @@ class StreamView(Struct, frozen=True, gc=False):
         return self.live and self.stats.up
 
     @property
+    def view_trust(self) -> str:
+        """The trust state of its view now: `unknown` while it is not up (nothing it holds is
+        known now), else the stream's (docs/cache-analytics.md; "" from older collectors)."""
+        return self.stats.trust if self.live and self.stats.up else "unknown"
+
+    @property
     def usage_ratio(self) -> float | None:
         """GPU-tier resident tokens / capacity, when the capacity is known."""
         if not self.capacity_tokens:
@@ -115,7 +121,7 @@ class PoolSplit:
     pool: str
     workers: tuple[WorkerSplit, ...]
     shares: dict[str, float]  # kind -> share of the misses since the pool's start
-    bound: float  # 95 % half-width of the widest share
+    bound: float  # 99 % half-width of the widest share (over draws of the sample: see BOUND_Z)
     sampled: int  # sampled misses behind the shares
     level: int  # the sample holds 2^-level of the blocks
     trusted: bool  # the bound holds (else `reasons`)
@@ -145,6 +151,8 @@ class FleetView:
     placement: dict[str, PlacementEstimate] = field(default_factory=dict)  # per worker
     # an uncovered rank -> the down collector that owned it at its last snapshot (the latest)
     last_owner: dict[tuple[str, int], CollectorView] = field(default_factory=dict)
+    # an uncovered rank -> since when no live collector has owned it, as the fleet state saw it
+    uncovered_since: dict[tuple[str, int], float] = field(default_factory=dict)
     # when each condition was first active, as the aggregator remembers it (analysis/conditions)
     began: dict[Key, float] = field(default_factory=dict)
     # what live collectors say about each worker they are configured with, and their scheduler

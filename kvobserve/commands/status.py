@@ -1,6 +1,8 @@
 """`kvobserve status --url URL`: the aggregator's streams and active conditions as a terminal table.
 
-Exit 0 when no critical condition is active, 1 when one is, 2 when the aggregator cannot be read.
+The conditions are listed by cause, what follows from a cause indented under it (as
+/api/v1/alerts nests them). Exit 0 when no critical cause is active, 1 when one is (a lost
+collector is one cause, whatever its streams and ranks), 2 when the aggregator cannot be read.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import time
 import urllib.error
 import urllib.request
 from typing import Any, TextIO
+
+from kvobserve.export.status_page import conditions_line
 
 DEFAULT_URL = "http://127.0.0.1:9477"
 PASSWORD_ENV = "KVOBSERVE_STATUS_PASSWORD"
@@ -176,9 +180,8 @@ def render(
             f"({u['batches']} batches, would be rank {u['dp_rank']})"
         )
     up = sum(1 for s in streams if s["up"])
-    crit = sum(1 for a in alerts if a["severity"] == "critical")
     out.append("")
-    out.append(f"{up}/{len(streams)} streams up, {len(alerts)} active conditions ({crit} critical)")
+    out.append(f"{up}/{len(streams)} streams up, {conditions_line(alerts)}")
     for a in alerts:
         labels = " ".join(f"{k}={v}" for k, v in a["labels"].items())
         since = f" since {_hms(a.get('since'))}" if a.get("since") else ""
@@ -187,6 +190,13 @@ def render(
         )
         if a.get("runbook_url"):
             out.append(f"  {'':8} {'':26} runbook: {a['runbook_url']}")
+        then = a.get("consequences") or []
+        if then:
+            out.append(f"  {'':8} follows from it (muted in Alertmanager under it):")
+        for c in then:
+            where = " ".join(f"{k}={v}" for k, v in c["labels"].items())
+            out.append(f"  {'':8}   {c['severity'].upper():8} {c['kind']:20} {where}: "
+                       f"{c['description']}")  # fmt: skip
     if events is not None:
         out.append("")
         out.append(f"recent events ({len(events)}):")
@@ -226,4 +236,5 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         out.write(json.dumps(doc, indent=2) + "\n")
     else:
         out.write(render(streams, alerts, fleet, events[:20] if events else events))
+    # by the causes: what follows from one is not a reason of its own
     return 1 if any(a.get("severity") == "critical" for a in alerts) else 0

@@ -6,6 +6,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
+from kvobserve import __version__
+
 __all__ = [
     "COLLECT_DEFAULTS",
     "MAX_SHARDS",
@@ -160,8 +162,10 @@ class HttpConfig:
     password: str | None = field(default=None, repr=False)
     tls_cert: str | None = None  # PEM files: serve HTTPS
     tls_key: str | None = None
-    # The runbook (docs/alerts.md) the status page and /api/v1/alerts link each condition to.
-    runbook_url: str = "https://github.com/kvobserve/kvobserve/blob/main/docs/alerts.md"
+    # The runbook (docs/alerts.md) the status page and /api/v1/alerts link each condition to:
+    # by default the installed version's (its tag), not the main branch's, whose sections may
+    # have moved on; the rule file's runbook_url annotations name the same tag.
+    runbook_url: str = f"https://github.com/kvobserve/kvobserve/blob/v{__version__}/docs/alerts.md"
 
     @property
     def basic_auth(self) -> tuple[str, str] | None:

@@ -11,6 +11,7 @@ from kvobserve.analysis.conditions import (
     KINDS,
     Condition,
     active,
+    grouped,
     severity_rank,
 )
 from kvobserve.analysis.hot import merge_top
@@ -86,8 +87,9 @@ def stream_json(s: StreamView, now: float = 0.0, token_usage: float | None = Non
             else None
         ),
         "token_usage_ratio": token_usage if up else None,  # the scheduler's: running requests
-        # which scheduler sources report this rank (load, metrics, ...); "none": no source does
-        "scheduler_source": (s.scheduler_source or "none") if live else None,
+        # which scheduler sources report this rank (load, metrics, ...); "none": no source does;
+        # null while the stream is not up (a dead rank's scheduler values are not served)
+        "scheduler_source": (s.scheduler_source or "none") if up else None,
         "last_batch_ts": st.last_batch_ts or None,
         "lag_seconds": st.lag_seconds if up else None,
         "state": state,
@@ -135,9 +137,28 @@ def condition_json(c: Condition, runbook_url: str = DEFAULT_RUNBOOK_URL) -> Json
 
 
 def alerts_json(v: FleetView, runbook_url: str = DEFAULT_RUNBOOK_URL) -> list[Json]:
-    """GET /api/v1/alerts: most severe first, in the view's order otherwise."""
-    ordered = sorted(active(v), key=lambda c: severity_rank(c.severity))
-    return [condition_json(c, runbook_url) for c in ordered]
+    """GET /api/v1/alerts: the causes, most severe first, in the view's order otherwise; each
+    with the conditions that follow from it (`consequences`, analysis/conditions.py FOLLOWS:
+    what the example Alertmanager config inhibits under it), in the same order."""
+
+    def sev(c: Condition) -> int:
+        return severity_rank(c.severity)
+
+    return [
+        {
+            **condition_json(c, runbook_url),
+            "consequences": [condition_json(x, runbook_url) for x in sorted(then, key=sev)],
+        }
+        for c, then in sorted(grouped(active(v)), key=lambda g: sev(g[0]))
+    ]
+
+
+def every_alert(alerts: Iterable[Json]) -> Iterable[Json]:
+    """Each condition of an /api/v1/alerts document, causes and consequences alike (an older
+    aggregator's flat list too)."""
+    for a in alerts:
+        yield a
+        yield from a.get("consequences", ())
 
 
 def events_json(events: Iterable[Json], limit: int = 100) -> list[Json]:

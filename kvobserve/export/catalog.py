@@ -335,6 +335,17 @@ def _checkpoint_failing(c: CollectorView) -> Mapping[str, float]:
     return ck.failing if ck is not None else {}
 
 
+def _prefix_tokens(
+    v: FleetView, order: list[CollectorView]
+) -> Iterable[tuple[tuple[str, str], float]]:
+    """Each worker's prefix-cache hit and queried tokens, as the engine counts them."""
+    for _, p in sorted(v.misses.items()):
+        for w in p.workers:
+            if w.hit_tokens is not None and w.query_tokens is not None:
+                yield (w.worker_id, "hit"), w.hit_tokens
+                yield (w.worker_id, "queried"), w.query_tokens
+
+
 def _untrusted(v: FleetView, order: list[CollectorView]) -> Iterable[tuple[tuple[str, str], int]]:
     for name, p in sorted(v.misses.items()):
         for reason in p.reasons:
@@ -457,11 +468,12 @@ CATALOG: tuple[MetricDef, ...] = (
        timely=True),
     # cache analytics (docs/cache-analytics.md): trust, silent loss, thrash, placement
     _d("kvobserve_kv_view_trust_ranks", "gauge", ("worker_id", "trust"),
-       "Ranks of the worker that are up whose block-index view is in each trust state: "
-       "complete, replay_filled, partial (a state no rank is in is not served).",
-       From(Scope.STREAM, 1, labels=(("trust", lambda s: s.stats.trust),),
-            only=lambda s: s.stats.trust), stale=False,
-       per="worker", down=UP_RANKS),
+       "Ranks of the worker by the trust state of their block-index view: complete, "
+       "replay_filled, partial, and unknown (down, or its collector silent: not known now) "
+       "(a state no rank is in is not served).",
+       From(Scope.STREAM, 1, labels=(("trust", lambda s: s.view_trust),),
+            only=lambda s: s.view_trust), stale=True,
+       per="worker", down="down ranks as unknown"),
     _d("kvobserve_kv_silent_loss_evidence_total", "counter", (*STREAM, "reason"),
        "Evidence of KV events lost without a sequence gap, by reason: remove_unknown (blocks "
        "removed that were not resident), parent_unknown (stores whose parent is not resident); "
@@ -496,6 +508,14 @@ CATALOG: tuple[MetricDef, ...] = (
        "rank of the pool then). Misses: the hash sample's estimate since the aggregator "
        "started; sum by pool for the pool.", FromFleet(_lookups(blocks=True)), per="worker",
        n=4),
+    _d("kvobserve_worker_prefix_cache_tokens_total", "counter", ("worker_id", "tokens"),
+       "The engine's own prefix-cache counters in tokens, hit and queried (vLLM "
+       "prefix_cache_hits and prefix_cache_queries summed over the worker's ranks; SGLang "
+       "cached_tokens and prompt_tokens, its tokenizer's), as its /metrics last said; absent "
+       "while unknown. rate(hit) / rate(queried) is the engine's hit rate over any window "
+       "(kvobserve_scheduler_cache_hit_ratio is SGLang's last prefill batch's; "
+       "kvobserve_worker_kv_lookups_total counts stored generated tokens as misses too).",
+       FromFleet(_prefix_tokens), per="worker", n=2),
     _d("kvobserve_worker_kv_lookup_tokens_total", "counter", ("worker_id", "pool", "result"),
        "kvobserve_worker_kv_lookups_total in tokens (misses x block size: where it is known).",
        FromFleet(_lookups(blocks=False)), per="worker", n=4, detail_only=True),
@@ -505,8 +525,9 @@ CATALOG: tuple[MetricDef, ...] = (
        "resync), few_samples (fewer than 4,000 sampled misses); served only then.",
        FromFleet(_untrusted), per="fault"),
     _d("kvobserve_pool_kv_miss_share_bound", "gauge", ("pool",),
-       "95 % half-width of the widest share of the pool's misses by kind since its start "
-       "(0-1), from the sample itself.",
+       "99 % half-width of the widest share of the pool's misses by kind since its start "
+       "(0-1), from the sample itself (over draws of the sample: one workload's estimate errs "
+       "the same way in every run).",
        FromFleet(lambda v, _: (((p.pool,), p.bound) for _, p in sorted(v.misses.items()))),
        per="worker", detail_only=True),
     _d("kvobserve_kv_block_restore_gap_seconds", "histogram", ("worker_id",),

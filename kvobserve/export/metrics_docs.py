@@ -11,7 +11,9 @@ from kvobserve.export.catalog import CATALOG, MetricDef
 # The reference stream of the series budget (docs/metrics.md): two storage tiers, one replay
 # result and one decode-error reason seen, a worker of 16 ranks, 8 streams per collector.
 REFERENCE = {"medium": 2, "value": 1, "fault": 0, "worker": 16, "collector": 8, "buckets": 15}
-BUDGET = 32  # series per stream by default (the series budget, docs/metrics.md)
+# series per stream by default (the series budget, docs/metrics.md): 32 until the engines' own
+# prefix-cache counters (two series per worker, 0.125 per stream here) were served by default
+BUDGET = 33
 
 PER = {
     "stream": "per stream",

@@ -3,8 +3,9 @@
 Built from the /api/v1 documents. Colour follows the active conditions only: a cell is tinted
 with the severity of the condition it belongs to (a stream's state with stream_down, its gaps with
 sequence_gap or events_lost, ...: each kind's `cell` in analysis/conditions.py), never because a
-number is large: a warm prefix cache is full by design. Every condition links to its runbook
-section.
+number is large: a warm prefix cache is full by design. The conditions table lists causes; what
+follows from a cause (a lost collector's streams and ranks, ...) is listed under it, smaller, as
+/api/v1/alerts nests it. Every condition links to its runbook section.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from html import escape
 from typing import Any
 
 from kvobserve.analysis.conditions import KINDS, severity_rank
+from kvobserve.export.api import every_alert
 
 Json = dict[str, Any]
 
@@ -32,6 +34,11 @@ td.n{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
 .sev-info{background:#2f6fdf;color:#fff}
 .grid td{width:7em;text-align:center;font-size:12px}
 .own0{background:#f4b4b4}.own1{background:#bfe8c4}.ownN{background:#ffd98a}
+tr.follows td{border-top:none;padding:0 6px 6px}
+table.sub{margin-left:1.6em;background:transparent;font-size:12px}
+table.sub td{border:none;border-top:1px solid #eee;padding:1px 8px 1px 0}
+table.sub .sev{font-size:10px;padding:0 4px;opacity:.8}
+.follows-head{font-size:11px;color:#555;margin:2px 0 0 1.6em}
 """
 
 # The rows a kind's `cell` names besides a stream's cells, and the labels that pick the row.
@@ -104,29 +111,55 @@ def _where(labels: Json) -> str:
     return " · ".join(parts)
 
 
+def _link(a: Json) -> str:
+    if not a.get("runbook_url"):
+        return ""
+    return f'<a href="{_html(a["runbook_url"])}">{_html(a["alert"])}</a>'
+
+
 def _alerts(alerts: list[Json], clock: _Clock) -> str:
+    """One row per cause; what follows from it in a row beneath, as a smaller table."""
     rows = []
     for a in alerts:
-        link = (
-            f'<a href="{_html(a["runbook_url"])}">{_html(a["alert"])}</a>'
-            if a.get("runbook_url")
-            else ""
-        )
         rows.append(
             f'<tr class="c-{_html(a["severity"])}" data-kind="{_html(a["kind"])}">'
             f"<td>{_sev(a['severity'])}</td><td><b>{_html(a.get('title', a['kind']))}</b><br>"
             f'<span class="small muted">{_html(a["kind"])}</span></td>'
             f'<td class="nw">{_html(_where(a["labels"]))}</td><td>{_html(a["description"])}</td>'
-            f'<td class="nw">{_html(clock.ago(a.get("since")))}</td><td>{link}</td></tr>'
+            f'<td class="nw">{_html(clock.ago(a.get("since")))}</td><td>{_link(a)}</td></tr>'
         )
+        then = a.get("consequences") or []
+        if then:
+            rows.append(_consequences(a, then))
     head = ("severity", "condition", "where", "what", "since", "runbook")
     return _table(head, rows, "No active conditions.", "alerts-table")
+
+
+def _consequences(cause: Json, then: list[Json]) -> str:
+    """The conditions that follow from `cause`: their kinds counted, then one line each."""
+    kinds: dict[str, int] = {}
+    for a in then:
+        kinds[a["kind"]] = kinds.get(a["kind"], 0) + 1
+    said = ", ".join(f"{n} {_html(k)}" for k, n in kinds.items())
+    lines = "".join(
+        f'<tr data-kind="{_html(a["kind"])}"><td>{_sev(a["severity"])}</td>'
+        f"<td class=nw>{_html(a.get('title', a['kind']))}</td>"
+        f'<td class="nw">{_html(_where(a["labels"]))}</td><td>{_html(a["description"])}</td>'
+        f"<td>{_link(a)}</td></tr>"
+        for a in then
+    )
+    return (
+        f'<tr class="follows c-{_html(cause["severity"])}" '
+        f'data-cause="{_html(cause["kind"])}"><td></td><td colspan=5>'
+        f'<p class="follows-head">follows from it, muted in Alertmanager under it: {said}</p>'
+        f'<table class="sub">{lines}</table></td></tr>'
+    )
 
 
 def _stream_conditions(alerts: list[Json]) -> dict[tuple[str, str, str], dict[str, str]]:
     """(worker, node, rank) -> cell -> the most severe condition severity tinting it."""
     out: dict[tuple[str, str, str], dict[str, str]] = {}
-    for a in alerts:
+    for a in every_alert(alerts):
         lb, cell = a["labels"], _cell(a["kind"])
         if cell is None or cell in _ROW_KEYS or "dp_rank" not in lb:
             continue
@@ -286,7 +319,7 @@ def _strays(items: list[Json]) -> str:
 def _row_conditions(alerts: list[Json]) -> dict[tuple[str, ...], str]:
     """(kind's row keys: worker, collector[, source]) -> the severity tinting that row."""
     out: dict[tuple[str, ...], str] = {}
-    for a in alerts:
+    for a in every_alert(alerts):
         keys = _ROW_KEYS.get(_cell(a["kind"]) or "")
         if keys is not None:
             out[tuple(str(a["labels"].get(k)) for k in keys)] = a["severity"]
@@ -436,7 +469,7 @@ def _misses(misses: Json | None, alerts: list[Json]) -> str:
                 f'{shares}<td colspan=7 class="muted">{_html(said)} (blocks, since the '
                 "aggregator started)</td></tr>"
             )
-    head = ("pool", "compulsory", "capacity", "placement", "bound", "sampled", "trust",
+    head = ("pool", "compulsory", "capacity", "placement", "bound (99 %)", "sampled", "trust",
             "placement, 15 min", "hit rate, 15 min", "perfect router", "+ unlimited capacity")  # fmt: skip
     return _table(
         head, rows, "No miss split (no pool with the cache analytics on yet).", "misses-table"
@@ -479,6 +512,21 @@ def _workers(workers: list[Json], alerts: list[Json], clock: _Clock) -> str:
     return "".join(out) or '<p class="muted">No workers declared.</p>'
 
 
+def conditions_line(alerts: list[Json]) -> str:
+    """`1 active condition (1 critical), 8 more follow from it`: the causes by severity."""
+    by_sev = {
+        sev: sum(1 for a in alerts if a["severity"] == sev)
+        for sev in ("critical", "warning", "info")
+    }
+    counts = ", ".join(f"{n} {sev}" for sev, n in by_sev.items() if n) or "none"
+    n = len(alerts)
+    out = f"{n} active condition{'' if n == 1 else 's'} ({counts})"
+    more = sum(len(a.get("consequences") or ()) for a in alerts)
+    if more:
+        out += f", {more} more follow from {'it' if n == 1 else 'them'}"
+    return out
+
+
 def render(
     fleet: Json,
     streams: list[Json],
@@ -494,14 +542,9 @@ def render(
     clock = _Clock(generated)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(generated))
     up = sum(1 for s in streams if s["up"])
-    by_sev = {
-        sev: sum(1 for a in alerts if a["severity"] == sev)
-        for sev in ("critical", "warning", "info")
-    }
-    counts = ", ".join(f"{n} {sev}" for sev, n in by_sev.items() if n) or "none"
     summary = (
         f"{len(fleet['collectors'])} collectors, {len(fleet['workers'])} workers, "
-        f"{up}/{len(streams)} streams up, {len(alerts)} active conditions ({counts})"
+        f"{up}/{len(streams)} streams up, {conditions_line(alerts)}"
     )
     return (
         "<!doctype html><html lang=en><head><meta charset=utf-8>"

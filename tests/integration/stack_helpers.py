@@ -257,12 +257,14 @@ def poll(check: Callable[[], Any], deadline: float, what: str, stack: Stack | No
 
 
 def scale_for(rules_text: str, factor: float) -> str:
-    """The rules file with every `for:` divided by `factor`; expressions untouched."""
+    """The rules file with every `for:` and `keep_firing_for:` divided by `factor`; expressions
+    untouched."""
     doc = yaml.safe_load(rules_text)
     for group in doc["groups"]:
         for rule in group["rules"]:
-            if "for" in rule:
-                rule["for"] = f"{round(parse_duration(rule['for']) * 1000 / factor)}ms"
+            for key in ("for", "keep_firing_for"):
+                if key in rule:
+                    rule[key] = f"{round(parse_duration(rule[key]) * 1000 / factor)}ms"
     return str(yaml.safe_dump(doc, sort_keys=False))
 
 

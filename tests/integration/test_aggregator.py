@@ -19,6 +19,7 @@ import aiohttp
 import pytest
 
 from kvobserve.aggregator import Aggregator
+from kvobserve.analysis.conditions import DOWN_AFTER_S
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.cli import main
 from kvobserve.transport.nats import NatsTransport
@@ -119,7 +120,9 @@ async def test_aggregate_process_serves_and_stops_on_sigterm(
         def announced() -> bool:
             return any(e["kind"] == "dp_rank_uncovered" for e in events)
 
-        end = time.monotonic() + 15  # includes the child's interpreter start-up
+        # includes the child's interpreter start-up, and the DOWN_AFTER_S a rank that no
+        # collector ever owned waits before it counts as uncovered
+        end = time.monotonic() + 15 + DOWN_AFTER_S
         while not announced():
             assert proc.poll() is None, f"aggregate exited early: {proc.communicate()[1]}"
             assert time.monotonic() < end, "no dp_rank_uncovered event from the process"

@@ -9,6 +9,7 @@ import socket
 
 import pytest
 
+from kvobserve import __version__
 from kvobserve.aggregator import Aggregator
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.commands import status as statuscmd
@@ -69,8 +70,8 @@ async def test_status_table_and_conditions() -> None:
     down = [ln for ln in lines if "collector_down" in ln]
     assert down and down[0].split()[0] == "CRITICAL"
     assert (
-        "runbook: https://github.com/kvobserve/kvobserve/blob/main/docs/alerts.md#kvobservecollectordown"
-        in text
+        f"runbook: https://github.com/kvobserve/kvobserve/blob/v{__version__}/docs/alerts.md"
+        "#kvobservecollectordown" in text
     )
 
 
@@ -96,7 +97,7 @@ async def test_status_exits_0_without_critical_conditions_and_takes_host_port() 
     finally:
         await srv.close()
     assert rc == 0, text
-    assert "1/1 streams up, 0 active conditions (0 critical)" in text
+    assert "1/1 streams up, 0 active conditions (none)" in text
     assert "recent events (1):" in text
     assert "gap           w 0              gap: seq 3-4 missed (2); recovered by replay" in text
 

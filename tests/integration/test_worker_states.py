@@ -102,7 +102,7 @@ def test_a_worker_whose_discovery_fails_is_visible_everywhere(procs: Procs, tmp_
     status = _status(base)
     assert status.returncode == 1, status.stdout + status.stderr
     assert f"worker {WORKER} on box: undiscovered: {reason}" in status.stdout
-    assert "1 active conditions (1 critical)" in status.stdout
+    assert "1 active condition (1 critical)" in status.stdout
 
     page = fetch(f"{base}/")
     assert page is not None
@@ -146,6 +146,10 @@ def test_a_node_count_mismatch_is_one_condition_with_the_fix(
         "on this node)"
     )
     assert got[0]["alert"] == "KVWorkerLayoutMismatch"
+    # the ranks it leaves uncovered follow from it: under it, one entry (as Alertmanager mutes them)
+    assert [(c["kind"], c["labels"]["dp_rank"]) for c in got[0]["consequences"]] == [
+        ("dp_rank_uncovered", str(r)) for r in range(4, 8)
+    ]
 
     # The ranks of this node are watched, and only those: nothing connects to 127.0.0.1:base+4..7.
     def receiving() -> list[dict[str, Any]] | None:
@@ -170,13 +174,15 @@ def test_a_node_count_mismatch_is_one_condition_with_the_fix(
     }
     assert sorted(lb["dp_rank"] for lb, _ in m.get("kvobserve_stream_up")) == ["0", "1", "2", "3"]
 
-    # One condition: no stream of ranks 4-7 to be down, and their empty ownership is the
-    # mismatch's (no dp_rank_uncovered, which would be raised at once).
+    # One cause: no stream of ranks 4-7 to be down, and their empty ownership follows from the
+    # mismatch (their dp_rank_uncovered listed under it, not as causes of their own).
     status = _status(base)
     assert status.returncode == 1, status.stdout
-    assert "4/4 streams up, 1 active conditions (1 critical)" in status.stdout, status.stdout
+    assert "4/4 streams up, 1 active condition (1 critical), 4 more follow from it" in status.stdout
     assert f"worker {WORKER} on box: layout_mismatch: {FIX}" in status.stdout
-    assert "stream_down" not in status.stdout and "dp_rank_uncovered" not in status.stdout
+    assert "stream_down" not in status.stdout
+    uncovered = [ln for ln in status.stdout.splitlines() if "dp_rank_uncovered" in ln]
+    assert len(uncovered) == 4 and all(ln.startswith(" " * 13) for ln in uncovered), uncovered
 
     # `kvobserve check` says the same, from the same code
     check = subprocess.run(

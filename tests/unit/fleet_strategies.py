@@ -17,8 +17,17 @@ from typing import Any, TypeVar
 import msgspec
 from hypothesis import strategies as st
 
-from kvobserve.analysis.conditions import DOWN_AFTER_S, RECENT_S, THRASH_MIN_STORES, labels
+from kvobserve.analysis.conditions import (
+    DOWN_AFTER_S,
+    PLACEMENT,
+    PLACEMENT_MIN_S,
+    RECENT_S,
+    STREAM_DOWN,
+    THRASH_MIN_STORES,
+    labels,
+)
 from kvobserve.analysis.fleet import FleetState
+from kvobserve.analysis.miss_fleet import MissMerge
 from kvobserve.analysis.views import Key
 from kvobserve.wire.misses import STORE, MissDelta, pack_op
 from kvobserve.wire.parts import split_parts
@@ -123,6 +132,7 @@ def stream_stats(draw: st.DrawFn, worker: str, rank: int) -> StreamStats:
 def fleets(draw: st.DrawFn) -> Fleet:
     """A FleetState of 1-3 collectors (live or silent) and when conditions began before."""
     state = FleetState()  # a collector is down 3 intervals (3 s) after its last snapshot
+    state.misses = MissMerge(SAMPLE_FLOOR, SAMPLE_LEVEL)
     began: dict[Key, float] = {}
     t = times()
     for c in range(draw(st.integers(1, 3))):
@@ -141,7 +151,8 @@ def fleets(draw: st.DrawFn) -> Fleet:
             for r in owned:
                 snap.streams.append(draw(stream_stats(w, r)))
                 if draw(st.booleans()):  # it was down at an earlier check
-                    key = ("stream_down", labels(worker_id=w, node_rank=c, dp_rank=r))
+                    key = (STREAM_DOWN, labels(worker_id=w, node_rank=c, dp_rank=r,
+                                               collector=f"c{c}"))  # fmt: skip
                     began[key] = draw(t)
                 if draw(st.booleans()):
                     snap.scheduler.append(
@@ -177,9 +188,40 @@ def fleets(draw: st.DrawFn) -> Fleet:
                                  CheckpointStats("failing", "no_space", "/x: full", draw(t))])
             )  # fmt: skip
         if c == 0 and draw(st.booleans()):  # a pool's sampled misses; placement or not
-            snap.misses.append(pool_delta(draw(st.sampled_from([0, 300, 700])), received))
+            # its window opened long enough ago to judge, or not; active before, or not
+            opened = received - draw(st.sampled_from([PLACEMENT_MIN_S + 60, 60.0]))
+            first = Snapshot(snap.collector, seq=0, time=opened, misses=[_window(0, opened, 1)])
+            state.update(first, opened)
+            snap.misses.append(_window(draw(st.sampled_from(PLACED)), received, 2))
+            if draw(st.booleans()):
+                began[(PLACEMENT, labels(pool="p"))] = draw(t)
         state.update(snap, received)
+    if draw(st.booleans()):  # an earlier view: ranks uncovered then have been so a while
+        state.view(NOW - draw(st.sampled_from([1.0, DOWN_AFTER_S, 30.0])))
     return state, began
+
+
+# The pool's split in `fleets` is sampled at level 4 (a sampled block weighs 16) with a floor of
+# 400 sampled misses: rank 0 stores 700 sampled blocks (11,200 misses), rank 1 `placement` of the
+# same ones again: 0, 3.4 % (between the placement condition's thresholds), 9.1 % of the misses.
+SAMPLE_LEVEL, SAMPLE_FLOOR, SAMPLED, PLACED = 4, 400, 700, (0, 25, 70)
+
+
+@functools.cache
+def _window_ops(placement: int) -> bytes:
+    ops = bytearray()
+    blocks = [(i * 0x9E3779B97F4A7C15) % (1 << 60) for i in range(1, SAMPLED + 1)]  # buckets >= 4
+    for k in blocks:
+        pack_op(ops, 0, 0, STORE, k)
+    for k in blocks[:placement]:
+        pack_op(ops, 1, 1, STORE, k)
+    return bytes(ops)
+
+
+def _window(placement: int, until: float, seq: int) -> MissDelta:
+    """Pool `p` (worker `wp`, no stream here) up to `until`; seq 1 opens its window (no op)."""
+    ops = _window_ops(placement) if seq > 1 else b""
+    return MissDelta("p", seq, SAMPLE_LEVEL, until - 1.0, until, [0, 1], ops, workers=["wp", "wp"])
 
 
 def pool_delta(placement: int, until: float, worker: str = "wp", blocks: int = 4500) -> MissDelta:

@@ -7,7 +7,16 @@ from pathlib import Path
 
 import yaml
 
-from kvobserve.analysis.conditions import BY_ALERT, DEFAULT_RUNBOOK_URL, KINDS, SEVERITIES
+from kvobserve.analysis.conditions import (
+    BY_ALERT,
+    DEFAULT_RUNBOOK_URL,
+    FOLLOWS,
+    KINDS,
+    SEVERITIES,
+    Condition,
+    grouped,
+    labels,
+)
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.export import api
 from kvobserve.wire.snapshot import CollectorInfo, Snapshot, StreamStats, WorkerInfo
@@ -15,7 +24,7 @@ from kvobserve.wire.snapshot import CollectorInfo, Snapshot, StreamStats, Worker
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "alerts" / "kvobserve-rules.yml"
 RUNBOOK = ROOT / "docs" / "alerts.md"
-CONDITIONS_PY = ROOT / "kvobserve" / "analysis" / "conditions.py"
+ALERTMANAGER = ROOT / "alerts" / "alertmanager.yml"
 
 
 def _rule_severities() -> dict[str, str]:
@@ -36,16 +45,18 @@ def test_every_rule_is_in_the_table_with_its_severity() -> None:
         assert BY_ALERT[alert].severity == severity, alert
 
 
-def test_every_condition_the_aggregator_yields_has_a_row() -> None:
-    """A stream's condition is found by its row's check; the others by Condition.of(kind)."""
-    over_membership = set(re.findall(r'Condition\.of\(\s*"(\w+)"', CONDITIONS_PY.read_text()))
-    assert over_membership, "no Condition.of calls found"
-    assert over_membership <= set(KINDS), over_membership - set(KINDS)
-    per_stream = {k.kind for k in KINDS.values() if k.per_stream}
-    assert not per_stream & over_membership, per_stream & over_membership
-    yielded = over_membership | per_stream
-    # ... and every row is yielded somewhere: the page shows what the alerts fire on.
-    assert set(KINDS) <= yielded, set(KINDS) - yielded
+def test_every_row_says_what_finds_it() -> None:
+    """A row is found over the fleet by its finder, or stream by stream (an event's time and
+    description, or a check and its pre-check): exactly one of them. No other code makes a
+    condition: the kind is always the row's (no lookup of a kind by its name)."""
+    for k in KINDS.values():
+        ways = [k.finds is not None, bool(k.event_time), k.check is not None]
+        assert sum(ways) == 1, k.kind
+        assert k.per_stream == (k.finds is None), k.kind
+    code = "\n".join(p.read_text() for p in (ROOT / "kvobserve").rglob("*.py"))
+    assert "Condition.of(" not in code
+    made = re.findall(r"\bCondition\(\s*(\S+?),", code)  # outside the table's two loops: none
+    assert made == ["k.kind", "k.kind"], made
 
 
 def test_every_alert_has_a_runbook_section_stating_its_severity_and_condition() -> None:
@@ -79,8 +90,52 @@ def test_the_api_gives_the_rule_files_severity() -> None:
     )  # fmt: skip
     state = FleetState()
     state.update(snap, 100.0)
-    alerts = {a["kind"]: a for a in api.alerts_json(state.view(100.5))}
+    alerts = {a["kind"]: a for a in api.every_alert(api.alerts_json(state.view(100.5)))}
     rules = _rule_severities()
     assert alerts["duplicate_stream"]["severity"] == rules["KVEventDuplicateStream"] == "warning"
     assert alerts["index_incomplete"]["severity"] == rules["KVIndexIncomplete"] == "info"
     assert alerts["duplicate_stream"]["runbook_url"].endswith("alerts.md#kveventduplicatestream")
+    # the index is incomplete because of the second publisher: under it, one entry
+    (top,) = api.alerts_json(state.view(100.5))
+    assert [c["kind"] for c in top["consequences"]] == ["index_incomplete"]
+
+
+def test_the_inhibition_rules_are_what_follows_from_a_cause() -> None:
+    """alerts/alertmanager.yml mutes an alert under another exactly where the page, `status`
+    and /api/v1/alerts list its condition under the other's (FOLLOWS): one relation."""
+    rules = yaml.safe_load(ALERTMANAGER.read_text())["inhibit_rules"]
+    shipped = []
+    for r in rules:
+        ((source,), (target,)) = (r["source_matchers"], r["target_matchers"])
+        names = [re.fullmatch(r'alertname="(\w+)"', m) for m in (source, target)]
+        assert all(names), r  # every rule is by alert name, and only by it
+        shipped.append((names[0].group(1), names[1].group(1), tuple(r["equal"])))  # type: ignore[union-attr]
+    declared = [
+        (KINDS[f.cause].alert, KINDS[f.then].alert, ("job", "instance", *f.on)) for f in FOLLOWS
+    ]
+    assert shipped == declared
+
+
+def test_a_lost_collector_is_one_cause_with_its_streams_and_ranks_under_it() -> None:
+    """The grouping reads FOLLOWS as Alertmanager reads the rules: the labels in `on` equal (a
+    label one side lacks is empty), so nothing of another collector goes under it."""
+
+    def c(kind: str, **kw: object) -> Condition:
+        return Condition(kind, KINDS[kind].severity, labels(**kw), kind)
+
+    lost = c("collector_down", collector="node-1", node_rank=1)
+    mine = [c("stream_down", worker_id="w", node_rank=1, dp_rank=r, collector="node-1")
+            for r in (4, 5)]  # fmt: skip
+    ranks = [c("dp_rank_uncovered", worker_id="w", dp_rank=r, node_rank=1, collector="node-1")
+             for r in (4, 5)]  # fmt: skip
+    other = c("stream_down", worker_id="w", node_rank=0, dp_rank=2, collector="node-0")
+    never = c("dp_rank_uncovered", worker_id="v", dp_rank=1)  # no collector ever owned it
+    gap = c("sequence_gap", worker_id="w", node_rank=0, dp_rank=1, collector="node-0")
+    loss = c("events_lost", worker_id="w", node_rank=0, dp_rank=1, collector="node-0")
+    got = grouped([lost, ranks[0], ranks[1], never, mine[0], other, mine[1], gap, loss])
+    assert [(k, then) for k, then in got] == [
+        (lost, [ranks[0], ranks[1], mine[0], mine[1]]),
+        (never, []),
+        (other, []),
+        (loss, [gap]),  # the cause first, wherever it came in the list
+    ]

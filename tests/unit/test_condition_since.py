@@ -8,10 +8,10 @@ from collections.abc import Callable
 import pytest
 
 from kvobserve.aggregator import Aggregator
-from kvobserve.analysis.conditions import Condition, active, began
+from kvobserve.analysis.conditions import DOWN_AFTER_S, Condition, active, began
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.analysis.sequence import StreamSequencer
-from kvobserve.export.api import alerts_json
+from kvobserve.export.api import alerts_json, every_alert
 from kvobserve.wire.snapshot import (
     CollectorInfo,
     DriftStats,
@@ -51,7 +51,7 @@ def _snap(
 
 def _since(agg: Aggregator, kind: str) -> list[float]:
     """The `since` of every condition of `kind`, as the API serves it (view order)."""
-    return [a["since"] for a in alerts_json(agg.view()) if a["kind"] == kind]
+    return [a["since"] for a in every_alert(alerts_json(agg.view())) if a["kind"] == kind]
 
 
 async def _run(
@@ -181,12 +181,12 @@ async def test_a_condition_without_evidence_of_its_start_is_dated_by_its_first_c
 
 
 def test_began_keeps_the_earliest_known_start() -> None:
-    c = Condition.of("sequence_gap", (("worker_id", "w"),), "gap", since=20.0)
+    c = Condition("sequence_gap", "info", (("worker_id", "w"),), "gap", since=20.0)
     assert began(c, None).since == 20.0
     assert began(c, 10.0).since == 10.0
     assert began(c, 30.0).since == 20.0  # evidence older than the first check
-    assert began(Condition.of("sequence_gap", (), "gap"), None, 50.0).since == 50.0
-    assert began(Condition.of("sequence_gap", (), "gap"), None).since == 0.0
+    assert began(Condition("sequence_gap", "info", (), "gap"), None, 50.0).since == 50.0
+    assert began(Condition("sequence_gap", "info", (), "gap"), None).since == 0.0
 
 
 # --- one collector lost: one start -------------------------------------------------------------
@@ -213,7 +213,10 @@ async def test_a_lost_collector_and_its_streams_and_ranks_carry_one_start(checke
                            workers=other.workers))  # fmt: skip
         if checked:
             await agg.check_conditions()
-    got = {(a["kind"], a["labels"].get("dp_rank")): a["since"] for a in alerts_json(agg.view())}
+    got = {
+        (a["kind"], a["labels"].get("dp_rank")): a["since"]
+        for a in every_alert(alerts_json(agg.view()))
+    }
     assert got == {
         ("collector_down", None): last,
         ("stream_down", "4"): last,
@@ -231,7 +234,10 @@ def test_a_stream_down_before_its_collector_was_lost_keeps_its_own_start() -> No
     settling = StreamStats("w", 5, up=False, state="connecting", reason="connection refused",
                            state_since=T0 + 8)  # fmt: skip
     agg.apply(_snap(1, T0 + 10, [refused, settling]), received=T0 + 10)
-    got = {(a["kind"], a["labels"].get("dp_rank")): a["since"] for a in alerts_json(agg.view())}
+    got = {
+        (a["kind"], a["labels"].get("dp_rank")): a["since"]
+        for a in every_alert(alerts_json(agg.view()))
+    }
     assert got[("stream_down", "4")] == T0  # down for 10 s when the collector went
     assert got[("stream_down", "5")] == T0 + 10  # 2 s only: it went down with its collector
 
@@ -253,10 +259,18 @@ def test_an_uncovered_rank_names_the_collector_that_owned_it_last() -> None:
         ("w", 5): "node-1b",  # the one seen last
     }
     unc = {dict(c.labels)["dp_rank"]: c for c in active(v) if c.kind == "dp_rank_uncovered"}
-    assert set(unc) == {"4", "5", "6", "7"}
+    assert set(unc) == {"4", "5"}  # at once: their collector is down
     assert dict(unc["5"].labels) == {"worker_id": "w", "dp_rank": "5", "node_rank": "1",
                                      "collector": "node-1b"}  # fmt: skip
     assert unc["5"].since == T0 + 50
-    # never owned by anyone: no owner to name, no start known
+    # never owned by anyone: no owner to name; uncovered once so for DOWN_AFTER_S (the
+    # collectors of a fleet that starts send their first snapshots a moment apart), since the
+    # first view that saw it so
+    later = clock.t + DOWN_AFTER_S
+    state.update(Snapshot(live.collector, seq=2, time=later, interval_s=1.0,
+                          workers=live.workers), later)  # fmt: skip
+    unc = {dict(c.labels)["dp_rank"]: c for c in active(state.view(later))
+           if c.kind == "dp_rank_uncovered"}  # fmt: skip
+    assert set(unc) == {"4", "5", "6", "7"}
     assert dict(unc["6"].labels) == {"worker_id": "w", "dp_rank": "6"}
-    assert unc["6"].since == 0.0
+    assert unc["6"].since == clock.t

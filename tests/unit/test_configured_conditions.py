@@ -1,12 +1,12 @@
 """Configured parts a collector cannot watch: one condition each, their series, and the ranks
-they leave uncovered folded into them (docs/collector.md "Worker states")."""
+they leave uncovered grouped under them (docs/collector.md "Worker states")."""
 
 from __future__ import annotations
 
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kvobserve.analysis.conditions import Condition, active
+from kvobserve.analysis.conditions import Condition, active, grouped
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.export.prometheus import FleetCollector
 from kvobserve.sources.scheduler import KvMetricsPull, LoadSubscriber
@@ -56,19 +56,22 @@ def test_an_undiscovered_worker_is_one_critical_condition_while_its_collector_li
     assert [c.kind for c in active(stale.view(NOW))] == ["collector_down"]
 
 
-def test_a_layout_mismatch_folds_the_ranks_it_leaves_uncovered() -> None:
+def test_a_layout_mismatch_is_the_cause_of_the_ranks_it_leaves_uncovered() -> None:
     mism = WorkerInfo("w8", "sglang", 8, [0, 1, 2, 3], True, 0, "layout_mismatch", FIX, NOW - 5,
                       [4, 5, 6, 7])  # fmt: skip
     other = WorkerInfo("w2", "sglang", 2, [0], True, 0, "watching", "1 of 2 ranks", NOW - 5)
     streams = [StreamStats("w8", r, up=True, state="up", state_complete=True) for r in range(4)]
     streams.append(StreamStats("w2", 0, up=True, state="up", state_complete=True))
     state = _state((_snap("box", 0, [mism, other], streams=streams), NOW))
+    state.view(NOW - 10)  # the ranks have had no owner for 10 s (a rank counts after 5 s)
     v = state.view(NOW)
-    assert _kinds(active(v)) == [
-        ("layout_mismatch", (("worker_id", "w8"), ("node_rank", "0"), ("collector", "box"))),
-        # another worker's uncovered rank is still its own condition
-        ("dp_rank_uncovered", (("worker_id", "w2"), ("dp_rank", "1"))),
-    ]
+    groups = [(c.kind, c.labels, _kinds(then)) for c, then in grouped(active(v))]
+    assert groups == [
+        ("layout_mismatch", (("worker_id", "w8"), ("node_rank", "0"), ("collector", "box")),
+         [("dp_rank_uncovered", (("worker_id", "w8"), ("dp_rank", str(r)))) for r in range(4, 8)]),
+        # another worker's uncovered rank is a cause of its own
+        ("dp_rank_uncovered", (("worker_id", "w2"), ("dp_rank", "1")), []),
+    ]  # fmt: skip
     assert active(v)[0].description == (
         f"w8 on box: {FIX} (ranks 4-7 are not watched here: the engine does not run them on this "
         "node)"

@@ -174,6 +174,10 @@ def test_hits_from_the_engines_counters_in_blocks_and_the_families() -> None:
 
     assert (got("w0", "hit"), got("w0", "compulsory"), got("w0", "placement")) == (20, 2, 0)
     assert (got("w1", "hit"), got("w1", "placement")) == (4, 1)
+    # the engines' own counters, for a hit rate over any window (not the last batch's ratio)
+    engine = "kvobserve_worker_prefix_cache_tokens_total"
+    assert [r.get_sample_value(engine, {"worker_id": w, "tokens": t})
+            for w in ("w0", "w1") for t in ("hit", "queried")] == [320, 1000, 64, 500]  # fmt: skip
     untrusted = "kvobserve_pool_kv_miss_split_untrusted"
     assert r.get_sample_value(untrusted, {"pool": "p", "reason": "few_samples"}) is None
     tokens = "kvobserve_worker_kv_lookup_tokens_total"

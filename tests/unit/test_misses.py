@@ -10,6 +10,7 @@ import pytest
 
 from kvobserve.analysis.blocks import BlockIndex
 from kvobserve.analysis.miss_sample import (
+    BOUND_Z,
     FLOOR,
     START_LEVEL,
     MissSampler,
@@ -234,7 +235,7 @@ def test_a_block_that_misses_again_and_again_widens_the_bound() -> None:
         merged.advance()
         est = merged.estimate()
         p = est.shares["placement"]
-        return est.bound, 1.96 * (p * (1 - p) / est.sampled) ** 0.5
+        return est.bound, BOUND_Z * (p * (1 - p) / est.sampled) ** 0.5
 
     spread, binomial = run(100)
     assert spread > 2 * binomial  # one block carries half the misses

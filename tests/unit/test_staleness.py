@@ -158,10 +158,14 @@ def test_every_per_stream_family_follows_its_catalog_rule() -> None:
             assert 2 in ranks, m.name  # rank 2's stream is up: its own gauges stay
 
 
-def test_worker_sums_count_up_ranks_only() -> None:
+def test_worker_sums_count_down_ranks_as_unknown() -> None:
+    """Issue 30: a dead rank left the trust sum, so a worker with ranks down looked whole."""
     text = _scrape(Detail()).decode()
     trust = [ln for ln in text.splitlines() if ln.startswith("kvobserve_kv_view_trust_ranks{")]
-    assert trust == [f'kvobserve_kv_view_trust_ranks{{trust="complete",worker_id="{W}"}} 2.0']
+    assert trust == [
+        f'kvobserve_kv_view_trust_ranks{{trust="complete",worker_id="{W}"}} 2.0',
+        f'kvobserve_kv_view_trust_ranks{{trust="unknown",worker_id="{W}"}} 2.0',  # ranks 1, 3
+    ]
     # rank 1 held more than its capacity at its last word: not claimed now
     assert 'kvobserve_kv_resident_over_capacity{dp_rank="1"' not in text
 
@@ -184,7 +188,8 @@ def test_api_shows_a_dead_ranks_gauges_as_unknown_and_keeps_its_health() -> None
         False, True, "connecting", DEAD_REASON,
     )  # fmt: skip
     for key in ("cache_usage_ratio", "token_usage_ratio", "capacity_tokens", "state_complete",
-                "duplicate_stream", "trust", "lag_seconds", "over_capacity"):  # fmt: skip
+                "duplicate_stream", "trust", "lag_seconds", "over_capacity",
+                "scheduler_source"):  # fmt: skip
         assert dead[key] is None, key
     assert dead["blocks"] == {} and dead["tokens"] == {}
     assert (dead["batches"], dead["gaps"], dead["last_batch_ts"]) == (300, 1, NOW - 60)
@@ -217,8 +222,8 @@ def test_page_and_cli_show_no_usage_for_the_dead_rank() -> None:
     assert "<th>cache usage</th><th>token usage</th>" in html
     row = html.split('<tr data-rank="1" data-state="connecting">')[1].split("</tr>")[0]
     assert f"<td>{DEAD_REASON}<br>" in row
-    # cache usage, then token usage (and the source that reported it): unknown, not 100%
-    assert '<td class=n>-</td><td class="n">-<br><span class="small muted">load</span>' in row
+    # cache usage, then token usage: unknown, not 100%, and no scheduler source claimed for it
+    assert '<td class=n>-</td><td class="n">-</td>' in row
     live = html.split('<tr data-rank="0" data-state="up">')[1].split("</tr>")[0]
     assert '<td class=n>100%</td><td class="n c-warning">99%<br>' in live  # cache_near_full
     text = statuscmd.render(streams, alerts)
