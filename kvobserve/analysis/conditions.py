@@ -117,10 +117,11 @@ class Around:
     """What a stream's check reads beside the stream: the view's time, when each condition
     began (FleetView.began), and the running requests the scheduler reports per rank."""
 
-    __slots__ = ("_running", "began", "now", "scheduler")
+    __slots__ = ("_running", "began", "now", "scheduler", "unvouched_warn_s")
 
     def __init__(self, v: FleetView) -> None:
         self.now = v.now
+        self.unvouched_warn_s = v.unvouched_warn_s
         self.began = v.began
         self.scheduler = v.scheduler
         self._running: dict[tuple[str, int], float | None] | None = None
@@ -575,16 +576,26 @@ def _duplicate(s: StreamView, at: Around) -> Found:
 
 
 def _maybe_incomplete(st: StreamStats, live: bool, now: float) -> bool:
-    return not st.state_complete
+    return not st.vouched
 
 
 def _incomplete(s: StreamView, at: Around) -> Found:
+    """The index has not vouched for its blocks, tokens and usage for `unvouched_warn_s`: they
+    are not served (analysis/vouch.py), and kvobserve cannot see this rank's cache."""
     st = s.stats
-    # before any batch the index is simply empty; during a replay its outcome is not known yet
-    if not (s.up and not st.state_complete and st.batches_total and not st.replaying):
+    # during a replay its outcome is not known yet
+    if not (s.up and not st.vouched and not st.replaying):
         return None
-    why = st.incomplete_reason or "joined mid-stream or lost batches"
-    return f"{_name(st)}: block index incomplete: {why}", 0.0
+    since = st.vouched_since
+    if at.now - since < at.unvouched_warn_s:
+        return None
+    why = st.incomplete_reason or st.vouch_reason or "joined mid-stream or lost batches"
+    return (
+        f"{_name(st)}: kvobserve cannot see this rank's cache for {(at.now - since) / 60:.0f} "
+        f"min ({why}); its blocks and usage are not served, at least "
+        f"{st.lower_tokens:,} tokens are resident",
+        since,
+    )
 
 
 def _counts(counts: dict[str, int]) -> str:
@@ -696,7 +707,7 @@ _ROWS: Final = (
          cell="state", precheck=_maybe_down, check=_down),
     Kind("duplicate_stream", "KVEventDuplicateStream", "warning", "two publishers",
          cell="dup", precheck=_maybe_duplicate, check=_duplicate),
-    Kind("index_incomplete", "KVIndexIncomplete", "info", "block index incomplete",
+    Kind("index_incomplete", "KVIndexIncomplete", "warning", "cache not seen whole",
          cell="index", precheck=_maybe_incomplete, check=_incomplete),
     Kind("events_lost", "KVEventsLost", "critical", "batches lost",
          cell="gaps", event_time="last_loss_time", describe=_lost),

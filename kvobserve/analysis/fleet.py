@@ -139,8 +139,14 @@ class _Collector:
 class FleetState:
     """The latest snapshot per collector and the fleet view derived from them."""
 
-    def __init__(self, stale_intervals: float = 3.0, forget_after_s: float = 3600.0) -> None:
+    def __init__(
+        self,
+        stale_intervals: float = 3.0,
+        forget_after_s: float = 3600.0,
+        unvouched_warn_s: float = 600.0,
+    ) -> None:
         self.stale_intervals = stale_intervals
+        self.unvouched_warn_s = unvouched_warn_s
         self.forget_after_s = forget_after_s
         self._collectors: dict[str, _Collector] = {}
         self._order: list[str] = []  # collector ids, sorted; rebuilt when the set changes
@@ -293,7 +299,7 @@ class FleetState:
 
     def view(self, now: float) -> FleetView:
         """The fleet as of `now` (its conditions: analysis/conditions.py `active`)."""
-        v = FleetView(now=now)
+        v = FleetView(now=now, unvouched_warn_s=self.unvouched_warn_s)
         entries = self._entries(now)
         ups, sources, capacity = self._membership(v, entries, now)
         built: list[StreamView] = []

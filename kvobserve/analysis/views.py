@@ -148,6 +148,8 @@ class FleetView:
     owners: dict[tuple[str, int], list[str]] = field(default_factory=dict)  # -> collector ids
     leaders: dict[str, list[str]] = field(default_factory=dict)
     now: float = 0.0  # the time the view is as of
+    # index_incomplete: a rank's index unvouched this long is a warning ([aggregator])
+    unvouched_warn_s: float = 600.0
     placement: dict[str, PlacementEstimate] = field(default_factory=dict)  # per worker
     # an uncovered rank -> the down collector that owned it at its last snapshot (the latest)
     last_owner: dict[tuple[str, int], CollectorView] = field(default_factory=dict)

@@ -56,7 +56,8 @@ async def serve(cfg: Config) -> int:
         connecting.result()
     except NatsConnectError as exc:
         return fail("aggregate", exc, 1)
-    agg = Aggregator(FleetState(stale_intervals=cfg.aggregator.stale_intervals))
+    a = cfg.aggregator
+    agg = Aggregator(FleetState(a.stale_intervals, unvouched_warn_s=a.unvouched_warn_s))
     stop_http: Stop | None = None
     try:
         try:

@@ -40,7 +40,8 @@ async def start_embedded(
     interval = min((c.collector.interval_s for c in configs), default=1.0)
     # [aggregator] stale_intervals holds here as in `kvobserve aggregate`; the strictest one wins
     stale = min((c.aggregator.stale_intervals for c in configs), default=3.0)
-    agg = Aggregator(FleetState(stale_intervals=stale), interval_s=interval)
+    warn = min((c.aggregator.unvouched_warn_s for c in configs), default=600.0)
+    agg = Aggregator(FleetState(stale, unvouched_warn_s=warn), interval_s=interval)
     await agg.start(bus)
     emb = Embedded(bus, agg, [Collector(cfg, bus) for cfg in configs])
     try:

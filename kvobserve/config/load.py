@@ -425,6 +425,7 @@ def _build(raw: dict[str, Any], path: str | None, env: Mapping[str, str]) -> Con
         tables["nats"].setdefault("url", agg.pop("nats"))
     aggregator = AggregatorConfig(**agg)
     at_least(aggregator.stale_intervals, 1, "aggregator.stale_intervals")
+    at_least(aggregator.unvouched_warn_s, 0, "aggregator.unvouched_warn_s")
     at_least(aggregator.shards, 1, "aggregator.shards")
     if aggregator.shards > MAX_SHARDS:
         raise ConfigError(f"aggregator.shards: must be <= {MAX_SHARDS}, got {aggregator.shards!r}")

@@ -193,6 +193,8 @@ class AggregatorConfig:
     shards: int = 1  # aggregators sharing the cluster, each serving its workers (docs/scale.md)
     shard: int = 0  # this aggregator's index, 0 .. shards - 1
     render_ahead_s: float = 2.0  # /metrics rendered before steady scrapers come; 0: on request
+    # a rank whose index has not vouched for itself this long is a warning (index_incomplete)
+    unvouched_warn_s: float = 600.0
 
 
 MAX_SHARDS = 64  # = kvobserve.wire.snapshot.BUCKETS: a shard serves at least one bucket

@@ -235,9 +235,12 @@ class Harness:
             self.table.tick(self.now, self.wall)
             self.settle()
 
-    def stats(self) -> IngestStats:
-        """The snapshot part the core reports now."""
-        return build_stats(self.table, self.now, self.wall)
+    def stats(
+        self, capacities: dict[tuple[str, int], tuple[float, float]] | None = None
+    ) -> IngestStats:
+        """The snapshot part the core reports now (`capacities`: the engines' KV capacity by
+        stream, in tokens, with when it was read: what the collector passes)."""
+        return build_stats(self.table, self.now, self.wall, capacities=capacities)
 
     def stream_stats(self, worker_id: str, rank: int = 0) -> StreamStats:
         """One stream's snapshot form."""

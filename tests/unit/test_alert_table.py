@@ -85,7 +85,7 @@ def test_the_api_gives_the_rule_files_severity() -> None:
         workers=[WorkerInfo("w", "sglang", 1, [0], True)],
         streams=[
             StreamStats("w", 0, up=True, batches_total=5, duplicate_stream=True,
-                        state_complete=False)
+                        state_complete=False, vouched=False, vouched_since=-600.0)
         ],
     )  # fmt: skip
     state = FleetState()
@@ -93,7 +93,7 @@ def test_the_api_gives_the_rule_files_severity() -> None:
     alerts = {a["kind"]: a for a in api.every_alert(api.alerts_json(state.view(100.5)))}
     rules = _rule_severities()
     assert alerts["duplicate_stream"]["severity"] == rules["KVEventDuplicateStream"] == "warning"
-    assert alerts["index_incomplete"]["severity"] == rules["KVIndexIncomplete"] == "info"
+    assert alerts["index_incomplete"]["severity"] == rules["KVIndexIncomplete"] == "warning"
     assert alerts["duplicate_stream"]["runbook_url"].endswith("alerts.md#kveventduplicatestream")
     # the index is incomplete because of the second publisher: under it, one entry
     (top,) = api.alerts_json(state.view(100.5))

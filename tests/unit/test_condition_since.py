@@ -8,13 +8,14 @@ from collections.abc import Callable
 import pytest
 
 from kvobserve.aggregator import Aggregator
-from kvobserve.analysis.conditions import DOWN_AFTER_S, Condition, active, began
+from kvobserve.analysis.conditions import DOWN_AFTER_S, THRASH_MIN_STORES, Condition, active, began
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.analysis.sequence import StreamSequencer
 from kvobserve.export.api import alerts_json, every_alert
 from kvobserve.wire.snapshot import (
     CollectorInfo,
     DriftStats,
+    MediumStats,
     SchedulerStats,
     Snapshot,
     StreamStats,
@@ -171,13 +172,15 @@ async def test_a_condition_without_evidence_of_its_start_is_dated_by_its_first_c
     agg = Aggregator(FleetState(), clock=clock)
 
     def snap(i: int, t: float) -> Snapshot:
+        # thrash: what a rank's counters show since its collector started, with no start of its own
+        media = [MediumStats("GPU", stored_total=THRASH_MIN_STORES, restored_total=900)]
         st = StreamStats("w", 4, up=True, state="up", state_since=T0 - 300, batches_total=5,
-                         state_complete=False)  # fmt: skip
+                         media=media)  # fmt: skip
         return _snap(i, t, [st])
 
     agg.apply(snap(0, T0))
-    assert _since(agg, "index_incomplete") == [None]  # not checked yet: unknown, not "now"
-    assert await _run(agg, clock, snap, 3, "index_incomplete") == [[T0]] * 3
+    assert _since(agg, "cache_thrash") == [None]  # not checked yet: unknown, not "now"
+    assert await _run(agg, clock, snap, 3, "cache_thrash") == [[T0]] * 3
 
 
 def test_began_keeps_the_earliest_known_start() -> None:
@@ -274,3 +277,19 @@ def test_an_uncovered_rank_names_the_collector_that_owned_it_last() -> None:
     assert set(unc) == {"4", "5", "6", "7"}
     assert dict(unc["6"].labels) == {"worker_id": "w", "dp_rank": "6"}
     assert unc["6"].since == clock.t
+
+
+def test_an_unvouched_index_warns_after_unvouched_warn_s_with_what_is_certain() -> None:
+    def view(unvouched_for: float) -> list[Condition]:
+        st = StreamStats("w", 0, up=True, state="up", batches_total=5, vouched=False,
+                         vouch_reason="joined_midstream", vouched_since=T0 - unvouched_for,
+                         lower_tokens=4096)  # fmt: skip
+        fs = FleetState(unvouched_warn_s=600.0)
+        fs.update(_snap(1, T0, [st]), T0)
+        return [c for c in active(fs.view(T0)) if c.kind == "index_incomplete"]
+
+    assert view(599.0) == []
+    (c,) = view(601.0)
+    assert (c.severity, c.since) == ("warning", T0 - 601.0)
+    assert "cannot see this rank's cache for 10 min (joined_midstream)" in c.description
+    assert "at least 4,096 tokens are resident" in c.description

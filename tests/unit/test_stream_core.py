@@ -366,3 +366,42 @@ def test_a_checkpoint_is_not_restored_without_a_replay_endpoint() -> None:
     h, m = _restarted("connect", e, saved, m.key(e))
     assert not any(type(a).__name__ == "Restore" for a in h.actions)  # nothing could confirm it
     assert h.resident(*m.key(e)) == set()
+
+
+def test_an_index_that_joined_mid_stream_vouches_once_it_holds_the_engines_capacity() -> None:
+    h, m, (e,) = _setup("connect", ring=3)  # the ring no longer reaches seq 0
+    for _ in range(8):
+        e.batch(h.wall)
+    _send(h, m, e, 2)
+    key = m.key(e)
+    s = h.stream_stats(*key)
+    assert (s.trust, s.vouched, s.vouch_reason) == ("partial", False, "joined_midstream")
+    assert (s.lower_blocks, s.lower_tokens) == (len(h.resident(*key)), 16 * len(h.resident(*key)))
+    full = 16.0 * e.keep  # the engine's capacity: what it holds once warm
+    (s,) = h.stats({key: (full, h.wall)}).streams  # read after the join
+    assert (s.vouched, s.vouch_reason) == (True, "holds_capacity")  # nothing can be missing
+    assert h.resident(*key) == e.truth
+    # a capacity read before the join says nothing about this index
+    h2, m2, (e2,) = _setup("connect", ring=3)
+    for _ in range(8):
+        e2.batch(h2.wall)
+    _send(h2, m2, e2, 2)
+    (s,) = h2.stats({m2.key(e2): (full, h2.wall - 60)}).streams
+    assert s.vouched is False
+
+
+def test_a_resumed_index_is_unvouched_until_the_ring_confirms_it() -> None:
+    h, m, (e,) = _setup("connect", keep=100, checkpoints=True)
+    _send(h, m, e, 5)
+    saved = h.checkpoint(m.key(e))
+    for _ in range(3):
+        e.batch(h.wall)
+    h2 = Harness(checkpoints={m.key(e): saved}, auto_replay=False)
+    m2 = MODES["connect"](h2)
+    m2.plan(e)
+    m2.connect(e)
+    s = h2.stream_stats(*m2.key(e))
+    assert (s.trust_reason, s.vouched) == ("resuming", False)  # restored, not confirmed: no number
+    h2.pump()
+    s = h2.stream_stats(*m2.key(e))
+    assert (s.trust_reason, s.vouched, s.recovered) == ("gap_replayed", True, 3)
