@@ -21,6 +21,7 @@ from kvobserve.sources.discovery_parse import (
     DiscoveryError,
     parse_sglang_server_info,
 )
+from tests.polling import until_async
 
 pytestmark = pytest.mark.integration
 
@@ -254,9 +255,7 @@ async def test_rediscovery_reports_moved_endpoints(engine: Engine) -> None:
         engine.serve("/kv_event_sources", VLLM_SOURCES)
         await red.start()
         await red.start()  # idempotent
-        deadline = asyncio.get_running_loop().time() + 5.0
-        while len(changes) < 3 and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.01)
+        await until_async(lambda: len(changes) >= 3, 5.0, "3 discovery changes", lambda: changes)
         assert len(changes) == 3 and changes[-1][0].sources[0].endpoint.endswith(":5557")
     finally:
         await red.close()
