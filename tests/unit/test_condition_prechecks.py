@@ -41,6 +41,7 @@ from kvobserve.wire.snapshot import (
     UnexpectedStream,
     WorkerInfo,
 )
+from tests.examples import examples
 
 NOW = 50_000.0
 STATES = ("", "starting", "connecting", "waiting", "up", "idle", "duplicate", "not_publisher",
@@ -191,7 +192,7 @@ def _whole(fleet: Fleet) -> list[Condition]:
     return active(v)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(fleets())
 def test_every_rows_precheck_holds_where_its_check_finds_the_condition(fleet: Fleet) -> None:
     state, began = fleet
@@ -205,7 +206,7 @@ def test_every_rows_precheck_holds_where_its_check_finds_the_condition(fleet: Fl
                 assert k.may(s.stats, s.live, NOW), (kind, s.live, s.stats)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(fleets())
 def test_the_per_second_check_finds_what_the_whole_view_shows(fleet: Fleet) -> None:
     """The same conditions, in the same order, each since the same time."""
@@ -215,7 +216,7 @@ def test_the_per_second_check_finds_what_the_whole_view_shows(fleet: Fleet) -> N
     assert [(c, c.since) for c in fast] == [(c, c.since) for c in whole]
 
 
-@settings(max_examples=1500, deadline=None)
+@settings(max_examples=examples(1500), deadline=None)
 @given(_one_field_off("w", 0), st.booleans())
 def test_the_per_second_filter_is_the_rows_prechecks(stats: StreamStats, live: bool) -> None:
     """`may_have_condition` reads the event kinds' times at once: the same as asking each row."""
@@ -230,7 +231,9 @@ def test_the_generated_fleets_reach_every_condition(kind: str) -> None:
     def has(fleet: Fleet) -> bool:
         return any(c.kind == kind for c in _whole(fleet))
 
-    once = settings(max_examples=3000, phases=[Phase.generate], derandomize=True, database=None)
+    once = settings(
+        max_examples=3000, phases=[Phase.generate], derandomize=True, database=None, deadline=None
+    )
     found: Any = find(fleets(), has, settings=once)  # the first one: no shrinking
     assert has(found)
 
