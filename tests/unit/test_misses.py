@@ -84,7 +84,7 @@ def test_the_split_of_the_events_equals_the_simulators_truth(fmt: str, route: st
     pool = PoolMisses()
     for r, ix in enumerate(indexes):
         pool.attach(r, ix)
-    run = _drive(_trace(150.0), fmt, route, lambda r, b: indexes[r].apply_batch(b))
+    run = _drive(_trace(60.0), fmt, route, lambda r, b: indexes[r].apply_batch(b))
     truth = run.replay.truth()
     assert truth["pool"]["unstored_pages"] == 0  # every miss was stored: misses == stores
     for r, ix in enumerate(indexes):
@@ -130,7 +130,7 @@ def _sampled_run(
 
 
 def test_a_sample_of_everything_merged_from_two_collectors_is_exact() -> None:
-    run, merged, samplers, _ = _sampled_run(_trace(150.0), "random", floor=10**9)
+    run, merged, samplers, _ = _sampled_run(_trace(60.0), "random", floor=10**9)
     assert merged.level == 0 and all(s.level == 0 for s in samplers)
     truth = run.replay.truth()
     for r in range(4):

@@ -70,7 +70,7 @@ def _expected_by_ids(reqs: tuple[TraceRequest, ...], page_size: int, partial: bo
 
 @pytest.mark.parametrize(("fmt", "partial"), [("sglang-0.5.23", True), ("vllm-0.33", False)])
 def test_engine_pages_of_16_tokens_hit_what_the_ids_say(fmt: str, partial: bool) -> None:
-    reqs = _trace(240.0)
+    reqs = _trace(60.0)
     run = replay_offline(reqs, format=fmt, ranks=1, capacity_tokens=UNLIMITED, page_size=16)
     pool = run.replay.truth()["pool"]
     (b_look, b_hit), (p_look, p_hit) = _expected_by_ids(reqs, 16, partial)
