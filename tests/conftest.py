@@ -6,8 +6,9 @@ each worker draws from its own block below the ephemeral range (`KVOBSERVE_SIM_P
 the processes a test starts inherit), so that no other worker and no outgoing connection takes
 it between the pick and the bind.
 
-Hypothesis: the profile `ci` (the default) runs every property's full count of examples; `quick`
-(`make check`) a tenth of it. A test asks for its count through `tests.examples.examples(n)`.
+Hypothesis: `full` (the default here; Hypothesis's `ci` where CI is set) runs every property's
+full count of examples, without a deadline; `quick` (`make check`) a tenth of them. A test asks
+for its count through `tests.examples.examples(n)`.
 """
 
 from __future__ import annotations
