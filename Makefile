@@ -51,9 +51,10 @@ lint: venv
 	$(BIN)/lint-imports
 
 # The inner loop: what a change must pass before it is worth the whole suite. Hypothesis runs a
-# tenth of each property's examples here (tests/examples.py); `make test` runs them all.
+# tenth of each property's examples here (tests/examples.py), and the unit tests marked `slow`
+# (long replays of the trace fixture) wait for `make test`, which runs everything.
 check: lint
-	$(BIN)/pytest tests/unit -q $(PARALLEL) --hypothesis-profile=quick
+	$(BIN)/pytest tests/unit -q $(PARALLEL) --hypothesis-profile=quick -m "not slow"
 
 # CI (.ci/run): the tools, lint, then every test, unit and integration, in parallel.
 test: venv tools lint

@@ -139,6 +139,7 @@ def test_a_sample_of_everything_merged_from_two_collectors_is_exact() -> None:
     assert merged.late_ops == 0 and not merged.lost
 
 
+@pytest.mark.slow
 def test_the_sampled_split_is_within_its_bound_and_stays_small() -> None:
     reqs = _trace(400.0)
     run, merged, samplers, sent = _sampled_run(reqs, "random", floor=FLOOR, capacity=2_000_000)
