@@ -6,7 +6,6 @@ import http.server
 import json
 import re
 import shutil
-import socket
 import subprocess
 import threading
 import urllib.parse
@@ -19,6 +18,7 @@ import pytest
 import yaml
 
 from kvobserve.export.catalog import BY_NAME
+from kvobserve.simulate.ports import free_port
 from tests.design_contract import DESIGN_ALERTS, DESIGN_METRICS
 from tests.polling import until
 
@@ -223,13 +223,6 @@ class _GoldenHandler(http.server.BaseHTTPRequestHandler):
         """Keep test output quiet."""
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _get(base: str, path: str, **params: str) -> Any:
     url = f"{base}{path}?{urllib.parse.urlencode(params)}" if params else f"{base}{path}"
     with urllib.request.urlopen(url, timeout=5) as resp:
@@ -253,7 +246,7 @@ def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         "  - job_name: kvobserve\n"
         f"    static_configs: [{{targets: ['127.0.0.1:{server.server_address[1]}']}}]\n"
     )
-    port = _free_port()
+    port = free_port()  # Prometheus cannot report the port it bound: one of this worker's block
     base = f"http://127.0.0.1:{port}"
     with (work / "prometheus.log").open("wb") as log:
         proc = subprocess.Popen(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 from aiohttp import web
 
 from kvobserve import cli
+from kvobserve.simulate.ports import free_port
 from kvobserve.sources.discovery import Rediscovery, discover
 from kvobserve.sources.discovery_parse import (
     DiscoveredEngine,
@@ -220,9 +220,7 @@ async def test_errors_name_url_and_field(
 
 
 async def test_connection_refused_is_a_discovery_error() -> None:
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # of this worker's block: nobody listens there
     with pytest.raises(DiscoveryError) as info:
         await discover(f"http://127.0.0.1:{port}", "vllm", timeout_s=2.0)
     assert info.value.field == "connection" and str(port) in str(info.value)

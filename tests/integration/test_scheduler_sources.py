@@ -7,7 +7,6 @@ import asyncio
 import base64
 import json
 import pickle
-import socket
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import zmq.asyncio
 from aiohttp import web
 
 from kvobserve.config import WorkerConfig
+from kvobserve.simulate.ports import free_port
 from kvobserve.sources.passthrough import parse_engine_metrics, relabel
 from kvobserve.sources.plan import rank_endpoint, scheduler_specs
 from kvobserve.sources.scheduler import (
@@ -210,9 +210,7 @@ def test_sglang_without_dp_rank_label_is_rank_0() -> None:
 
 
 async def test_scrape_connection_refused_counts() -> None:
-    with socket.socket() as sock:  # a free port nobody listens on
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # of this worker's block: nobody listens there
     src = MetricsScrape(f"http://127.0.0.1:{port}/metrics", "sglang", timeout_s=1.0)
     try:
         await src.scrape_once()
