@@ -1,4 +1,5 @@
-# Two commands on a fresh machine: `make run` (the demo) and `make test` (the whole suite).
+# Two commands on a fresh machine: `make run` (the demo) and `make test` (the whole suite, as CI
+# runs it). While working: `make check` (lint, types, import contract and the unit tests).
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -9,8 +10,12 @@ RUN_STAMP := $(VENV)/.installed-run
 # setuptools' advice on editable installs do not (they drowned the demo's URLs).
 PIP := $(BIN)/python -m pip install -qq --disable-pip-version-check
 DEMO_FLAGS ?=
+# pytest-xdist workers of `make check` and `make test`; each takes its own block of ports
+# (tests/conftest.py). worksteal: an idle worker takes tests queued at a busy one.
+JOBS ?= 2
+PARALLEL := -n $(JOBS) --dist worksteal
 
-.PHONY: run test venv venv-run tools lint bench fuzz soak clean
+.PHONY: run check test venv venv-run tools lint bench fuzz soak clean
 
 # The demo needs only the runtime dependencies; the test tools come with `make test` (`venv`).
 $(RUN_STAMP): pyproject.toml
@@ -45,8 +50,15 @@ lint: venv
 	$(BIN)/mypy deploy/kubernetes/generate.py
 	$(BIN)/lint-imports
 
+# The inner loop: what a change must pass before it is worth the whole suite. Hypothesis runs a
+# tenth of each property's examples here (tests/examples.py), and the unit tests marked `slow`
+# (long replays of the trace fixture) wait for `make test`, which runs everything.
+check: lint
+	$(BIN)/pytest tests/unit -q $(PARALLEL) --hypothesis-profile=quick -m "not slow"
+
+# CI (.ci/run): the tools, lint, then every test, unit and integration, in parallel.
 test: venv tools lint
-	$(BIN)/pytest
+	$(BIN)/pytest $(PARALLEL)
 
 bench: venv
 	$(BIN)/python -m benchmarks.decode

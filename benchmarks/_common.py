@@ -27,24 +27,13 @@ from typing import Any
 
 import msgspec
 
-from kvobserve.simulate.group import free_port_range
+from kvobserve.simulate.ports import free_port
 
 HASHES_PER_EVENT = 16
 TOKENS_PER_EVENT = 256
 WINDOW = 4096  # groups resident at steady state: 64k blocks per stream
 TOPIC = b"kv-events"
 _TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def free_port(host: str = "127.0.0.1", attempts: int = 200) -> int:
-    """A TCP port on `host`, below the ephemeral range, that was free a moment ago and that
-    this process did not hand out lately (simulate/group.py `free_port_range`)."""
-    try:
-        return free_port_range(host, 1, attempts)
-    except OSError:
-        with socket.socket() as s:  # a crowded range: any free port
-            s.bind((host, 0))
-            return int(s.getsockname()[1])
 
 
 def median(values: Sequence[float]) -> float:
@@ -260,33 +249,55 @@ def wait_for_port(port: int, deadline_s: float = 10.0) -> None:
             time.sleep(0.02)  # polling interval
 
 
+def start_nats(
+    args: Sequence[str], log_path: Path, port: int | None = None, monitor: bool = False
+) -> tuple[subprocess.Popen[bytes], dict[str, int]]:
+    """nats-server on 127.0.0.1 with `args`, on `port` or else on a port it binds itself
+    (`-p -1`), with its monitoring port if `monitor` (`-m -1`); the process and the ports it
+    reports in its ports file ("nats", "monitoring"), once it listens."""
+    ports_dir = log_path.parent / f"{log_path.stem}.ports"
+    ports_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port or -1)]
+    cmd += ["-m", "-1"] if monitor else []
+    cmd += ["--ports_file_dir", str(ports_dir), *args]
+    with open(log_path, "ab") as logf:  # a file, so a chatty server never blocks on a pipe
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT)
+    ports_file = ports_dir / f"{Path(cmd[0]).name}_{proc.pid}.ports"
+    end = time.monotonic() + 10.0
+    while (ports := _reported_ports(ports_file)) is None:  # written once it listens
+        if proc.poll() is not None or time.monotonic() > end:
+            stop_process(proc)
+            tail = log_path.read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"nats-server did not report its ports: {' '.join(cmd)}\n{tail}")
+        time.sleep(0.02)  # polling interval
+    for p in ports.values():
+        wait_for_port(p)
+    return proc, ports
+
+
+def _reported_ports(path: Path) -> dict[str, int] | None:
+    """The ports in a nats-server ports file, or None while it is not (completely) written."""
+    try:
+        urls = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return {k: int(v[0].rpartition(":")[2]) for k, v in urls.items() if v} or None
+
+
 class NatsServer:
-    """A nats-server on 127.0.0.1 and a free port (no JetStream), stopped by its PID."""
+    """A nats-server on 127.0.0.1 (no JetStream) on ports it reports, stopped by its PID."""
 
     def __init__(self, log_path: Path) -> None:
-        self.port = free_port()
-        self.url = f"nats://127.0.0.1:{self.port}"
-        self.monitor_port = free_port()  # /varz: in_bytes, out_bytes
+        self.port = 0
+        self.url = ""
+        self.monitor_port = 0  # /varz: in_bytes, out_bytes
         self._log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> NatsServer:
-        with open(self._log_path, "ab") as logf:
-            self.proc = subprocess.Popen(
-                [
-                    nats_server_binary(),
-                    "-a",
-                    "127.0.0.1",
-                    "-p",
-                    str(self.port),
-                    "-m",
-                    str(self.monitor_port),
-                ],
-                stdout=logf,
-                stderr=subprocess.STDOUT,
-            )
-        wait_for_port(self.port)
-        wait_for_port(self.monitor_port)
+        self.proc, ports = start_nats([], self._log_path, monitor=True)
+        self.port, self.monitor_port = ports["nats"], ports["monitoring"]
+        self.url = f"nats://127.0.0.1:{self.port}"
         return self
 
     def varz(self) -> dict[str, Any]:

@@ -144,7 +144,7 @@ class _Rank:
 
 def publish(ctl: Connection, ranks: int, rate: float, restart_every: int, total: Any) -> None:
     """The publisher process: ports to `ctl`, wait for "go", publish until "stop", send truth."""
-    from kvobserve.simulate.group import free_port_range
+    from kvobserve.simulate.ports import free_port_range
 
     ctx: zmq.Context[Any] = zmq.Context()
     kv, rp = free_port_range("127.0.0.1", ranks + 1), free_port_range("127.0.0.1", ranks)

@@ -39,7 +39,7 @@ from kvobserve.config import (
 from kvobserve.simulate import FaultConfig, SimulatedWorker, nodes_of
 from kvobserve.simulate.config import SimConfig
 from kvobserve.simulate.dynamo_worker import SimulatedDynamoWorker
-from kvobserve.simulate.group import free_port_range
+from kvobserve.simulate.ports import free_port_range
 from kvobserve.simulate.truth import write_truth
 
 DEMO_FAULTS_SGLANG = FaultConfig(

@@ -3,74 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
-import random
-import socket
-import threading
-from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
 from kvobserve.simulate.config import SimConfig
 from kvobserve.simulate.dynamo_indexer import SimIndexer
 from kvobserve.simulate.dynamo_worker import SimulatedDynamoWorker, dynamo_worker_id, indexer_truth
+from kvobserve.simulate.ports import free_port_range
 from kvobserve.simulate.ranks import Endpoint
 from kvobserve.simulate.replay_driver import TraceDriver
 from kvobserve.simulate.trace import read_trace
 from kvobserve.simulate.truth import TRUTH_VERSION, write_truth
 from kvobserve.simulate.worker import SimulatedWorker
-
-_rng = random.Random()
-# Ports handed out lately by this process are not handed out again meanwhile: a port picked for
-# an engine that binds only later was still free when another caller probed it.
-_RECENT = 4096
-_recent: deque[int] = deque()
-_recent_set: set[int] = set()
-_recent_lock = threading.Lock()
-
-
-def _hand_out(base: int, count: int) -> bool:
-    """Claim `count` ports from `base` unless one was handed out lately; whether claimed."""
-    ports = range(base, base + count)
-    with _recent_lock:
-        if not _recent_set.isdisjoint(ports):
-            return False
-        _recent.extend(ports)
-        _recent_set.update(ports)
-        while len(_recent) > _RECENT:
-            _recent_set.discard(_recent.popleft())
-    return True
-
-
-def free_port_range(
-    host: str | Sequence[str], count: int, attempts: int = 50, avoid: Sequence[int] = ()
-) -> int:
-    """A base port whose next `count` TCP ports were all free on every host a moment ago.
-
-    Ranges starting at a base in `avoid` (each `count` long) are not overlapped, nor are the
-    last few thousand ports this process handed out.
-    """
-    hosts = [host] if isinstance(host, str) else list(host)
-    for _ in range(attempts):
-        # below the kernel's ephemeral range (32768-60999), which outgoing connections take
-        base = _rng.randrange(20000, 32768 - count)
-        if any(abs(base - other) < count for other in avoid):
-            continue
-        socks: list[socket.socket] = []
-        try:
-            for h in hosts:
-                for off in range(count):
-                    s = socket.socket()
-                    socks.append(s)
-                    s.bind((h, base + off))
-        except OSError:
-            continue
-        else:
-            if _hand_out(base, count):
-                return base
-        finally:
-            for s in socks:
-                s.close()
-    raise OSError(f"no {count} consecutive free ports on {', '.join(hosts)}")
 
 
 def nodes_of(cfg: SimConfig, hosts: Sequence[str] | None = None) -> list[SimConfig]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import threading
 import time
 import zlib
@@ -17,6 +16,7 @@ from typing import Any
 
 import zmq
 
+from kvobserve.simulate import ports
 from kvobserve.simulate.cache import PromptLibrary
 from kvobserve.simulate.config import SimConfig
 from kvobserve.simulate.encoders import replay_end, replay_frames
@@ -26,7 +26,6 @@ from kvobserve.simulate.stream import SimStream
 from kvobserve.simulate.truth import build_truth, write_truth
 
 log = logging.getLogger(__name__)
-_port_rng = random.Random()  # free-port probing only; never part of the simulated content
 
 
 class SimulatedWorker:
@@ -76,11 +75,23 @@ class SimulatedWorker:
     def _bind_group(
         self, base: int, offsets: list[int], kind: int, setup: Callable[[Any], None]
     ) -> tuple[int, list[zmq.Socket[Any]]]:
-        """Bind one socket per offset at base + offset; base 0 tries random free ranges."""
+        """Bind one socket per offset at base + offset. Base 0: one socket binds port 0 and
+        reads it back; several try ranges of the port block (ports.py)."""
         assert self._ctx is not None
+        if base == 0 and offsets == [0]:
+            s = self._ctx.socket(kind)
+            s.setsockopt(zmq.LINGER, 0)
+            setup(s)
+            s.bind(f"tcp://{self.cfg.host}:0")
+            port = int(s.getsockopt_string(zmq.LAST_ENDPOINT).rpartition(":")[2])
+            ports.remember([port])
+            return port, [s]
         last: Exception | None = None
-        for _ in range(50 if base == 0 else 1):
-            b = base or _port_rng.randrange(20000, 60000 - max(offsets, default=0))
+        span = max(offsets, default=0) + 1
+        for _ in range(100 if base == 0 else 1):
+            b = base or ports.candidate_base(span)
+            if b is None:
+                continue
             socks: list[zmq.Socket[Any]] = []
             try:
                 for off in offsets:
@@ -89,6 +100,7 @@ class SimulatedWorker:
                     s.setsockopt(zmq.LINGER, 0)
                     setup(s)
                     s.bind(f"tcp://{self.cfg.host}:{b + off}")
+                ports.remember(range(b, b + span))
                 return b, socks
             except zmq.ZMQError as exc:
                 last = exc

@@ -21,6 +21,7 @@ from kvobserve.simulate import SimConfig, SimulatedWorker
 from kvobserve.sources.ingest_options import IngestOptions
 from kvobserve.transport.local import LocalBus
 from kvobserve.wire.snapshot import Snapshot, StreamStats
+from tests.polling import until_async
 
 CAPTURES = Path(__file__).resolve().parents[1] / "fixtures" / "engine-captures"
 CAPTURE_FOLDERS = sorted(p.name for p in CAPTURES.iterdir() if (p / "expected.json").is_file())
@@ -182,14 +183,17 @@ async def wait_snapshot(
     col: Collector, pred: Callable[[Snapshot], bool], timeout_s: float = 20.0, what: str = ""
 ) -> Snapshot:
     """Poll the collector's snapshot until `pred` holds; fail with the last one at the deadline."""
-    end = time.monotonic() + timeout_s
-    while True:
+    last: list[Snapshot] = []
+
+    async def check() -> Snapshot | None:
         snap = await col.snapshot()
-        if pred(snap):
-            return snap
-        if time.monotonic() > end:
-            raise AssertionError(f"not true after {timeout_s} s: {what}\n{describe(snap)}")
-        await asyncio.sleep(0.02)  # polling interval, not synchronization
+        last[:] = [snap]
+        return snap if pred(snap) else None
+
+    return await until_async(
+        check, timeout_s, what or getattr(pred, "__name__", "the snapshot"),
+        lambda: describe(last[0]) if last else "no snapshot",
+    )  # fmt: skip
 
 
 def describe(snap: Snapshot) -> str:

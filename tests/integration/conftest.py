@@ -1,8 +1,8 @@
-"""A real nats-server on 127.0.0.1 and a random free port, stopped by PID; restartable in place."""
+"""A real nats-server on 127.0.0.1 on a port it bound and reported, stopped by PID; restartable in
+place. Snapshots for the transport tests."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 import subprocess
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks._common import free_port, wait_for_port
+from benchmarks._common import start_nats
 from kvobserve.wire.snapshot import CollectorInfo, Snapshot, StreamStats, WorkerInfo
 from tests.integration.collector_helpers import Sims
 
@@ -30,17 +30,18 @@ def nats_server_binary() -> str:
 
 
 class NatsServer:
-    """One nats-server process; `restart()` keeps its port and JetStream store dir."""
+    """One nats-server process on a port it bound itself and reported (its ports file);
+    `restart()` keeps that port and the JetStream store dir."""
 
     def __init__(
         self, store_dir: Path, args: list[str] | None = None, jetstream: bool = True
     ) -> None:
-        self.port = free_port()
+        self.port = 0  # known once started
         self.store_dir = store_dir
         self.args = list(args or [])
         self.jetstream = jetstream
         self.proc: subprocess.Popen[bytes] | None = None
-        self.log_path = store_dir.parent / f"nats-server-{self.port}.log"
+        self.log_path = store_dir.parent / f"nats-server-{store_dir.name}.log"
 
     @property
     def url(self) -> str:
@@ -48,17 +49,10 @@ class NatsServer:
         return f"nats://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        """Start the server and wait until it accepts connections."""
-        cmd = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), *self.args]
-        if self.jetstream:
-            cmd += ["-js", "-sd", str(self.store_dir)]
-        with open(self.log_path, "ab") as logf:  # a file, so a chatty server never blocks on a pipe
-            self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT)
-        try:
-            wait_for_port(self.port)
-        except TimeoutError:
-            self.stop()
-            raise
+        """Start the server (on its earlier port, if it had one) and wait until it listens."""
+        args = [*self.args, *(["-js", "-sd", str(self.store_dir)] if self.jetstream else [])]
+        self.proc, ports = start_nats(args, self.log_path, port=self.port or None)
+        self.port = ports["nats"]
 
     def stop(self) -> None:
         """Stop the server by its PID (TERM, then KILL after 5 s)."""
@@ -143,17 +137,6 @@ def make_snapshot(
             for r in ranks
         ],
     )
-
-
-async def eventually(
-    predicate: Callable[[], bool], timeout_s: float = 10.0, what: str = ""
-) -> None:
-    """Poll `predicate` until true or fail after `timeout_s` (polling, not sleeping to sync)."""
-    end = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > end:
-            raise AssertionError(f"not true after {timeout_s} s: {what or predicate}")
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture

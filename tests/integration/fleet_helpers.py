@@ -9,10 +9,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -20,7 +20,6 @@ if TYPE_CHECKING:
     from kvobserve.simulate import SimConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-T = TypeVar("T")
 Labels = dict[str, str]
 
 
@@ -29,7 +28,11 @@ Labels = dict[str, str]
 
 def clean_env(**extra: str) -> dict[str, str]:
     """This environment without KVOBSERVE_* settings (they would override the test's config)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVOBSERVE_")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("KVOBSERVE_") or k == "KVOBSERVE_COLLECTOR_STATE_DIR"  # the test's own
+    }
     env["PYTHONPATH"] = str(ROOT)
     env.update(extra)
     return env
@@ -149,24 +152,6 @@ def scrape(base: str) -> Scrape | None:
     """`base`/metrics parsed; None while nothing answers."""
     text = fetch(f"{base}/metrics")
     return Scrape.parse(text) if text is not None else None
-
-
-def poll(
-    check: Callable[[], T | None],
-    timeout_s: float,
-    what: str,
-    describe: Callable[[], object] | None = None,
-) -> T:
-    """Call `check` until it returns something truthy; fail at the deadline, saying what."""
-    end = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > end:
-            detail = f"\n{describe()}" if describe is not None else ""
-            raise AssertionError(f"not true after {timeout_s} s: {what}{detail}")
-        time.sleep(0.05)  # polling interval, not synchronization
 
 
 # --- config files ------------------------------------------------------------------------------

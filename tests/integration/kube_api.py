@@ -24,7 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
-from tests.integration.conftest import free_port
+from kvobserve.simulate.ports import free_port
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kubernetes"
 Obj = dict[str, Any]

@@ -13,20 +13,21 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
-from kvobserve.simulate.group import free_port_range
-from tests.integration.conftest import free_port, nats_server_binary
+from kvobserve.simulate.ports import free_port, free_port_range
+from tests.integration.conftest import nats_server_binary
+from tests.polling import until
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
+T = TypeVar("T")
 
 # image (without tag) -> local command; services of other images (grafana) are not run.
 IMAGES: dict[str, Callable[[], list[str]]] = {
@@ -208,6 +209,19 @@ class Stack:
             return ""
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
+    def until(self, check: Callable[[], T], timeout_s: float, what: str) -> T:
+        """`tests.polling.until` while every started service runs (one that exits fails the
+        wait at once); a service not answering yet is a falsy value; logs in the message."""
+
+        def running_check() -> T:
+            self.check_running()
+            return check()
+
+        return until(
+            running_check, timeout_s, what, self.all_tails, retry_on=(OSError, ValueError),
+            interval_s=0.25,
+        )  # fmt: skip
+
     def all_tails(self) -> str:
         """Log tails of every started service, for failure messages."""
         return "\n".join(f"--- {n}\n{self.tail(n, 15)}" for n in self.procs)
@@ -227,7 +241,11 @@ class Stack:
 
 def _child_env() -> dict[str, str]:
     """The environment without KVOBSERVE_* settings that would change the services' config."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("KVOBSERVE_")}
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("KVOBSERVE_") or k == "KVOBSERVE_COLLECTOR_STATE_DIR"  # the test's own
+    }
 
 
 def http_json(url: str, params: dict[str, str] | None = None, timeout: float = 5.0) -> Any:
@@ -236,24 +254,6 @@ def http_json(url: str, params: dict[str, str] | None = None, timeout: float = 5
         url += "?" + urllib.parse.urlencode(params)
     with urllib.request.urlopen(url, timeout=timeout) as resp:
         return json.load(resp)
-
-
-def poll(check: Callable[[], Any], deadline: float, what: str, stack: Stack | None = None) -> Any:
-    """Call `check` until it returns a truthy value or the monotonic `deadline` passes."""
-    last_exc: Exception | None = None
-    while True:
-        if stack is not None:
-            stack.check_running()
-        try:
-            result = check()
-            if result:
-                return result
-        except (OSError, ValueError) as exc:  # not up yet
-            last_exc = exc
-        if time.monotonic() > deadline:
-            logs = stack.all_tails() if stack is not None else ""
-            raise AssertionError(f"timed out waiting for {what} (last error {last_exc!r})\n{logs}")
-        time.sleep(0.25)  # polling interval, not synchronization
 
 
 def scale_for(rules_text: str, factor: float) -> str:

@@ -22,9 +22,11 @@ from kvobserve.aggregator import Aggregator
 from kvobserve.analysis.conditions import DOWN_AFTER_S
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.cli import main
+from kvobserve.simulate.ports import free_port
 from kvobserve.transport.nats import NatsTransport
 from kvobserve.wire.snapshot import encode_snapshot
-from tests.integration.conftest import NatsServer, eventually, free_port, make_snapshot
+from tests.integration.conftest import NatsServer, make_snapshot
+from tests.polling import until_async
 
 pytestmark = pytest.mark.integration
 
@@ -67,8 +69,10 @@ async def test_collector_going_silent_fires_then_resolves(
         await col.publish_snapshot(
             "node-0", encode_snapshot(make_snapshot("node-0", 0, interval_s=0.1))
         )
-        await eventually(lambda: bool(agg.view().collectors), what="snapshot applied")
-        await eventually(lambda: any(e["kind"] == "collector_down" for e in events), what="firing")
+        await until_async(lambda: bool(agg.view().collectors), 10.0, "snapshot applied")
+        await until_async(
+            lambda: any(e["kind"] == "collector_down" for e in events), 10.0, "firing"
+        )
         down = next(e for e in events if e["kind"] == "collector_down")
         assert down["state"] == "firing" and down["severity"] == "critical"
         assert down["labels"] == {"collector": "node-0", "node_rank": "0"}
@@ -79,12 +83,15 @@ async def test_collector_going_silent_fires_then_resolves(
         await col.publish_snapshot(
             "node-0", encode_snapshot(make_snapshot("node-0", 1, interval_s=60.0))
         )
-        await eventually(
+        await until_async(
             lambda: any(e["kind"] == "collector_down" and e["state"] == "resolved" for e in events),
-            what="resolved",
+            10.0,
+            "resolved",
         )
         # Transitions only: one firing per outage, never one per tick.
-        await eventually(lambda: agg.transitions_total.get("resolved", 0) >= 1)
+        await until_async(
+            lambda: agg.transitions_total.get("resolved", 0) >= 1, 10.0, "one resolved transition"
+        )
         firing = [e for e in events if e["kind"] == "collector_down" and e["state"] == "firing"]
         assert len(firing) == 1
     finally:

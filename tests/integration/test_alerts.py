@@ -6,13 +6,11 @@ import http.server
 import json
 import re
 import shutil
-import socket
 import subprocess
 import threading
-import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +19,11 @@ import yaml
 
 from kvobserve import __version__
 from kvobserve.export.catalog import BY_NAME
+from kvobserve.simulate.ports import free_port
 from tests.design_contract import DESIGN_ALERTS, DESIGN_METRICS
+from tests.polling import until
+
+NOT_UP = (OSError, ValueError, LookupError)  # Prometheus not up, or no data yet
 
 pytestmark = pytest.mark.integration
 
@@ -224,29 +226,10 @@ class _GoldenHandler(http.server.BaseHTTPRequestHandler):
         """Keep test output quiet."""
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _get(base: str, path: str, **params: str) -> Any:
     url = f"{base}{path}?{urllib.parse.urlencode(params)}" if params else f"{base}{path}"
     with urllib.request.urlopen(url, timeout=5) as resp:
         return json.loads(resp.read())
-
-
-def _poll(what: str, check: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if check():
-                return
-        except (OSError, ValueError, LookupError):
-            pass  # not up yet, or no data yet
-        time.sleep(0.2)  # poll interval, not synchronization: the deadline bounds the loop
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")
@@ -266,7 +249,7 @@ def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         "  - job_name: kvobserve\n"
         f"    static_configs: [{{targets: ['127.0.0.1:{server.server_address[1]}']}}]\n"
     )
-    port = _free_port()
+    port = free_port()  # Prometheus cannot report the port it bound: one of this worker's block
     base = f"http://127.0.0.1:{port}"
     with (work / "prometheus.log").open("wb") as log:
         proc = subprocess.Popen(
@@ -283,7 +266,12 @@ def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         # Two scrapes, so rate()/increase() have samples to work on. Prometheus applies the scrape
         # targets about 5 s after start, hence the generous deadline.
         query = "count_over_time(kvobserve_build_info[1m])"
-        _poll("two scrapes", lambda: float(_query(base, query)[0]["value"][1]) >= 2)
+        until(
+            lambda: float(_query(base, query)[0]["value"][1]) >= 2,
+            30.0,
+            "two scrapes",
+            retry_on=NOT_UP,
+        )
         yield base
     finally:
         proc.terminate()
@@ -309,7 +297,7 @@ def test_rules_evaluate_without_errors(prometheus: str) -> None:
         rules = [r for g in groups for r in g["rules"]]
         return len(rules) == len(_rules()) and all(r["evaluationTime"] > 0 for r in rules)
 
-    _poll("every rule evaluated", evaluated)
+    until(evaluated, 30.0, "every rule evaluated", retry_on=NOT_UP)
     groups = _get(prometheus, "/api/v1/rules")["data"]["groups"]
     for rule in (r for g in groups for r in g["rules"]):
         assert rule["health"] == "ok", f"{rule['name']}: {rule.get('lastError')}"
@@ -344,7 +332,7 @@ def test_golden_fleet_raises_the_expected_alerts(prometheus: str) -> None:
         ("KVSchedulerSourceDown", "sglang-a", ""),
     }
     # Rules evaluate every second; wait until an evaluation has seen two scrapes.
-    _poll("the expected alerts", lambda: expected <= keys())
+    until(lambda: expected <= keys(), 30.0, "the expected alerts", retry_on=NOT_UP)
     got = keys()
     down = next(
         a["labels"]

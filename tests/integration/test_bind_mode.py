@@ -17,7 +17,7 @@ import zmq
 from kvobserve.collector import Collector
 from kvobserve.config import Config
 from kvobserve.simulate import FaultConfig, SimulatedWorker
-from kvobserve.simulate.group import free_port_range
+from kvobserve.simulate.ports import free_port_range
 from kvobserve.sources.ingest_options import IngestOptions
 from kvobserve.wire.snapshot import BindStats, Snapshot
 from tests.integration.collector_helpers import (

@@ -16,8 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvobserve.simulate import SimConfig, SimulatorGroup, nodes_of
-from kvobserve.simulate.group import free_port_range
-from tests.integration.conftest import free_port
+from kvobserve.simulate.ports import free_port, free_port_range
 from tests.integration.fleet_helpers import ROOT, clean_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

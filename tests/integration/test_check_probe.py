@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from kvobserve.simulate import SimConfig, SimulatedWorker
-from tests.integration.conftest import free_port
+from kvobserve.simulate.ports import free_port
 from tests.integration.fleet_helpers import ROOT, clean_env, write_toml
 
 pytestmark = pytest.mark.integration

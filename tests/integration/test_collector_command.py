@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import subprocess
 import sys
@@ -14,9 +13,10 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvobserve.simulate.group import free_port_range
+from kvobserve.simulate.ports import free_port, free_port_range
 from tests.integration.collector_helpers import Sims, sim_config, truth_instance
-from tests.integration.conftest import NatsServer, free_port
+from tests.integration.conftest import NatsServer
+from tests.polling import until_async
 
 pytestmark = pytest.mark.integration
 
@@ -66,12 +66,13 @@ async def test_collect_serves_local_metrics_and_stops_on_sigterm(
     logfile = tmp_path / "collect.log"
 
     async def scrape_until(pred: Callable[[Samples], bool], what: str) -> Samples:
-        end = time.monotonic() + 15.0
-        while not pred(samples := await scrape(url)):
+        async def scraped() -> Samples | None:
             assert proc.poll() is None, f"collect exited: {logfile.read_text()}"
-            assert time.monotonic() < end, f"{what}: {logfile.read_text()}"
-            await asyncio.sleep(0.05)  # polling interval, not synchronization
-        return samples
+            samples = await scrape(url)
+            return samples if pred(samples) else None
+
+        got: Samples = await until_async(scraped, 15.0, what, logfile.read_text)
+        return got
 
     try:
         samples = await scrape_until(

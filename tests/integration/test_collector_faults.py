@@ -26,20 +26,16 @@ from tests.integration.collector_helpers import (
     wait_connected,
     wait_snapshot,
 )
+from tests.polling import until
 
 pytestmark = pytest.mark.integration
 
 
 def _restart_on_same_ports(sims: Sims, old: SimulatedWorker, cfg: SimConfig) -> SimulatedWorker:
     """A new engine process on the old one's ports (retried while the OS releases them)."""
-    end = time.monotonic() + 5.0
-    while True:
-        try:
-            return sims.start(cfg)
-        except (OSError, zmq.ZMQError):
-            if time.monotonic() > end:
-                raise
-            time.sleep(0.02)  # polling for the port, not synchronization
+    return until(
+        lambda: sims.start(cfg), 5.0, "the old ports free again", retry_on=(OSError, zmq.ZMQError)
+    )
 
 
 async def test_publisher_restart_resets_the_stream(sims: Sims) -> None:

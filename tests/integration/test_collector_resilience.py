@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvobserve.simulate import FaultConfig
-from kvobserve.simulate.group import free_port_range
+from kvobserve.simulate.ports import free_port_range
 from tests.integration.collector_helpers import (
     Sims,
     all_streams,
@@ -24,7 +24,7 @@ from tests.integration.collector_helpers import (
     wait_connected,
     wait_snapshot,
 )
-from tests.integration.conftest import eventually
+from tests.polling import until_async
 
 pytestmark = pytest.mark.integration
 MALFORMED = frozenset({5, 6, 30})  # two gaps: seqs 5-6, then 30
@@ -40,7 +40,7 @@ async def test_engine_not_up_yet_then_up(sims: Sims) -> None:
     )
     async with running_collector(cfg) as col:
         # a few snapshot intervals with nothing listening: reported down, nothing crashes
-        await eventually(lambda: col.snapshots_published >= 3, what="snapshots while engine down")
+        await until_async(lambda: col.snapshots_published >= 3, 10.0, "snapshots while engine down")
         snap = await col.snapshot()
         assert [(s.dp_rank, s.up, s.batches_total) for s in snap.streams] == [
             (0, False, 0),

@@ -25,7 +25,8 @@ from typing import Any
 import pytest
 
 from kvobserve.simulate import SimConfig, SimulatorGroup, nodes_of
-from tests.integration.conftest import NatsServer, free_port
+from kvobserve.simulate.ports import free_port
+from tests.integration.conftest import NatsServer
 from tests.integration.fleet_helpers import Procs, write_toml
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]

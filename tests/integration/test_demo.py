@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import free_port
-from tests.integration.fleet_helpers import ROOT, Procs, Scrape, fetch, poll, scrape
+from kvobserve.simulate.ports import free_port
+from tests.integration.fleet_helpers import ROOT, Procs, Scrape, fetch, scrape
+from tests.polling import until
 
 pytestmark = pytest.mark.integration
 
@@ -56,7 +57,7 @@ def test_demo_serves_twelve_streams_and_stops_on_sigterm(procs: Procs) -> None:
         up = s.by("kvobserve_stream_up", ("worker_id", "dp_rank"))
         return s if set(up) == STREAMS and all(v == 1 for v in up.values()) else None
 
-    s = poll(twelve_up, 10, "12 streams up", lambda: scrape(base))
+    s = until(twelve_up, 10, "12 streams up", lambda: scrape(base))
     took = time.monotonic() - t0
     assert took < 10.0, f"12 streams after {took:.1f} s"
     info = s.by("kvobserve_stream_info", ("worker_id", "dp_rank", "engine", "collector"))
@@ -73,7 +74,7 @@ def test_demo_serves_twelve_streams_and_stops_on_sigterm(procs: Procs) -> None:
         sched = s.by("kvobserve_scheduler_token_usage_ratio", ("worker_id", "dp_rank"))
         return s if set(got) == STREAMS and set(sched) == STREAMS else None
 
-    s = poll(usage_everywhere, 10, "usage of all 12 streams", lambda: scrape(base))
+    s = until(usage_everywhere, 10, "usage of all 12 streams", lambda: scrape(base))
     ratios = s.by("kvobserve_kv_cache_usage_ratio", ("worker_id", "dp_rank")).values()
     assert all(0 <= v < 1 for v in ratios)  # 0 until a stream's first batch
 
@@ -82,7 +83,7 @@ def test_demo_serves_twelve_streams_and_stops_on_sigterm(procs: Procs) -> None:
         sg = {x["scheduler_source"] for x in streams if x["worker_id"] == "sglang-dp8"}
         return streams if sg == {"load+metrics"} else None
 
-    streams = poll(both_sources, 10, "SGLang ranks read from load and /metrics", lambda: None)
+    streams = until(both_sources, 10, "SGLang ranks read from load and /metrics", lambda: None)
     hosts = {
         (x["worker_id"], x["dp_rank"]): str(x["endpoint"]).split("://")[1].rsplit(":", 1)[0]
         for x in streams

@@ -35,12 +35,13 @@ from kvobserve.simulate.worker import SimulatedWorker
 from tests.integration.test_demo_usage import (  # noqa: F401 (the fixture)
     BATCHES,
     DEMO_RATE,
+    NOT_UP,
     SPEEDUP,
     _get,
     _query,
-    _until,
     prometheus,
 )
+from tests.polling import until_async
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -68,11 +69,18 @@ async def test_the_demo_warns_only_of_its_injected_faults_over_ten_minutes_of_ba
 ) -> None:
     assert DOWN_AFTER_S < 60 < 600 < RECENT_S  # what the docstring says of the wall-time ones
     prom, demo_port = prometheus
-    await _until("Prometheus ready", lambda: urllib.request.urlopen(f"{prom}/-/ready").status == 200, 30)  # fmt: skip
-    await _until(
-        "Prometheus knows the demo target",
-        lambda: bool(_get(prom, "/api/v1/targets")["data"]["activeTargets"]),
+
+    def ready() -> bool:
+        return bool(urllib.request.urlopen(f"{prom}/-/ready").status == 200)
+
+    await until_async(lambda: asyncio.to_thread(ready), 30, "Prometheus ready", retry_on=NOT_UP)
+    await until_async(
+        lambda: asyncio.to_thread(
+            lambda: bool(_get(prom, "/api/v1/targets")["data"]["activeTargets"])
+        ),
         30,
+        "Prometheus knows the demo target",
+        retry_on=NOT_UP,
     )
     demo = await start_demo(
         HttpConfig(listen=f"127.0.0.1:{demo_port}"), rate=DEMO_RATE * SPEEDUP

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 from aiohttp import web
 
 from kvobserve import cli
+from kvobserve.simulate.ports import free_port
 from kvobserve.sources.discovery import Rediscovery, discover
 from kvobserve.sources.discovery_parse import (
     DiscoveredEngine,
@@ -21,6 +21,7 @@ from kvobserve.sources.discovery_parse import (
     DiscoveryError,
     parse_sglang_server_info,
 )
+from tests.polling import until_async
 
 pytestmark = pytest.mark.integration
 
@@ -219,9 +220,7 @@ async def test_errors_name_url_and_field(
 
 
 async def test_connection_refused_is_a_discovery_error() -> None:
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # of this worker's block: nobody listens there
     with pytest.raises(DiscoveryError) as info:
         await discover(f"http://127.0.0.1:{port}", "vllm", timeout_s=2.0)
     assert info.value.field == "connection" and str(port) in str(info.value)
@@ -254,9 +253,7 @@ async def test_rediscovery_reports_moved_endpoints(engine: Engine) -> None:
         engine.serve("/kv_event_sources", VLLM_SOURCES)
         await red.start()
         await red.start()  # idempotent
-        deadline = asyncio.get_running_loop().time() + 5.0
-        while len(changes) < 3 and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.01)
+        await until_async(lambda: len(changes) >= 3, 5.0, "3 discovery changes", lambda: changes)
         assert len(changes) == 3 and changes[-1][0].sources[0].endpoint.endswith(":5557")
     finally:
         await red.close()

@@ -28,13 +28,14 @@ from typing import Any
 import pytest
 
 from kvobserve.simulate import SimConfig, SimulatedWorker, SimulatorGroup
-from kvobserve.simulate.group import free_port_range
+from kvobserve.simulate.ports import free_port, free_port_range
 from tests.certs import self_signed
-from tests.integration.conftest import NatsServer, free_port
-from tests.integration.fleet_helpers import ROOT, Procs, clean_env, fetch, poll, write_toml
+from tests.integration.conftest import NatsServer
+from tests.integration.fleet_helpers import ROOT, Procs, clean_env, fetch, write_toml
 from tests.integration.k8s_helpers import expand, lws_sidecar_env, lws_templates, shared_toml
 from tests.integration.kube_api import serving_in_thread
 from tests.integration.test_dynamo_source import expected, observed
+from tests.polling import until
 
 pytestmark = pytest.mark.integration
 
@@ -176,11 +177,12 @@ def _run(args: list[str], extra: dict[str, str], base: str | None, tmp: Path) ->
                 text = out_path.read_text()
                 assert rc == 0 or (args[0] == "status" and rc == 1), f"exit {rc}:\n{text}"
                 return text
-            deadline = time.monotonic() + 30
-            while not _ready(args, base, out_path):
+
+            def ready() -> bool:
                 assert proc.poll() is None, f"exited {proc.returncode}:\n{out_path.read_text()}"
-                assert time.monotonic() < deadline, f"not ready in 30 s:\n{out_path.read_text()}"
-                time.sleep(0.1)
+                return _ready(args, base, out_path)
+
+            until(ready, 30, "ready", out_path.read_text)
             proc.send_signal(signal.SIGTERM)
             rc = proc.wait(timeout=5)
             assert rc == 0, f"exit {rc} on SIGTERM:\n{out_path.read_text()}"
@@ -250,10 +252,12 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=clean_env(), cwd=ROOT,
         )  # fmt: skip
         aggregator = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while not _healthy(aggregator):
-            assert run.poll() is None and time.monotonic() < deadline, "kvobserve run did not serve"
-            time.sleep(0.1)
+
+        def serving() -> bool:
+            assert run.poll() is None, "kvobserve run exited"
+            return _healthy(aggregator)
+
+        until(serving, 30, "kvobserve run serves")
         cert, key = self_signed(tmp / "tls")
         yield Env(
             tmp, nats.url, kv, replay, url, config, sim_config, aggregator, cert, key,
@@ -418,7 +422,7 @@ def test_two_node_walkthrough_with_node_1s_engine_killed(tmp_path: Path) -> None
             procs.kvobserve(f"engine-{k}", *_simulate_args(launch, k, ports)) for k in (0, 1)
         ]
         for pid in engines:
-            poll(lambda pid=pid: "ready workers=" in procs.log(pid), 30, "engine ready", logs)
+            until(lambda pid=pid: "ready workers=" in procs.log(pid), 30, "engine ready", logs)
         cfg = tmp_path / "kvobserve.toml"
         cfg.write_text(doc(config))
         argv = doc(aggregate).replace("--nats URL", f"--nats {nats.url}")
@@ -443,18 +447,18 @@ def test_two_node_walkthrough_with_node_1s_engine_killed(tmp_path: Path) -> None
             rows = [ln.split() for ln in text.splitlines() if ln.startswith("sglang-dp8 ")]
             return rc == 0 and len(rows) == 8 and all(r[4] == "up" and r[12] != "-" for r in rows)
 
-        poll(fleet_up, 60, "8 ranks up with cache usage, exit 0", logs)
+        until(fleet_up, 60, "8 ranks up with cache usage, exit 0", logs)
         assert "8/8 streams up" in _status(status_argv)[1]
 
         os.kill(engines[1], signal.SIGKILL)  # by PID: node 1's engine dies, its collector runs on
-        poll(lambda: not procs.alive(engines[1]), 10, "engine 1 gone", logs)
+        until(lambda: not procs.alive(engines[1]), 10, "engine 1 gone", logs)
 
         def dead_shown() -> str | None:
             rc, text = _status(status_argv)
             down = [ln for ln in text.splitlines() if "stream_down" in ln and "CRITICAL" in ln]
             return text if rc == 1 and len(down) == 4 else None
 
-        text = poll(dead_shown, 30, "ranks 4-7 down in `kvobserve status`, exit 1", logs)
+        text = until(dead_shown, 30, "ranks 4-7 down in `kvobserve status`, exit 1", logs)
         rows = {int(ln.split()[1]): ln for ln in text.splitlines() if ln.startswith("sglang-dp8 ")}
         for r in range(4, 8):
             cells = rows[r].split()
@@ -519,7 +523,7 @@ def test_sidecar_section_is_the_manifests_and_runs_in_each_lws_pod(tmp_path: Pat
             pod, env = lws_sidecar_env(0, k)
             lws = {n: v for n, v in env.items() if n.startswith("LWS_")}
             sim = procs.kvobserve(f"engine-{k}", *_simulate_args(expand(launch, lws), k, ports))
-            poll(lambda sim=sim: "ready workers=" in procs.log(sim), 30, f"{pod}'s engine", logs)
+            until(lambda sim=sim: "ready workers=" in procs.log(sim), 30, f"{pod}'s engine", logs)
             mine = {n: v for n, v in env.items() if n.startswith("KVOBSERVE_")}
             mine.update(KVOBSERVE_NATS_URL=nats.url, KVOBSERVE_COLLECTOR_HOST=NODES[k],
                         KVOBSERVE_HTTP_LISTEN=f"{NODES[k]}:{free_port()}")  # fmt: skip
@@ -538,7 +542,7 @@ def test_sidecar_section_is_the_manifests_and_runs_in_each_lws_pod(tmp_path: Pat
                 found if ok and all(r[4] == "up" and r[12] != "-" for r in found.values()) else None
             )
 
-        found = poll(rows, 60, "8 ranks up, each with its cache usage", logs)
+        found = until(rows, 60, "8 ranks up, each with its cache usage", logs)
         for rank, cells in found.items():  # NODE, COLLECTOR: the pod that runs the rank
             k = rank // 4
             assert cells[2:4] == [str(k), lws_sidecar_env(0, k)[0]], cells
@@ -590,12 +594,12 @@ def test_dynamo_section_runs_against_simulated_dynamo_workers(tmp_path: Path) ->
             workers = json.loads(text)["workers"] if text else []
             return any(w["worker_id"].startswith("dynamo/") and w["owners"] for w in workers)
 
-        poll(beating, 30, "the Dynamo worker's heartbeat", lambda: procs.log(pid))
+        until(beating, 30, "the Dynamo worker's heartbeat", lambda: procs.log(pid))
         for w in group.dynamo:
             w.publish_now()
-        poll(lambda: all(w._finished() for w in group.dynamo), 30, "the simulator published")
+        until(lambda: all(w._finished() for w in group.dynamo), 30, "the simulator published")
         want = expected(group.truth())
-        poll(lambda: observed(streams(), set()) == want, 30, "streams equal the truth",
+        until(lambda: observed(streams(), set()) == want, 30, "streams equal the truth",
              lambda: f"{observed(streams(), set())}\n!=\n{want}")  # fmt: skip
         (s,) = streams()
         assert s["blocks"]["GPU"] > 0

@@ -4,7 +4,6 @@ blocks the simulator injected; a faithful one gives none, also while events are 
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -19,7 +18,7 @@ from kvobserve.simulate import SimConfig
 from kvobserve.simulate.dynamo_worker import SimulatedDynamoWorker
 from kvobserve.simulate.group import SimulatorGroup
 from kvobserve.transport.local import LocalBus
-from tests.integration.conftest import eventually
+from tests.polling import until_async
 
 pytestmark = pytest.mark.integration
 
@@ -59,7 +58,7 @@ async def running(configs: list[SimConfig], api: str = "dump") -> AsyncIterator[
             snap = await col.snapshot()
             return len({(s.worker_id, s.dp_rank) for s in snap.scheduler}) == len(ranks)
 
-        await _until(beating, "every rank's load beats")
+        await until_async(beating, 30.0, "every rank's load beats")
         yield group, col
     finally:
         if col is not None:
@@ -67,16 +66,9 @@ async def running(configs: list[SimConfig], api: str = "dump") -> AsyncIterator[
         group.stop()
 
 
-async def _until(check: Any, what: str, timeout_s: float = 30.0) -> None:
-    end = asyncio.get_running_loop().time() + timeout_s
-    while not await check():
-        assert asyncio.get_running_loop().time() < end, f"not true after {timeout_s} s: {what}"
-        await asyncio.sleep(0.05)
-
-
 async def settled(group: SimulatorGroup, col: Collector) -> None:
     """Wait until the simulators are done and the collector holds what they delivered."""
-    await eventually(lambda: all(w._finished() for w in group.dynamo), 30, "published all")
+    await until_async(lambda: all(w._finished() for w in group.dynamo), 30, "published all")
     want = {}
     for w in group.dynamo:
         for st in w.ranks:
@@ -91,7 +83,7 @@ async def settled(group: SimulatorGroup, col: Collector) -> None:
         }
         return got == want
 
-    await _until(done, "the collector holds every delivered event")
+    await until_async(done, 30.0, "the collector holds every delivered event")
 
 
 def injected(group: SimulatorGroup) -> dict[tuple[str, int, str], tuple[int, int]]:
@@ -197,7 +189,7 @@ async def test_demo_with_a_dynamo_worker_measures_its_indexer() -> None:
             # the indexer loses removals: evicted blocks stay in the router as phantoms
             return up == {0, 1, 2, 3} and any(d.phantom for d in drift)
 
-        await eventually(measured, 30, "the demo's Dynamo worker is watched and drifts")
+        await until_async(measured, 30, "the demo's Dynamo worker is watched and drifts")
         view = demo.kvobserve.aggregator.view()
         kinds = {c.kind for c in active(view) if dict(c.labels).get("worker_id") == label}
         assert "dp_rank_uncovered" not in kinds

@@ -19,8 +19,9 @@ from kvobserve.commands.embedded import start_embedded
 from kvobserve.config import Config, load_config
 from kvobserve.simulate import FaultConfig, SimConfig
 from kvobserve.simulate.group import SimulatorGroup, nodes_of
-from tests.integration.conftest import NatsServer, eventually
-from tests.integration.fleet_helpers import Procs, fetch, poll, write_toml
+from tests.integration.conftest import NatsServer
+from tests.integration.fleet_helpers import Procs, fetch, write_toml
+from tests.polling import until, until_async
 
 pytestmark = pytest.mark.integration
 
@@ -118,10 +119,10 @@ def _run_and_check(
         return {int(r) for w in workers for r in w["owners"] if w["owners"][r]}
 
     # the ranks' load heartbeats reach the collector: it is subscribed, events may start
-    poll(lambda: fleet_ranks() == set(range(8)), 30, "all 8 ranks beat", lambda: procs.log(pid))
+    until(lambda: fleet_ranks() == set(range(8)), 30, "all 8 ranks beat", lambda: procs.log(pid))
     for w in group.dynamo:
         w.publish_now()
-    poll(lambda: all(w._finished() for w in group.dynamo), 30, "the simulator published all")
+    until(lambda: all(w._finished() for w in group.dynamo), 30, "the simulator published all")
     want = comparable(expected(group.truth()), {3})
 
     def got() -> dict[int, dict[str, Any]]:
@@ -129,7 +130,7 @@ def _run_and_check(
         streams = [s for s in json.loads(text or "[]") if s["engine"] == "dynamo"]
         return comparable(observed(streams, {3}), {3})
 
-    poll(lambda: got() == want, 30, "streams equal the truth", lambda: f"{got()}\n!=\n{want}")
+    until(lambda: got() == want, 30, "streams equal the truth", lambda: f"{got()}\n!=\n{want}")
     # the faults did happen (a broken simulator would make the comparison vacuous)
     assert want[1]["gaps"] >= 1 and want[6]["gaps"] >= 1
     assert {r for r, v in want.items() if v.get("restarts")} == {1, 6}
@@ -196,10 +197,10 @@ async def test_each_node_keeps_its_own_share_of_a_namespace(tmp_path: Path) -> N
             assert emb is not None
             return {k: v for k, v in emb.aggregator.view().owners.items() if k[0] == label}
 
-        await eventually(lambda: owners() == want, 30, "one owner per rank, by node")
+        await until_async(lambda: owners() == want, 30, "one owner per rank, by node")
         for w in group.dynamo:
             w.publish_now()
-        await eventually(lambda: all(w._finished() for w in group.dynamo), 30, "published")
+        await until_async(lambda: all(w._finished() for w in group.dynamo), 30, "published")
 
         def streams() -> dict[str, set[int]]:
             assert emb is not None
@@ -208,7 +209,9 @@ async def test_each_node_keeps_its_own_share_of_a_namespace(tmp_path: Path) -> N
                 out.setdefault(s.collector.collector_id, set()).add(s.stats.dp_rank)
             return out
 
-        await eventually(lambda: streams() == {"c0": {0, 1, 2, 3}, "c1": {4, 5, 6, 7}}, 30, "split")
+        await until_async(
+            lambda: streams() == {"c0": {0, 1, 2, 3}, "c1": {4, 5, 6, 7}}, 30, "split"
+        )
         assert not [c for c in active(emb.aggregator.view()) if c.kind.startswith("dp_rank")]
         for col in emb.collectors:  # each dropped the other node's events
             snap = col.last_snapshot
@@ -224,7 +227,7 @@ async def test_each_node_keeps_its_own_share_of_a_namespace(tmp_path: Path) -> N
                 if c.kind == "dp_rank_uncovered"
             }
 
-        await eventually(lambda: uncovered() == {4, 5, 6, 7}, 30, "node 1's ranks uncovered")
+        await until_async(lambda: uncovered() == {4, 5, 6, 7}, 30, "node 1's ranks uncovered")
     finally:
         if emb is not None:
             await emb.close()

@@ -21,10 +21,11 @@ from kvobserve.analysis.views import FleetView
 from kvobserve.commands.embedded import start_embedded
 from kvobserve.config import Config, load_config
 from kvobserve.simulate import FaultConfig, SimConfig, SimulatedWorker, nodes_of
+from kvobserve.simulate.ports import free_port
 from kvobserve.simulate.profiles import PROFILES
 from kvobserve.simulate.truth import build_truth
-from tests.integration.conftest import eventually, free_port
-from tests.integration.fleet_helpers import Procs, Scrape, clean_env, poll, scrape, write_toml
+from tests.integration.fleet_helpers import Procs, Scrape, clean_env, scrape, write_toml
+from tests.polling import until, until_async
 
 pytestmark = pytest.mark.integration
 
@@ -121,7 +122,7 @@ def test_run_watches_two_engines_without_nats(procs: Procs, tmp_path: Path) -> N
         return s if s is not None and len(s.get("kvobserve_stream_info")) == 4 else None
 
     # streams are declared (down) before the engines exist
-    s = poll(streams, 20, "4 streams declared", lambda: procs.log(pid))
+    s = until(streams, 20, "4 streams declared", lambda: procs.log(pid))
     assert s.by("kvobserve_stream_up", KEYS) == {(w, str(r)): 0.0 for w in ENGINES for r in (0, 1)}
 
     sims = [SimulatedWorker(c) for c in (sg, vl)]
@@ -134,8 +135,8 @@ def test_run_watches_two_engines_without_nats(procs: Procs, tmp_path: Path) -> N
             return s.by("kvobserve_kv_event_batches_total", KEYS) if s else {}
 
         want = {(w, str(r)): float(MAX_BATCHES) for w in ENGINES for r in (0, 1)}
-        poll(lambda: applied() == want, 20, "every batch of both engines applied", applied)
-        s = poll(lambda: scrape(base), 5, "scrape")
+        until(lambda: applied() == want, 20, "every batch of both engines applied", applied)
+        s = until(lambda: scrape(base), 5, "scrape")
         info = s.by("kvobserve_stream_info", ("worker_id", "dp_rank", "engine", "endpoint"))
         assert set(info) == {
             (c.worker_id, str(r), c.wire.engine, f"tcp://127.0.0.1:{c.kv_port + r}")
@@ -168,7 +169,7 @@ def test_run_watches_two_engines_without_nats(procs: Procs, tmp_path: Path) -> N
             return all(abs(n - stored[(w, "GPU")]) <= 0.25 * stored[(w, "GPU")]
                        for w, n in weighed().items())  # fmt: skip
 
-        poll(close, 10, "each worker's misses about its stores", lambda: (weighed(), stored))
+        until(close, 10, "each worker's misses about its stores", lambda: (weighed(), stored))
     finally:
         for sim in sims:
             sim.stop()
@@ -436,7 +437,7 @@ async def test_fault_profile_matches_the_truth(profile: str, fmt: str) -> None:
             want = _expected(await _final_truth(sim, faults), faults, sim.kv_base)
             view = emb.aggregator.view
             try:
-                await eventually(lambda: _actual(view(), want) == want, 6.0, "view == truth")
+                await until_async(lambda: _actual(view(), want) == want, 6.0, "view == truth")
             except AssertionError as exc:
                 diff = "\n".join(_diff(_actual(view(), want), want))
                 raise AssertionError(f"{profile}/{fmt}: {exc}; got != want:\n{diff}") from None

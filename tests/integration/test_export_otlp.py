@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import gzip
 from collections.abc import AsyncIterator
 
@@ -18,6 +17,7 @@ from kvobserve.export.catalog import BY_NAME
 from kvobserve.export.otlp import OtlpPush, metrics_url, parse_headers
 from kvobserve.export.prometheus import FleetCollector
 from kvobserve.export.server import HttpServer, serve
+from tests.polling import until_async
 from tests.unit.test_export_fleet import rich_view
 
 pytestmark = pytest.mark.integration
@@ -97,10 +97,7 @@ async def test_otlp_push_matches_metrics(receiver: tuple[Receiver, HttpServer]) 
     view = rich_view()
     push = OtlpPush(lambda: view, srv.url, 0.2, headers={"x-tenant": "gpu-fleet"}).start()
     try:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 20
-        while len(rec.requests) < 2 and loop.time() < deadline:
-            await asyncio.sleep(0.05)
+        await until_async(lambda: len(rec.requests) >= 2, 20, "two OTLP pushes received")
     finally:
         await push.shutdown()
     assert len(rec.requests) >= 2, "no OTLP push arrived"
@@ -128,10 +125,7 @@ async def test_otlp_push_survives_a_dead_receiver() -> None:
     # Port 9 (discard) on 127.0.0.1 is closed: every push fails, the task keeps running.
     push = OtlpPush(rich_view, "http://127.0.0.1:9", 0.1, timeout_s=0.5).start()
     try:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 20
-        while push.pushes_failed < 2 and loop.time() < deadline:
-            await asyncio.sleep(0.05)
+        await until_async(lambda: push.pushes_failed >= 2, 20, "two pushes failed")
         assert push.pushes_failed >= 2 and push.pushes_ok == 0
     finally:
         await push.shutdown()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import io
-import socket
 
 import pytest
 
@@ -14,6 +13,7 @@ from kvobserve.aggregator import Aggregator
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.commands import status as statuscmd
 from kvobserve.export.server import create_app, serve
+from kvobserve.simulate.ports import free_port
 from kvobserve.wire.snapshot import (
     CollectorInfo,
     Event,
@@ -116,9 +116,7 @@ async def test_status_with_basic_auth(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_unreachable_url_exits_2_and_names_it(capsys: pytest.CaptureFixture[str]) -> None:
-    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # of this worker's block: nothing listens there
     url = f"http://127.0.0.1:{port}"
     assert statuscmd.run(_args("--url", url, "--timeout", "2")) == 2
     assert url in capsys.readouterr().err

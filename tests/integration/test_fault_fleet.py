@@ -7,7 +7,6 @@ import asyncio
 import dataclasses
 import os
 import signal
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,13 +16,14 @@ import pytest
 from kvobserve.aggregator import Aggregator
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.simulate import SimulatedWorker
-from kvobserve.simulate.group import free_port_range
+from kvobserve.simulate.ports import free_port, free_port_range
 from kvobserve.transport.local import LocalBus
 from kvobserve.transport.nats import NatsTransport
 from kvobserve.wire.snapshot import encode_snapshot
 from tests.integration.collector_helpers import Sims, sim_config, truth_instance
-from tests.integration.conftest import NatsServer, eventually, free_port, make_snapshot
-from tests.integration.fleet_helpers import Procs, Scrape, poll, scrape, write_toml
+from tests.integration.conftest import NatsServer, make_snapshot
+from tests.integration.fleet_helpers import Procs, Scrape, scrape, write_toml
+from tests.polling import until, until_async
 
 pytestmark = pytest.mark.integration
 
@@ -39,14 +39,15 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
     p.stop_all()
 
 
-START_DELAY = 5.0  # the engine publishes this long after it binds: the processes start meanwhile
-
-
 def engine(sims: Sims) -> SimulatedWorker:
-    """A started engine that publishes 60 batches per rank once the collector had time to connect."""
+    """A started engine, held before its first batch: `collected` lets it publish 60 batches per
+    rank once the collector is connected."""
     kv, replay = free_port_range("127.0.0.1", 3), free_port_range("127.0.0.1", 2)
     cfg = sim_config("sglang-0.5.23", topic="kv-events", kv_port=kv, replay_port=replay)
-    return sims.start(dataclasses.replace(cfg, start_delay_s=START_DELAY))
+    sim = sims.start(dataclasses.replace(cfg, start_delay_s=5.0))
+    sim.pause()  # long before the start delay ends
+    assert all(s.seq == 0 for st in sim.ranks for s in st.streams)
+    return sim
 
 
 def collector_toml(
@@ -117,23 +118,22 @@ def collected(procs: Procs, agg: str, sim: SimulatedWorker) -> Scrape:
         }
 
     logs = lambda: "\n".join(procs.log(p.pid) for p, _ in procs.started)  # noqa: E731
-    poll(connected, 20, "both streams up", logs)
-    left = sim.started_at + START_DELAY - time.monotonic()
-    assert left > 0, f"slow start: the collector connected {-left:.1f} s after publishing began"
-    poll(lambda: all(s.seq >= 60 for st in sim.ranks for s in st.streams), 10, "engine done")
+    until(connected, 20, "both streams up", logs)
+    sim.resume()  # the engine's first batch goes to a connected collector
+    until(lambda: all(s.seq >= 60 for st in sim.ranks for s in st.streams), 10, "engine done")
     want, _ = _truth(sim)
 
     def done() -> Scrape | None:
         s = scrape(agg)
         return s if _batches(s) == want else None
 
-    return poll(done, 20, "60 batches on each stream", lambda: scrape(agg))
+    return until(done, 20, "60 batches on each stream", lambda: scrape(agg))
 
 
 def _kill(procs: Procs, pid: int) -> None:
     """SIGKILL by PID (a crash), and reap it."""
     os.kill(pid, signal.SIGKILL)
-    poll(lambda: not procs.alive(pid), 5, f"pid {pid} gone")
+    until(lambda: not procs.alive(pid), 5, f"pid {pid} gone")
 
 
 def test_a_restarted_aggregator_is_warm_from_jetstream_kv(
@@ -156,7 +156,7 @@ def test_a_restarted_aggregator_is_warm_from_jetstream_kv(
         s = scrape(base2)
         return s if _batches(s) else None
 
-    s = poll(warm, 20, "the fleet, read from the bucket")
+    s = until(warm, 20, "the fleet, read from the bucket")
     assert _batches(s) == batches  # shown at once, exact: read from the KV bucket
     assert s.by("kvobserve_kv_blocks", (*KEYS, "medium")) == blocks
     assert s.by("kvobserve_nats_snapshots_received_total", ()) == {(): 0.0}  # nothing live
@@ -179,8 +179,8 @@ def test_a_killed_collector_restarts_from_zero_without_mixing(
         return s.by("kvobserve_collector_up", ("collector",)).get(("node-0",)) if s else None
 
     _kill(procs, col)  # SIGKILL: no goodbye, the last snapshot just stops coming
-    poll(lambda: up() == 0.0, 3 * 0.5 + 3.0, "node-0 down", lambda: scrape(agg))
-    s = poll(lambda: scrape(agg), 5, "scrape")
+    until(lambda: up() == 0.0, 3 * 0.5 + 3.0, "node-0 down", lambda: scrape(agg))
+    s = until(lambda: scrape(agg), 5, "scrape")
     assert _batches(s) == batches  # what it collected is still shown, marked down
     assert s.by("kvobserve_stream_up", KEYS) == {("w", "0"): 0.0, ("w", "1"): 0.0}
 
@@ -195,7 +195,7 @@ def test_a_killed_collector_restarts_from_zero_without_mixing(
             s if s.by("kvobserve_stream_up", KEYS) == {("w", "0"): 1.0, ("w", "1"): 1.0} else None
         )
 
-    s = poll(restarted, 20, "node-0 up again, connected", lambda: scrape(agg))
+    s = until(restarted, 20, "node-0 up again, connected", lambda: scrape(agg))
     # the engine is idle: the new process has applied nothing, and the aggregator says so
     assert _batches(s) == fresh, "the old process' counts must not carry over or add up"
     (start2,) = s.by("kvobserve_collector_start_time_seconds", ("collector",)).values()
@@ -239,9 +239,9 @@ async def test_a_slow_aggregator_coalesces_per_collector_and_converges(
         }
 
     # it lags by at most one snapshot per collector (3 x 50 ms), not by a backlog of ~150
-    await eventually(final, 1.5, "the final snapshot of every collector applied")
+    await until_async(final, 1.5, "the final snapshot of every collector applied")
     counts = agg_t.counters
-    await eventually(
+    await until_async(
         lambda: counts.received + counts.dropped.get("coalesced", 0) == 3 * n, 10.0, "all seen"
     )
     assert counts.dropped.get("coalesced", 0) > 0 and set(counts.dropped) == {"coalesced"}

@@ -16,15 +16,10 @@ from typing import Any
 import pytest
 
 from kvobserve.simulate import SimConfig, SimulatedWorker, nodes_of
-from tests.integration.conftest import NatsServer, free_port
-from tests.integration.fleet_helpers import (
-    Procs,
-    Scrape,
-    poll,
-    scrape,
-    worker_tables,
-    write_toml,
-)
+from kvobserve.simulate.ports import free_port
+from tests.integration.conftest import NatsServer
+from tests.integration.fleet_helpers import Procs, Scrape, scrape, worker_tables, write_toml
+from tests.polling import until
 
 pytestmark = pytest.mark.integration
 
@@ -146,7 +141,7 @@ def test_three_collectors_and_an_aggregator_over_nats(
         return s.by("kvobserve_collector_up", ("collector", "node_rank")) if s else {}
 
     want_up = {(f"node-{k}", str(k)): 1.0 for k in range(3)}
-    poll(lambda: up_collectors() == want_up, 30, "three collectors up", up_collectors)
+    until(lambda: up_collectors() == want_up, 30, "three collectors up", up_collectors)
 
     # --- the engines start publishing: every stream exactly once, rightly labelled ----------
     engines.start()
@@ -161,7 +156,7 @@ def test_three_collectors_and_an_aggregator_over_nats(
         )
         return s if ok else None
 
-    s = poll(flowing, 20, "12 streams up with batches", lambda: scrape(agg))
+    s = until(flowing, 20, "12 streams up with batches", lambda: scrape(agg))
     info = s.by("kvobserve_stream_info", (*STREAM_KEYS, "collector", "engine"))
     assert set(info) == {(w, n, r, f"node-{n}", w.split("-")[0]) for w, n, r in want_streams}, (
         "each stream once, from the collector of its node"
@@ -192,7 +187,7 @@ def test_three_collectors_and_an_aggregator_over_nats(
             and all(v == 1 for v in s.by("kvobserve_collector_up", ("collector",)).values())
         )
 
-    poll(reconnected, 15, "aggregator reconnected, collectors up again", lambda: scrape(agg))
+    until(reconnected, 15, "aggregator reconnected, collectors up again", lambda: scrape(agg))
 
     # --- a fourth collector claims node_rank 2 again: its ranks have two owners --------------
     dup_port = free_port()
@@ -212,9 +207,9 @@ def test_three_collectors_and_an_aggregator_over_nats(
         s = scrape(agg)
         return s.by("kvobserve_dp_rank_owners", ("worker_id", "dp_rank")) if s else {}
 
-    poll(lambda: owner_counts() == owners_dup, 20, "node-2b doubles node 2's ranks", owner_counts)
+    until(lambda: owner_counts() == owners_dup, 20, "node-2b doubles node 2's ranks", owner_counts)
     assert up_collectors() == {**want_up, ("node-2b", "2"): 1.0}
-    s = poll(lambda: scrape(agg), 5, "scrape")
+    s = until(lambda: scrape(agg), 5, "scrape")
     info = s.by("kvobserve_stream_info", (*STREAM_KEYS, "collector"))
     assert {k[3] for k in info if k[:3] == ("vllm-dp4", "2", "3")} == {"node-2", "node-2b"}
     assert set(_streams(s)) == want_streams  # one value per stream, though two collectors send it
@@ -225,7 +220,7 @@ def test_three_collectors_and_an_aggregator_over_nats(
     assert took < 2.0, f"collect took {took:.2f} s to stop"
     # its last snapshot left at most one interval before SIGTERM; 3 intervals + scrape slack
     deadline = 3 * INTERVAL + 1.0 - took
-    poll(
+    until(
         lambda: up_collectors().get(("node-2b", "2")) == 0.0,
         deadline,
         "node-2b down within 3 intervals",
@@ -234,7 +229,7 @@ def test_three_collectors_and_an_aggregator_over_nats(
     assert owner_counts() == owners
 
     # --- the engines finish: the aggregator converges to the collectors' and the truth's counts
-    poll(
+    until(
         lambda: all(n == MAX_BATCHES for n in _truth_batches(engines).values()),
         20,
         "engines finished",
@@ -245,7 +240,7 @@ def test_three_collectors_and_an_aggregator_over_nats(
         s = scrape(agg)
         return s is not None and _streams(s) == truth
 
-    poll(converged, 15, "aggregator counts == truth", lambda: (truth, scrape(agg)))
+    until(converged, 15, "aggregator counts == truth", lambda: (truth, scrape(agg)))
     final = scrape(agg)
     assert final is not None
     assert final.by("kvobserve_kv_blocks", (*STREAM_KEYS, "medium")) == _truth_blocks(engines)

@@ -30,7 +30,7 @@ from kvobserve.commands.common import start_http
 from kvobserve.config import HttpConfig
 from kvobserve.export.server import create_app, serve
 from kvobserve.simulate.encoders import encode_batch, get_format
-from kvobserve.simulate.group import free_port_range
+from kvobserve.simulate.ports import free_port, free_port_range
 from kvobserve.sources.ingest_options import IngestOptions
 from tests.integration.collector_helpers import (
     Sims,
@@ -39,10 +39,11 @@ from tests.integration.collector_helpers import (
     running_collector,
     wait_snapshot,
 )
-from tests.integration.conftest import NatsServer, free_port
-from tests.integration.fleet_helpers import Procs, Scrape, clean_env, poll
+from tests.integration.conftest import NatsServer
+from tests.integration.fleet_helpers import Procs, Scrape, clean_env
 from tests.integration.test_fault_fleet import aggregate, collected, collector_toml, engine
 from tests.integration.test_nats_transport import _make_pki
+from tests.polling import until, until_async
 from tests.unit.test_export_fleet import NOW, rich_state
 
 pytestmark = pytest.mark.integration
@@ -67,15 +68,15 @@ async def exported(col: Collector) -> AsyncIterator[str]:
 
 async def scrape_until(url: str, check: Any, what: str, timeout_s: float = 10.0) -> Scrape:
     """Scrape until `check(scrape)` holds."""
-    end = time.monotonic() + timeout_s
     async with aiohttp.ClientSession() as http:
-        while True:
+
+        async def scraped() -> Scrape | None:
             async with http.get(url) as r:
                 s = Scrape.parse(await r.text())
-            if check(s):
-                return s
-            assert time.monotonic() < end, f"not true after {timeout_s} s: {what}\n{s.samples}"
-            await asyncio.sleep(0.05)  # polling interval, not synchronization
+            return s if check(s) else None
+
+        got: Scrape = await until_async(scraped, timeout_s, what)
+        return got
 
 
 def refused(s: Scrape) -> dict[tuple[str, ...], float]:
@@ -279,10 +280,10 @@ async def test_a_malicious_pickle_over_push_pull_is_refused_and_nothing_runs(
         await _push(endpoint, [evil, _kv_metrics_pickle()])
         reason = "pickle_forbidden" if allow_pickle else "pickle_refused"
         want = {("kv_metrics", reason): 2 - allow_pickle}
-        end = time.monotonic() + 10
-        while src.errors() != want or (allow_pickle and not src.values()):
-            assert time.monotonic() < end, f"{src.errors()} != {want}"
-            await asyncio.sleep(0.02)  # polling interval, not synchronization
+        await until_async(
+            lambda: src.errors() == want and (not allow_pickle or src.values()),
+            10, f"the pickles counted as {want}", src.errors,
+        )  # fmt: skip
         assert not marker.exists(), "the pickle ran code"
         snap = await col.snapshot()
         # what was refused reaches the operator: kvobserve_scheduler_source_errors_total
@@ -335,6 +336,6 @@ def test_collect_and_aggregate_over_mutual_tls_with_a_password(
     ):
         pid, _ = aggregate(procs, name, url, *extra, "--nats-connect-timeout", "2", env=env)
         log = partial(procs.log, pid)
-        poll(partial(_gone, procs, pid), 15, f"{name} exits", log)
+        until(partial(_gone, procs, pid), 15, f"{name} exits", log)
         assert procs.terminate(pid)[0] == 1, log()  # already gone: its exit code
         assert f"kvobserve aggregate: error: nats {url}" in log()

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from kvobserve.simulate.ports import free_port
 from kvobserve.sources.ingest_options import IngestOptions
 from kvobserve.sources.kv_stream import IngestLoop
 from kvobserve.sources.plan import StreamSpec
-from tests.integration.conftest import free_port
 
 
 def test_streams_past_the_cap_are_refused_and_counted() -> None:

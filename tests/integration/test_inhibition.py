@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import re
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,8 +19,9 @@ from typing import Any
 
 import pytest
 
-from tests.integration.conftest import free_port
-from tests.integration.stack_helpers import Stack, http_json, poll
+from kvobserve.simulate.ports import free_port
+from tests.integration.stack_helpers import Stack, http_json
+from tests.polling import until
 
 pytestmark = pytest.mark.integration
 
@@ -43,7 +43,7 @@ def alertmanager(tmp_path: Path) -> Iterator[str]:
     try:
         stack.start("alertmanager")
         ready = stack.url("alertmanager", 9093, "/-/ready")
-        poll(lambda: _ok(ready), time.monotonic() + 20, "alertmanager ready", stack)
+        stack.until(lambda: _ok(ready), 20, "alertmanager ready")
         yield stack.url("alertmanager", 9093)
     finally:
         stack.stop()
@@ -116,7 +116,12 @@ def test_a_lost_collector_pages_once_and_mutes_nothing_of_other_nodes(alertmanag
         # the inhibitor has taken in the source (its state is worked out at each request)
         return got if any(a["status"]["inhibitedBy"] for a in got) else None
 
-    got = poll(settled, time.monotonic() + 20, "every alert received and the inhibition applied")
+    got = until(
+        settled,
+        20,
+        "every alert received and the inhibition applied",
+        retry_on=(OSError, ValueError),
+    )
     by_key = {_key(a): a for a in got}
     source = by_key[("KVObserveCollectorDown", AGGREGATOR, "node-1", "-")]
     assert (source["status"]["state"], source["status"]["inhibitedBy"]) == ("active", [])
@@ -163,7 +168,12 @@ def test_a_worker_a_collector_cannot_watch_pages_once(
             return None
         return got if any(a["status"]["inhibitedBy"] for a in got) else None
 
-    got = poll(settled, time.monotonic() + 20, "every alert received and the inhibition applied")
+    got = until(
+        settled,
+        20,
+        "every alert received and the inhibition applied",
+        retry_on=(OSError, ValueError),
+    )
     source = next(a for a in got if a["labels"]["alertname"] == name)
     assert (source["status"]["state"], source["status"]["inhibitedBy"]) == ("active", [])
     muted = {

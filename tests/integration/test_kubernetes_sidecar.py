@@ -7,7 +7,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from tests.integration.k8s_helpers import (
     lws_sidecar_env,
     lws_templates,
 )
+from tests.polling import until
 
 pytestmark = pytest.mark.integration
 
@@ -71,11 +71,13 @@ def test_the_wrapper_restarts_a_failed_collector_and_passes_sigterm_on(tmp_path:
     env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "FAKE_LOG": str(log)}
     proc = subprocess.Popen(["/bin/sh", "-c", script], env=env, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 10
-        while len(_lines(log)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        starts = _lines(log)
-        assert len(starts) == 2, f"not started again after exit 3: {starts}"
+        starts = until(
+            lambda: _lines(log) if len(_lines(log)) >= 2 else None,
+            10,
+            "the collector started again after exit 3",
+            lambda: _lines(log),
+        )
+        assert len(starts) == 2, f"started more than twice: {starts}"
         assert proc.poll() is None, "the wrapper exited: the container would restart"
         for line in starts:
             assert line.split()[2:] == ["collect", *kvobserve_args(sidecar)[1:]]

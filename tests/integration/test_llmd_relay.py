@@ -11,7 +11,6 @@ reported as the relay's state, its drops and a relay_dropping condition.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import os
 import signal
@@ -26,7 +25,7 @@ from kvobserve.analysis.conditions import active
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.collector import Collector
 from kvobserve.simulate import FaultConfig, SimConfig, SimulatedWorker
-from kvobserve.simulate.group import free_port_range
+from kvobserve.simulate.ports import free_port_range
 from kvobserve.sources.ingest_options import IngestOptions
 from kvobserve.wire.snapshot import BindStats, Snapshot
 from tests.integration.collector_helpers import (
@@ -40,6 +39,7 @@ from tests.integration.collector_helpers import (
     truth_resident,
     wait_snapshot,
 )
+from tests.polling import until_async
 
 pytestmark = pytest.mark.integration
 PODS = (("127.0.0.2", "model-a"), ("127.0.0.3", "model-a"), ("127.0.0.4", "model-b"),
@@ -144,13 +144,6 @@ def _relay_is(state: str, no_target_over: int = -1) -> Callable[[Snapshot], bool
     return pred
 
 
-async def _until(pred: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
-    end = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < end, f"not true after {timeout_s} s: {what}"
-        await asyncio.sleep(0.02)  # polling interval, not synchronization
-
-
 def _start_again(sims: Sims, cfg: SimConfig) -> SimulatedWorker:
     """A pod's engine restarted: its replay port is bound again once the OS released it."""
     end = time.monotonic() + 5.0
@@ -199,7 +192,7 @@ async def _pods_restart_and_the_scheduler_goes_away(
     await wait_snapshot(col, lambda s: len(s.streams) == 4, what="every pod sent")
     # a pod restarts: the same topic from seq 0 again, a new engine (another seed)
     old = pods[RESTARTED]
-    await _until(lambda: old.rank(0).streams[0].seq >= 150, "pod 2 published 150")
+    await until_async(lambda: old.rank(0).streams[0].seq >= 150, 20.0, "pod 2 published 150")
     old.pause()  # between two ticks: what it published has left its PUB before it stops
     first = old.rank(0).streams[0].seq
     await wait_snapshot(
@@ -209,7 +202,9 @@ async def _pods_restart_and_the_scheduler_goes_away(
     new = _start_again(
         sims, dataclasses.replace(old.cfg, seed=99, max_batches=500, start_delay_s=0.5)
     )
-    await _until(lambda: new.rank(0).streams[0].seq >= 50, "the restarted pod published 50")
+    await until_async(
+        lambda: new.rank(0).streams[0].seq >= 50, 20.0, "the restarted pod published 50"
+    )
     # the scheduler goes away for a second and comes back
     await wait_snapshot(col, lambda s: stream(s, 0, ids[RESTARTED]).restarts == 1, what="restart")
     # The scheduler goes away between two batches of every pod: a frame still in flight when its
@@ -219,7 +214,9 @@ async def _pods_restart_and_the_scheduler_goes_away(
     for p in live:
         p.pause()
     published = len(_published(old, new)) + sum(len(_published(p)) for p in pods if p is not old)
-    await _until(lambda: scheduler.received == published, "the stand-in read every frame sent")
+    await until_async(
+        lambda: scheduler.received == published, 20.0, "the stand-in read every frame sent"
+    )
     scheduler.close()
     await wait_snapshot(col, _relay_is("connecting"), what="relay sees its target gone")
     for p in live:
@@ -240,11 +237,8 @@ async def _pods_restart_and_the_scheduler_goes_away(
     await wait_snapshot(col, _relay_is("up"), what="relay up again")
     # every engine done, every batch applied (the dropped one by replay)
     done = [BATCHES, BATCHES, None, BATCHES]
-    await _until(
-        lambda: all(p.rank(0).streams[0].seq >= (n or 500) for p, n in zip(
-            [*pods[:RESTARTED], new, *pods[RESTARTED + 1:]], done, strict=True)),
-        "engines done",
-    )  # fmt: skip
+    await until_async(lambda: all(p.rank(0).streams[0].seq >= (n or 500) for p, n in zip(
+            [*pods[:RESTARTED], new, *pods[RESTARTED + 1:]], done, strict=True)), 20.0, "engines done")  # fmt: skip
     applied = {ids[i]: BATCHES for i in (0, 1, 3)} | {ids[RESTARTED]: first + 500}
     snap = await wait_snapshot(
         col,
@@ -303,8 +297,9 @@ async def _check_scheduler(
         )
 
     final = await wait_snapshot(col, counted, what="every frame received and counted")
-    await _until(
+    await until_async(
         lambda: all(scheduler.frames[t][-1:] == f[-1:] for t, f in sent.items()),
+        20.0,
         "the last frame of every pod delivered",
     )
     assert scheduler.odd == []
@@ -422,7 +417,7 @@ async def test_a_relay_process_that_dies_is_started_again(sims: Sims) -> None:
                           kv_connect=f"tcp://127.0.0.1:{port}", rate=100.0, max_batches=0,
                           start_delay_s=0.5, http_port=None, topic="kv@127.0.0.2:8000@m")
             )  # fmt: skip
-            await _until(lambda: scheduler.received > 20, "relaying")
+            await until_async(lambda: scheduler.received > 20, 20.0, "relaying")
             (first,) = _relay_processes()
             os.kill(first[0], signal.SIGKILL)  # by its PID, as an OOM kill would
             why = "the relay process ended (killed by SIGKILL); starting it again"
@@ -434,7 +429,9 @@ async def test_a_relay_process_that_dies_is_started_again(sims: Sims) -> None:
             assert second != first
             assert not _exists(*first)  # the collector reaped the dead one
             got = scheduler.received
-            await _until(lambda: scheduler.received > got + 20, "frames reach the scheduler again")
+            await until_async(
+                lambda: scheduler.received > got + 20, 20.0, "frames reach the scheduler again"
+            )
             st = snap.streams[0]
             assert st.restarts == 0  # the engine did not restart: the same sequence goes on
     finally:

@@ -25,18 +25,18 @@ from typing import Any
 import pytest
 
 from kvobserve.simulate import SimConfig, SimulatorGroup, nodes_of
-from kvobserve.simulate.group import free_port_range
-from tests.integration.conftest import NatsServer, free_port
+from kvobserve.simulate.ports import free_port, free_port_range
+from tests.integration.conftest import NatsServer
 from tests.integration.fleet_helpers import (
     ROOT,
     Procs,
     Scrape,
     clean_env,
     fetch,
-    poll,
     scrape,
     write_toml,
 )
+from tests.polling import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -233,7 +233,7 @@ def test_two_nodes_one_config_every_rank_on_its_node_with_usage(
     def describe() -> object:
         return {pid: procs.log(pid)[-2000:] for pid in [p.pid for p, _ in procs.started]}
 
-    s = poll(finished, 60, "every rank's batches and usage at the aggregator", describe)
+    s = until(finished, 60, "every rank's batches and usage at the aggregator", describe)
     want = _want(fleet)  # every engine published all its batches: the truth no longer moves
     assert all(inst["batches"] == MAX_BATCHES for inst in want.values())
     info = s.by("kvobserve_stream_info", (*STREAM_KEYS, "endpoint", "collector"))
@@ -274,7 +274,7 @@ def test_two_nodes_one_config_every_rank_on_its_node_with_usage(
         got = scrape(agg)
         return got is not None and usage_of(got) == truth
 
-    poll(converged, 15, "capacity and usage == the engines'", lambda: (truth, scrape(agg)))
+    until(converged, 15, "capacity and usage == the engines'", lambda: (truth, scrape(agg)))
     assert all(0 < v < 1 for v in truth["scheduler_token_usage_ratio"].values())
 
     streams = json.loads(fetch(f"{agg}/api/v1/streams") or "[]")

@@ -7,17 +7,15 @@ only, re-plans: its streams and its load subscribers move to the new ports on it
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
-import time
 from collections.abc import Callable, Iterator
 
 import pytest
 
 from kvobserve.config import load_config
 from kvobserve.simulate import SimConfig, SimulatorGroup, nodes_of
-from kvobserve.simulate.group import free_port_range
+from kvobserve.simulate.ports import free_port_range
 from kvobserve.wire.snapshot import Snapshot
 from tests.integration.collector_helpers import (
     resident,
@@ -26,6 +24,7 @@ from tests.integration.collector_helpers import (
     truth_resident,
     wait_snapshot,
 )
+from tests.polling import until_async
 
 pytestmark = pytest.mark.integration
 HOSTS = ("127.0.0.1", "127.0.0.2")
@@ -112,10 +111,10 @@ async def test_vllm_before_0_31_one_log_line_and_the_configured_endpoints(
             col, lambda s: [x.batches_total for x in s.streams] == [30, 30], what="both ranks"
         )
         polls = col._rediscovery[0]
-        end = time.monotonic() + 10
-        while polls.errors_total < 3:  # the route keeps answering 404
-            assert time.monotonic() < end, f"{polls.errors_total} rediscovery polls"
-            await asyncio.sleep(0.02)  # polling interval, not synchronization
+        await until_async(  # the route keeps answering 404
+            lambda: polls.errors_total >= 3, 10, "3 rediscovery polls answered 404",
+            lambda: f"{polls.errors_total} rediscovery polls",
+        )  # fmt: skip
     said = [r.getMessage() for r in caplog.records if "/kv_event_sources" in r.getMessage()]
     assert len(said) == 1, said
     assert "vLLM before 0.31" in said[0] and "kv_endpoint, replay_endpoint and dp_size" in said[0]

@@ -15,11 +15,13 @@ import pytest
 from kvobserve.aggregator import Aggregator
 from kvobserve.analysis.conditions import active
 from kvobserve.analysis.fleet import FleetState
+from kvobserve.simulate.ports import free_port
 from kvobserve.transport import TransportStatus
 from kvobserve.transport.nats import NatsConnectError, NatsTransport
 from kvobserve.transport.subjects import kv_bucket
 from kvobserve.wire.snapshot import encode_snapshot
-from tests.integration.conftest import NatsServer, eventually, free_port, make_snapshot
+from tests.integration.conftest import NatsServer, make_snapshot
+from tests.polling import until_async
 
 pytestmark = pytest.mark.integration
 
@@ -68,8 +70,8 @@ async def test_two_collectors_arrive_on_exact_subjects(
         "gpu.node 1*",
         encode_snapshot(make_snapshot("gpu.node 1*", dp_size=2, ranks=(1,), node_rank=1)),
     )
-    await eventually(lambda: len(agg.view().collectors) == 2, what="both collectors in the view")
-    await eventually(lambda: len(seen) == 2, what="spy saw both")
+    await until_async(lambda: len(agg.view().collectors) == 2, 10.0, "both collectors in the view")
+    await until_async(lambda: len(seen) == 2, 10.0, "spy saw both")
     try:
         view = agg.view()
         assert [c.info.collector_id for c in view.collectors] == ["gpu.node 1*", "node-0"]
@@ -94,7 +96,7 @@ async def test_other_cluster_is_not_received(nats_server: NatsServer, transports
     same = await transports(nats_server.url, "a")
     await other.publish_snapshot("x", b"from-b")
     await same.publish_snapshot("x", b"from-a")
-    await eventually(lambda: got == [b"from-a"], what="only cluster a's message")
+    await until_async(lambda: got == [b"from-a"], 10.0, "only cluster a's message")
     # A message of cluster b would have been delivered before a's (one connection, in order).
     assert agg_t.counters.received == 1
 
@@ -113,7 +115,7 @@ async def test_server_restart_converges(nats_server: NatsServer, transports: Fac
             await asyncio.sleep(0.02)  # the collector's interval, not synchronization
 
     publishing = asyncio.create_task(collector())
-    await eventually(lambda: agg.snapshots_applied >= 5, what="first snapshots applied")
+    await until_async(lambda: agg.snapshots_applied >= 5, 10.0, "first snapshots applied")
     await asyncio.to_thread(nats_server.restart)  # the loop keeps publishing meanwhile
     await publishing
 
@@ -123,7 +125,7 @@ async def test_server_restart_converges(nats_server: NatsServer, transports: Fac
 
     # Snapshots sent while the server was down were buffered or lost; the cumulative final one,
     # sent long after the reconnect, is what the view must show.
-    await eventually(lambda: final_count() == 10 * final_seq, what="final cumulative count")
+    await until_async(lambda: final_count() == 10 * final_seq, 10.0, "final cumulative count")
     assert col.counters.reconnects >= 1 and agg_t.counters.reconnects >= 1
     assert col.status is TransportStatus.CONNECTED and agg_t.status is TransportStatus.CONNECTED
     assert agg.snapshots_ignored == 0  # snapshots never went backwards
@@ -145,10 +147,11 @@ async def test_jetstream_kv_warm_start(nats_server: NatsServer, transports: Fact
             except nats.js.errors.NoKeysError:
                 return set()
 
-        end = time.monotonic() + 10
-        while await stored() != {"node-0", "node-1"}:
-            assert time.monotonic() < end, "KV never got both snapshots"
-            await asyncio.sleep(0.02)
+        async def both() -> set[str] | None:
+            keys = await stored()
+            return keys if keys == {"node-0", "node-1"} else None
+
+        await until_async(both, 10, "both snapshots in the KV bucket", stored)
     finally:
         await js.close()
     # A fresh aggregator, started after the collectors fell silent, is warm at once.
@@ -194,7 +197,7 @@ async def test_auth(
     await sub.subscribe_snapshots(got.append)
     pub = await transports(srv.url, **good)
     await pub.publish_snapshot("n", b"hello")
-    await eventually(lambda: got == [b"hello"], what="message through an authenticated server")
+    await until_async(lambda: got == [b"hello"], 10.0, "message through an authenticated server")
 
     t0 = time.monotonic()
     with pytest.raises(NatsConnectError, match="authorization failed"):
@@ -267,7 +270,7 @@ async def test_mutual_tls(
     await sub.subscribe_snapshots(got.append)
     pub = await transports(url, **tls)
     await pub.publish_snapshot("n", b"over-tls")
-    await eventually(lambda: got == [b"over-tls"], what="message over mutual TLS")
+    await until_async(lambda: got == [b"over-tls"], 10.0, "message over mutual TLS")
 
     t0 = time.monotonic()
     with pytest.raises(NatsConnectError, match="nats tls://127"):

@@ -19,7 +19,6 @@ import json
 import select
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -33,11 +32,13 @@ from kvobserve.commands.embedded import start_embedded
 from kvobserve.config import HttpConfig, load_config
 from kvobserve.simulate import SimConfig, SimulatorGroup, nodes_of
 from kvobserve.simulate.cache import PromptLibrary
+from kvobserve.simulate.ports import free_port
 from kvobserve.simulate.truth import hash_json
 from kvobserve.sources.ingest_options import IngestOptions
 from kvobserve.sources.kv_stream import IngestLoop
-from tests.integration.conftest import NatsServer, free_port
-from tests.integration.fleet_helpers import ROOT, Procs, clean_env, fetch, poll, write_toml
+from tests.integration.conftest import NatsServer
+from tests.integration.fleet_helpers import ROOT, Procs, clean_env, fetch, write_toml
+from tests.polling import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -229,7 +230,7 @@ def test_overlap_over_nats_two_nodes_exact_then_a_collector_down(
     def logs() -> str:
         return "\n".join(f"--- {p.args}\n{log.read_text()[-1500:]}" for p, log in procs.started)
 
-    poll(lambda: settled(agg, fleet), 60, "every rank's batches at the aggregator", logs)
+    until(lambda: settled(agg, fleet), 60, "every rank's batches at the aggregator", logs)
     check_every_prompt(agg, fleet)
 
     # --- held by no rank: a fresh first block stops the walk, however much follows ----------
@@ -314,7 +315,7 @@ async def test_overlap_embedded_answers_through_the_local_bus(fleet: Fleet, tmp_
         base = f"http://{listen}"
 
         def answered() -> None:
-            poll(lambda: settled(base, fleet), 60, "every rank in the embedded aggregator")
+            until(lambda: settled(base, fleet), 60, "every rank in the embedded aggregator")
             check_every_prompt(base, fleet)
 
         await asyncio.to_thread(answered)  # the loop serves while the checks ask
@@ -328,7 +329,7 @@ def test_overlap_bad_requests_say_what_is_wrong(fleet: Fleet, procs: Procs, tmp_
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     pid = procs.kvobserve("run", "run", "-c", str(cfg), "--listen", f"127.0.0.1:{port}")
-    poll(
+    until(
         lambda: fetch(f"{base}/api/v1/fleet") is not None, 30, "run serving", lambda: procs.log(pid)
     )
 
@@ -373,10 +374,11 @@ def test_a_call_wakes_the_ingest_thread_at_once() -> None:
         assert loop.overlap([1, 2]).result(timeout=10) == []
         # and the wake-up is read: a byte left behind would make every poll return at once,
         # the ingest thread spinning a whole core (zmq names a ready OS socket by its fd)
-        end = time.monotonic() + 10
-        while select.select([loop._wake_rx], [], [], 0)[0]:
-            assert time.monotonic() < end, "the wake-up byte is never read"
-            time.sleep(0.01)  # polling the ingest thread's turn, with a deadline
+        until(
+            lambda: not select.select([loop._wake_rx], [], [], 0)[0],
+            10,
+            "the wake-up byte read by the ingest thread",
+        )
     finally:
         loop.stop()
     with pytest.raises(RuntimeError, match="stopped"):

@@ -11,11 +11,9 @@ kvobserve joins each pod mid-stream (in the pause) and recovers the start by rep
 
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,7 +23,7 @@ from kvobserve.collector import Collector
 from kvobserve.config import Config, KubernetesConfig, load_config
 from kvobserve.simulate import SimulatedWorker
 from kvobserve.simulate.faults import FaultConfig
-from kvobserve.simulate.group import free_port_range
+from kvobserve.simulate.ports import free_port_range
 from kvobserve.sources.kubernetes import PodWatch
 from kvobserve.wire.snapshot import Snapshot
 from tests.certs import self_signed
@@ -40,6 +38,7 @@ from tests.integration.collector_helpers import (
     wait_snapshot,
 )
 from tests.integration.kube_api import RecordedApi, recorded_events
+from tests.polling import until_async
 
 pytestmark = pytest.mark.integration
 
@@ -86,10 +85,7 @@ async def engine(sims: Sims, pod: str, port: int) -> SimulatedWorker:
             start_delay_s=0.0, faults=FaultConfig(stall_after=BEFORE, stall_s=PAUSE_S),
         )  # type: ignore[arg-type]
     )  # fmt: skip
-    end = time.monotonic() + 10
-    while published(sim) < BEFORE:
-        assert time.monotonic() < end, f"engine of {pod} did not publish"
-        await asyncio.sleep(0.02)  # polling interval, not synchronization
+    await until_async(lambda: published(sim) >= BEFORE, 10, f"engine of {pod} published {BEFORE}")
     return sim
 
 
@@ -133,18 +129,17 @@ def streaming(*pods: str, port: int) -> Callable[[Snapshot], bool]:
 async def watched_up_to(col: Collector, resource_version: str) -> None:
     """Wait until the pod watch has applied the event of `resource_version`."""
     watch = col.pod_watches["qwen"]
-    end = time.monotonic() + 10
-    while watch.resource_version != resource_version:
-        assert time.monotonic() < end, f"watch at {watch.resource_version}, not {resource_version}"
-        await asyncio.sleep(0.02)  # polling interval, not synchronization
+    await until_async(
+        lambda: watch.resource_version == resource_version,
+        10,
+        f"the watch at {resource_version}",
+        lambda: f"watch at {watch.resource_version}",
+    )
 
 
 async def exact(col: Collector, sim: SimulatedWorker, pod: str) -> None:
     """Every rank of the pod's streams holds the engine's resident blocks and every batch."""
-    end = time.monotonic() + 20
-    while not sim_finished(sim):
-        assert time.monotonic() < end, f"engine of {pod} did not finish"
-        await asyncio.sleep(0.02)  # polling interval, not synchronization
+    await until_async(lambda: sim_finished(sim), 20, f"engine of {pod} finished")
     wid = f"qwen/{RS}-{pod}"
 
     def complete(snap: Snapshot) -> bool:
@@ -223,9 +218,17 @@ async def test_streams_follow_pods_through_ready_delete_and_an_expired_watch(
             await joined(col, engines["zk9fd"], streaming("8mz4t", "zk9fd", port=port))
             watch = col.pod_watches["qwen"]
             assert (watch.expired_total, watch.lists_total) == (1, 2)
-            verbs = [(verb, q.get("resourceVersion")) for verb, q in api.requests]
-            expired = verbs.index(("watch", "48275"))
-            assert verbs[expired + 1 :] == [("list", None), ("watch", "48302")]
+
+            # the new list's streams are up before the collector asks its next watch: wait
+            # for that request, then nothing else may have come between
+            def verbs() -> list[tuple[str, str | None]]:
+                return [(verb, q.get("resourceVersion")) for verb, q in api.requests]
+
+            await until_async(
+                lambda: ("watch", "48302") in verbs(), 10, "the watch from the new list", verbs
+            )
+            expired = verbs().index(("watch", "48275"))
+            assert verbs()[expired + 1 :] == [("list", None), ("watch", "48302")]
             await exact(col, engines["zk9fd"], "zk9fd")
 
             # the watch goes on from the new list: 8mz4t Ready again changes nothing
@@ -307,13 +310,17 @@ async def test_in_a_pod_the_service_account_token_and_ca_are_used(
     )
     try:
         await watch.start()
-        await until(lambda: watch.streams == {f"{RS}-2xkqp": "127.0.0.2"}, "the first list")
+        await until_async(
+            lambda: watch.streams == {f"{RS}-2xkqp": "127.0.0.2"}, 10, "the first list"
+        )
         assert (watch.server, watch.namespace) == (f"https://127.0.0.1:{api.port}", "llm-d")
         # the kubelet rotates the token: the server takes only the new one, the client reads it
         api.token = "token-2"
         (account / "token").write_text("token-2")
         api.expire(recorded_events()[:2])  # the watch ends; resuming gets 410, then a list
-        await until(lambda: watch.lists_total == 2 and len(watch.streams) == 2, "relisted")
+        await until_async(
+            lambda: watch.lists_total == 2 and len(watch.streams) == 2, 10, "relisted"
+        )
         assert (watch.health.state, watch.errors_total) == ("up", 0)
         refused = [q for verb, q in api.requests if verb == "watch"]
         assert len(refused) >= 2  # the resumed watch was asked twice: old token, new token
@@ -332,20 +339,12 @@ async def test_a_certificate_the_ca_did_not_sign_is_refused(tmp_path: Path) -> N
     watch = PodWatch("qwen", cfg, backoff_s=(0.05, 0.5))
     try:
         await watch.start()
-        await until(lambda: watch.health.state == "connecting", "refused")
+        await until_async(lambda: watch.health.state == "connecting", 10, "refused")
         assert "CERTIFICATE_VERIFY_FAILED" in watch.health.reason, watch.health.reason
         assert watch.streams == {} and api.requests == []
     finally:
         await watch.close()
         await api.close()
-
-
-async def until(cond: Callable[[], bool], what: str) -> None:
-    """Poll `cond` with a deadline."""
-    end = time.monotonic() + 10
-    while not cond():
-        assert time.monotonic() < end, f"not true after 10 s: {what}"
-        await asyncio.sleep(0.02)  # polling interval, not synchronization
 
 
 def test_without_the_client_the_config_error_names_the_extra(tmp_path: Path) -> None:

@@ -23,9 +23,8 @@ import pytest
 from kvobserve.commands.embedded import start_embedded
 from kvobserve.config import load_config
 from kvobserve.simulate import SimConfig, SimulatedWorker
-from kvobserve.simulate.group import free_port_range
+from kvobserve.simulate.ports import free_port, free_port_range
 from tests.integration.collector_helpers import Sims, sim_finished
-from tests.integration.conftest import free_port
 from tests.integration.fleet_helpers import fetch, scrape
 from tests.integration.kube_api import RecordedApi, recorded_list
 

@@ -17,11 +17,11 @@ from kvobserve.analysis.fleet import FleetState
 from kvobserve.config import CollectorConfig, Config, WorkerConfig
 from kvobserve.export import api
 from kvobserve.simulate import SimulatedWorker
+from kvobserve.simulate.ports import free_port
 from kvobserve.sources.ingest_options import IngestOptions
 from kvobserve.sources.link import LinkTimes
 from kvobserve.wire.snapshot import Snapshot
 from tests.integration.collector_helpers import Sims, running_collector, sim_config, wait_snapshot
-from tests.integration.conftest import free_port
 
 pytestmark = pytest.mark.integration
 

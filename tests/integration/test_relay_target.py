@@ -12,8 +12,8 @@ import pytest
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from kvobserve.simulate.ports import free_port
 from kvobserve.sources.relay import TARGET_EVENTS, RelayLink
-from tests.integration.conftest import free_port
 
 pytestmark = pytest.mark.integration
 UNRESOLVABLE = "a" * 64 + ".kvobserve"  # no such name, and not one a resolver is asked about

@@ -28,8 +28,9 @@ from pathlib import Path
 import pytest
 
 from kvobserve.simulate import SimConfig, SimulatorGroup
-from tests.integration.conftest import free_port
-from tests.integration.fleet_helpers import ROOT, Procs, clean_env, fetch, poll, write_toml
+from kvobserve.simulate.ports import free_port
+from tests.integration.fleet_helpers import ROOT, Procs, clean_env, fetch, write_toml
+from tests.polling import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -111,7 +112,7 @@ def test_tap_piped_into_overlap_answers_on_a_busy_rank(
         streams = json.loads(fetch(f"{url}/api/v1/streams") or "[]")
         return len(streams) == 2 and all(s["batches"] >= 3 for s in streams)
 
-    poll(busy, 60, "3 batches on both ranks", lambda: procs.log(pid))
+    until(busy, 60, "3 batches on both ranks", lambda: procs.log(pid))
 
     several = []
     for _ in range(RUNS):  # the documented line: the whole batch, request by request

@@ -7,7 +7,6 @@ import asyncio
 import base64
 import json
 import pickle
-import socket
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import zmq.asyncio
 from aiohttp import web
 
 from kvobserve.config import WorkerConfig
+from kvobserve.simulate.ports import free_port
 from kvobserve.sources.passthrough import parse_engine_metrics, relabel
 from kvobserve.sources.plan import rank_endpoint, scheduler_specs
 from kvobserve.sources.scheduler import (
@@ -29,6 +29,7 @@ from kvobserve.sources.scheduler import (
     SchedulerValues,
     merge_values,
 )
+from tests.polling import until_async
 
 pytestmark = pytest.mark.integration
 
@@ -111,17 +112,17 @@ def raw_frames(line: dict[str, Any]) -> list[bytes]:
     return [base64.b64decode(f) for f in line["frames"]]
 
 
-async def wait_for(
-    cond: Callable[[], bool], timeout: float = 5.0, tick: Callable[[], None] | None = None
-) -> None:
-    """Poll `cond` until true or fail at the deadline; `tick` runs each round (e.g. re-send)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not cond():
-        assert loop.time() < deadline, "condition not reached before the deadline"
-        if tick is not None:
-            tick()
-        await asyncio.sleep(0.005)
+def resending(cond: Callable[[], bool], send: Callable[[], object]) -> Callable[[], bool]:
+    """A check that sends again while `cond` does not hold (a PUB drops until the subscription
+    arrives)."""
+
+    def check() -> bool:
+        if cond():
+            return True
+        send()
+        return False
+
+    return check
 
 
 class MetricsServer:
@@ -209,9 +210,7 @@ def test_sglang_without_dp_rank_label_is_rank_0() -> None:
 
 
 async def test_scrape_connection_refused_counts() -> None:
-    with socket.socket() as sock:  # a free port nobody listens on
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # of this worker's block: nobody listens there
     src = MetricsScrape(f"http://127.0.0.1:{port}/metrics", "sglang", timeout_s=1.0)
     try:
         await src.scrape_once()
@@ -251,14 +250,22 @@ async def test_load_pub_capture(ctx: zmq.asyncio.Context) -> None:
             want = (m["num_running_reqs"], m["num_waiting_reqs"], m["num_tokens"] / m["max_total_num_tokens"], None, m["max_total_num_tokens"])  # fmt: skip
             frames = raw_frames(line)
             # PUB drops until the subscription arrives: re-send until this rank shows the values
-            await wait_for(
-                lambda r=r, want=want: r in src.values() and vals(src.values()[r]) == want,
-                tick=lambda r=r, frames=frames: pubs[r].send_multipart(frames),
+            await until_async(
+                resending(
+                    lambda r=r, want=want: r in src.values() and vals(src.values()[r]) == want,
+                    lambda r=r, frames=frames: pubs[r].send_multipart(frames),
+                ),
+                5.0,
+                f"rank {r} shows the capture's values {want}",
             )
         assert sum(src.errors.values()) == 0
         pubs[0].send_multipart([b"load", b"\x00" * 7, b"x"])  # short seq frame
         pubs[0].send_multipart([b"load", b"\x00" * 8, b"\xc1"])  # not msgpack
-        await wait_for(lambda: src.errors["seq_length"] == 1 and src.errors["msgpack"] == 1)
+        await until_async(
+            lambda: src.errors["seq_length"] == 1 and src.errors["msgpack"] == 1,
+            5.0,
+            "one short seq frame and one bad msgpack counted",
+        )
     finally:
         await src.close()
         await src.close()
@@ -284,8 +291,10 @@ async def test_a_load_publisher_that_stops_is_down_until_it_sends_again(
     await sources.start()
     try:
         frames = raw_frames(line)
-        await wait_for(
-            lambda: src.health.state == "up", tick=lambda: pubs[0].send_multipart(frames)
+        await until_async(
+            resending(lambda: src.health.state == "up", lambda: pubs[0].send_multipart(frames)),
+            5.0,
+            "the load source up",
         )
         sources.check_silence()
         assert src.health.state == "up"  # it just sent
@@ -295,13 +304,15 @@ async def test_a_load_publisher_that_stops_is_down_until_it_sends_again(
             sources.check_silence()  # what the collector does every interval
             return src.health.state == "down"
 
-        await wait_for(checked_down, timeout=10)
+        await until_async(checked_down, 10, "the silent source down")
         assert asyncio.get_running_loop().time() - t0 >= 2.5  # not before the threshold
         assert (
             src.health.reason == "no message for 3 s (it sends every second while its engine runs)"
         )
-        await wait_for(
-            lambda: src.health.state == "up", tick=lambda: pubs[0].send_multipart(frames)
+        await until_async(
+            resending(lambda: src.health.state == "up", lambda: pubs[0].send_multipart(frames)),
+            5.0,
+            "the load source up",
         )
         assert src.health.reason == "receiving"
     finally:
@@ -325,14 +336,20 @@ async def test_kv_metrics_pull_capture_and_pickle_refused(
             want = (m["request_active_slots"], m["num_requests_waiting"], m["gpu_cache_usage_perc"], m["gpu_prefix_cache_hit_rate"], m["kv_total_blocks"])  # fmt: skip
             await push.send_multipart(raw_frames(line))
             r = exp["dp_rank"]
-            await wait_for(
-                lambda r=r, want=want: r in src.values() and vals(src.values()[r]) == want
+            await until_async(
+                lambda r=r, want=want: r in src.values() and vals(src.values()[r]) == want,
+                5.0,
+                f"rank {r} shows the capture's values {want}",
             )
         before = src.values()
         # the engine's default: a pickled object. Refused (never unpickled) and counted.
         await push.send(pickle.dumps({"request_active_slots": 99, "data_parallel_rank": 0}))
         await push.send(b"\x93\x01\x02")  # msgpack, wrong shape
-        await wait_for(lambda: src.errors["pickle_refused"] == 1 and src.errors["schema"] == 1)
+        await until_async(
+            lambda: src.errors["pickle_refused"] == 1 and src.errors["schema"] == 1,
+            5.0,
+            "one pickle refused and one bad schema counted",
+        )
         assert {r: vals(v) for r, v in src.values().items()} == {
             r: vals(v) for r, v in before.items()
         }
@@ -358,9 +375,13 @@ async def test_fpm_sub_capture(ctx: zmq.asyncio.Context, tmp_path: Path) -> None
             sch, q = exp["message"]["scheduled_requests"], exp["message"]["queued_requests"]
             want = (sch["num_prefill_requests"] + sch["num_decode_requests"], q["num_prefill_requests"] + q["num_decode_requests"], None, None, None)  # fmt: skip
             r, frames = exp["dp_rank"], raw_frames(line)
-            await wait_for(
-                lambda r=r, want=want: r in src.values() and vals(src.values()[r]) == want,
-                tick=lambda r=r, frames=frames: pubs[r].send_multipart(frames),
+            await until_async(
+                resending(
+                    lambda r=r, want=want: r in src.values() and vals(src.values()[r]) == want,
+                    lambda r=r, frames=frames: pubs[r].send_multipart(frames),
+                ),
+                5.0,
+                f"rank {r} shows the capture's values {want}",
             )
         assert vals(src.values()[0]) == (0, 0, None, None, None)  # the idle heartbeat came last
     finally:
@@ -409,7 +430,7 @@ async def test_scheduler_sources_for_a_worker(ctx: zmq.asyncio.Context, tmp_path
     push.connect(f"ipc://{tmp_path}/m")
     try:
         await push.send_multipart(raw_frames(lines[0]))
-        await wait_for(lambda: 0 in srcs.values())
+        await until_async(lambda: 0 in srcs.values(), 5.0, "rank 0's values from the PULL")
         assert srcs.values()[0].running_requests == 7 and srcs.values()[0].source == "kv_metrics"
     finally:
         push.close(linger=0)

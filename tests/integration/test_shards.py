@@ -18,16 +18,11 @@ import pytest
 
 from kvobserve.export.catalog import SHARD_LABELLED
 from kvobserve.simulate import SimConfig, SimulatedWorker, nodes_of
+from kvobserve.simulate.ports import free_port
 from kvobserve.wire.parts import worker_bucket
-from tests.integration.conftest import NatsServer, free_port
-from tests.integration.fleet_helpers import (
-    Procs,
-    Scrape,
-    poll,
-    scrape,
-    worker_tables,
-    write_toml,
-)
+from tests.integration.conftest import NatsServer
+from tests.integration.fleet_helpers import Procs, Scrape, scrape, worker_tables, write_toml
+from tests.polling import until
 
 pytestmark = pytest.mark.integration
 
@@ -108,11 +103,11 @@ def test_two_shards_serve_what_one_aggregator_serves(
         s = scrape(whole)
         return s is not None and len(s.get("kvobserve_collector_up")) == 2
 
-    poll(collectors_up, 30, "both collectors publishing")
+    until(collectors_up, 30, "both collectors publishing")
     for nodes in plan:
         for cfg in nodes:
             engines.append(SimulatedWorker(cfg).start())
-    poll(
+    until(
         lambda: all(sim.truth()["ranks"] and _done(sim) for sim in engines),
         30,
         "engines finished publishing",
@@ -135,14 +130,14 @@ def test_two_shards_serve_what_one_aggregator_serves(
         return next(i for i, b in shards.items() if b == base)
 
     one = _series(
-        poll(
+        until(
             lambda: settled(whole),
             30,
             "the unsharded aggregator has every stream",
             lambda: (truth, scrape(whole)),
         )
     )
-    parts = {i: _series(poll(lambda b=b: settled(b), 30, f"shard {i}")) for i, b in shards.items()}
+    parts = {i: _series(until(lambda b=b: settled(b), 30, f"shard {i}")) for i, b in shards.items()}
 
     # Every series either carries its shard's label (the per-collector and own ones) or is in
     # exactly one shard; nothing else carries a `shard` label.
@@ -188,7 +183,7 @@ def test_two_shards_serve_what_one_aggregator_serves(
         s = scrape(late)
         return s if s and s.get("kvobserve_kv_event_batches_total") else None
 
-    s = poll(warm, 15, "the late shard serves streams, read from the KV bucket")
+    s = until(warm, 15, "the late shard serves streams, read from the KV bucket")
     got = s.by("kvobserve_kv_event_batches_total", ("worker_id", "dp_rank"))
     assert got == {k: v for k, v in truth.items() if SHARD_OF[k[0]] == "1"}
     assert set(s.by("kvobserve_collector_up", ("collector", "shard"))) == {

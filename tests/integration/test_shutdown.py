@@ -18,8 +18,10 @@ from typing import Any
 import pytest
 import zmq
 
-from tests.integration.conftest import NatsServer, free_port
-from tests.integration.fleet_helpers import ROOT, Procs, fetch, poll, write_toml
+from kvobserve.simulate.ports import free_port
+from tests.integration.conftest import NatsServer
+from tests.integration.fleet_helpers import ROOT, Procs, fetch, write_toml
+from tests.polling import until
 
 pytestmark = pytest.mark.integration
 
@@ -88,24 +90,24 @@ def _start(name: str, procs: Procs, tmp_path: Path, request: pytest.FixtureReque
         cfg = write_toml(tmp_path / "run.toml", {"collector": {"interval_s": 0.2}, "worker": [worker],
                                                  "http": {"listen": f"127.0.0.1:{port}"}})  # fmt: skip
         pid = procs.kvobserve(name, "run", "-c", str(cfg))
-        poll(_healthy(base), 20, "run serves", lambda: procs.log(pid))
+        until(_healthy(base), 20, "run serves", lambda: procs.log(pid))
     elif name == "collect":
         cfg = write_toml(tmp_path / "c.toml", {"http": {"listen": f"127.0.0.1:{port}"},
                                                "worker": [worker], "nats": {"url": nats.url}})  # fmt: skip
         pid = procs.kvobserve(name, "collect", "-c", str(cfg))
-        poll(_healthy(base), 20, "collect serves", lambda: procs.log(pid))
+        until(_healthy(base), 20, "collect serves", lambda: procs.log(pid))
     elif name == "aggregate":
         pid = procs.kvobserve(
             name, "aggregate", "--nats", nats.url, "--listen", f"127.0.0.1:{port}"
         )
-        poll(_healthy(base), 20, "aggregate serves", lambda: procs.log(pid))
+        until(_healthy(base), 20, "aggregate serves", lambda: procs.log(pid))
     elif name == "demo":
         pid = procs.kvobserve(name, "demo", "--listen", f"127.0.0.1:{port}", "--duration", "60")
-        poll(lambda: "kvobserve_stream_up" in (fetch(f"{base}/metrics") or ""), 20, "demo")
+        until(lambda: "kvobserve_stream_up" in (fetch(f"{base}/metrics") or ""), 20, "demo")
     elif name == "simulate":
         pid = procs.kvobserve(name, "simulate", "--format", "sglang-0.5.23", "--dp-size", "2",
                               "--load-port", "0")  # fmt: skip
-        poll(lambda: "ready workers=1" in procs.log(pid), 20, "simulate ready")
+        until(lambda: "ready workers=1" in procs.log(pid), 20, "simulate ready")
     else:  # tap: ready once its SUB subscribed to our XPUB
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         xpub = ctx.socket(zmq.XPUB)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -17,12 +16,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvobserve.simulate import SimConfig, SimulatedWorker
 
 pytestmark = pytest.mark.integration
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def _get(url: str) -> tuple[int, str]:
@@ -50,8 +43,8 @@ def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
 async def test_sglang_metrics_discovery_and_side_channels(ctx: zmq.Context[Any]) -> None:
     pull = ctx.socket(zmq.PULL)
     pull.setsockopt(zmq.LINGER, 0)
-    kv_metrics = f"tcp://127.0.0.1:{_free_port()}"
-    pull.bind(kv_metrics)  # the consumer binds; the engine's PUSH connects
+    pull.bind("tcp://127.0.0.1:0")  # the consumer binds; the engine's PUSH connects
+    kv_metrics = pull.getsockopt_string(zmq.LAST_ENDPOINT)
     cfg = SimConfig(format="sglang-0.5.23", topic="kv-events", rate=200, capacity_tokens=4096,
                     load_port=0, kv_metrics_endpoint=kv_metrics, side_interval_s=0.05)  # fmt: skip
     w = SimulatedWorker(cfg).start()

@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvobserve.simulate import SimConfig, SimulatedWorker, SimulatorGroup, nodes_of
 from kvobserve.wire.kv_events import decode_message
+from tests.polling import until
 
 pytestmark = pytest.mark.integration
 HOSTS = ("127.0.0.1", "127.0.0.2")
@@ -111,13 +112,10 @@ def test_sglang_dp_attention_nodes_bind_on_their_own_hosts(
             )
             assert info["kv_events"]["load_endpoint_port_base"] == n0.load_base
         assert "kv_event_sources" not in info
-        end = time.monotonic() + 5
-        while True:  # SGLang's multiprocess metrics: node 0's schedulers only
-            metrics = _get(f"{base}/metrics")[1]
-            ranks = _ranks(metrics, "sglang:token_usage", "dp_rank")
-            if ranks:
-                break
-            assert time.monotonic() < end, "no sglang:token_usage"
+        ranks = until(  # SGLang's multiprocess metrics: node 0's schedulers only
+            lambda: _ranks(_get(f"{base}/metrics")[1], "sglang:token_usage", "dp_rank"), 5,
+            "sglang:token_usage of some rank",
+        )  # fmt: skip
         assert ranks == {0, 1, 2, 3}
 
 
@@ -151,12 +149,14 @@ def test_vllm_internal_lb_head_serves_every_rank() -> None:
         assert {k: v["endpoint"] for k, v in sources.items()} == {
             str(r): f"tcp://*:{head.kv_base + r}" for r in range(4)
         }
-        end = time.monotonic() + 5
-        while True:  # the API server hears from every engine core, on every node
-            text = _get(f"{base}/metrics")[1]
-            if _ranks(text, "vllm:kv_cache_usage_perc", "engine") == {0, 1, 2, 3}:
-                break
-            assert time.monotonic() < end, text
+
+        def every_core() -> str | None:  # the API server hears from every engine core
+            text: str = _get(f"{base}/metrics")[1]
+            return (
+                text if _ranks(text, "vllm:kv_cache_usage_perc", "engine") == {0, 1, 2, 3} else None
+            )
+
+        text = until(every_core, 5, "vllm:kv_cache_usage_perc of engines 0-3")
         assert _ranks(text, "vllm:cache_config_info", "engine") == {0, 1, 2, 3}
     # nodes in separate processes: the head cannot read the others' ranks (only its own)
     nodes = nodes_of(cfg, HOSTS)

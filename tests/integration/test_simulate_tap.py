@@ -16,6 +16,7 @@ import pytest
 from kvobserve.analysis.blocks import BlockIndex
 from kvobserve.wire.kv_events import hash_json
 from kvobserve.wire.replay import decode_replay_message
+from tests.polling import until
 
 BATCHES = 60
 
@@ -57,10 +58,7 @@ def test_tap_shows_the_simulated_batches_and_they_rebuild_the_truth(
     )  # fmt: skip
     try:
         urls = _endpoints(sim)
-        deadline = time.monotonic() + 20
-        while (inst := _published(truth_file)) is None:
-            assert time.monotonic() < deadline, "the simulator did not publish its batches"
-            time.sleep(0.1)
+        inst = until(lambda: _published(truth_file), 20, "the simulator published its batches")
         tap = subprocess.run(
             [sys.executable, "-m", "kvobserve", "tap", urls["kv"], "--replay-endpoint",
              urls["replay"], "--from-seq", "0", "--count", str(BATCHES), "--timeout", "10",

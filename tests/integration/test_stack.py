@@ -25,14 +25,13 @@ import yaml
 
 from kvobserve.cli import build_parser
 from kvobserve.export.api import every_alert
-from tests.integration.conftest import free_port
+from kvobserve.simulate.ports import free_port
 from tests.integration.stack_helpers import (
     COMPOSE,
     ROOT,
     Stack,
     http_json,
     load_compose,
-    poll,
     scale_for,
 )
 
@@ -120,9 +119,13 @@ def bring_up(stack: Stack) -> float:
             stack.start(name)
         for name in group:
             url = stack.url(*ready[name])
-            poll(functools.partial(_get, url), deadline, f"{name} ready", stack)
+            stack.until(functools.partial(_get, url), deadline - time.monotonic(), f"{name} ready")
     baseline = f'kvobserve_kv_sequence_gaps_total{{worker_id="{WORKER}"}} == 0'
-    poll(lambda: len(_query(stack, baseline)) == 2, deadline, "both ranks scraped at 0", stack)
+    stack.until(
+        lambda: len(_query(stack, baseline)) == 2,
+        deadline - time.monotonic(),
+        "both ranks scraped at 0",
+    )
     for name in ENGINES:
         stack.start(name)
     return time.monotonic()
@@ -189,7 +192,9 @@ def test_mixed_profile_fires_its_alerts_and_feeds_every_dashboard(stack_factory:
         }
         return got if want <= got else set()
 
-    got = poll(firing, t0 + SETTLE_S, f"{sorted(want)} active in Alertmanager", stack)
+    got = stack.until(
+        firing, t0 + SETTLE_S - time.monotonic(), f"{sorted(want)} active in Alertmanager"
+    )
     # and nothing else: the gap is recovered by replay (no KVEventsLost), no rank mislabel, ...
     assert got == want, f"unexpected alerts: {sorted(got - want)}"
     assert len(_am_alerts(stack)) == len(want), _am_alerts(stack)
@@ -204,7 +209,7 @@ def test_mixed_profile_fires_its_alerts_and_feeds_every_dashboard(stack_factory:
             empty_allowed.add(allowed)
             continue
         try:
-            poll(functools.partial(_query, stack, promql), time.monotonic() + 15, where, stack)
+            stack.until(functools.partial(_query, stack, promql), 15, where)
         except AssertionError:
             failures.append(f"{where}: {promql}")
     assert not failures, "panel queries without data:\n" + "\n".join(failures)
@@ -228,7 +233,7 @@ def test_clean_profile_fires_nothing(stack_factory: Any) -> None:
         return (len(got) == 2 and all(s["up"] for s in got)
                 and bool(sources) and all(s["state"] == "up" for s in sources))  # fmt: skip
 
-    poll(all_up, t0 + 10, "both streams and the scheduler sources up", stack)
+    stack.until(all_up, t0 + 10 - time.monotonic(), "both streams and the scheduler sources up")
     end = t0 + SETTLE_S
     while time.monotonic() < end:
         stack.check_running()
@@ -265,7 +270,9 @@ def test_a_worker_with_an_unreachable_url_fires_undiscovered(stack_factory: Any)
     def fired() -> list[dict[str, Any]]:
         return [a for a in _am_alerts(stack) if a["labels"]["alertname"] == "KVWorkerUndiscovered"]
 
-    (alert,) = poll(fired, t0 + SETTLE_S, "KVWorkerUndiscovered in Alertmanager", stack)
+    (alert,) = stack.until(
+        fired, t0 + SETTLE_S - time.monotonic(), "KVWorkerUndiscovered in Alertmanager"
+    )
     lb = alert["labels"]
     assert (lb["worker_id"], lb["collector"], lb["node_rank"]) == ("sglang-gone", "node-0", "0")
     assert (lb["severity"], lb["state"]) == ("critical", "undiscovered")
@@ -300,7 +307,9 @@ def test_silent_profile_raises_silent_loss_and_no_other_cache_alert(stack_factor
                 return a
         return None
 
-    alert = poll(raised, t0 + SETTLE_S, "KVEventSilentLoss pending or firing", stack)
+    alert = stack.until(
+        raised, t0 + SETTLE_S - time.monotonic(), "KVEventSilentLoss pending or firing"
+    )
     print(f"KVEventSilentLoss {alert['state']} {time.monotonic() - t0:.1f} s after the engines")
     # rank 1 is the one that drops (simulate/profiles.py), and no sequence gap explains it
     assert alert["labels"]["dp_rank"] == "1", alert

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.stack_helpers import http_json, poll
+from tests.integration.stack_helpers import http_json
 from tests.integration.test_stack import (  # noqa: F401 (stack_factory: a fixture)
     FOR_FACTOR,
     WORKER,
@@ -66,7 +66,9 @@ def test_a_killed_engine_leaves_no_gauges_and_pages_as_stream_down(stack_factory
         # (the streams were down until the engines started: their pending alerts clear)
         return all(_ranks(stack, m) == {"0", "1"} for m in GAUGES) and not _rule_alerts(stack)
 
-    poll(warm, t0 + 30, "both ranks' gauges in Prometheus and no alert pending", stack)
+    stack.until(
+        warm, t0 + 30 - time.monotonic(), "both ranks' gauges in Prometheus and no alert pending"
+    )
 
     engine = stack.procs["engine-node-1"]
     killed = time.time()
@@ -77,7 +79,7 @@ def test_a_killed_engine_leaves_no_gauges_and_pages_as_stream_down(stack_factory
     def gone() -> bool:
         return all(_ranks(stack, m) == {"0"} for m in GAUGES)
 
-    poll(gone, killed + 15, "rank 1's gauges absent", stack)
+    stack.until(gone, killed + 15 - time.monotonic(), "rank 1's gauges absent")
     # Prometheus's own record: the last scrape that still carried rank 1's gauges came at most
     # one scrape interval after the kill (plus 0.5 s of jitter on a loaded machine), so the first
     # scrape without them came within two (a collector snapshot, then a scrape)
@@ -100,7 +102,11 @@ def test_a_killed_engine_leaves_no_gauges_and_pages_as_stream_down(stack_factory
         return got if want <= got else set()
 
     for_s = 5 * 60 / FOR_FACTOR  # KVEventStreamDown's `for: 5m`, shortened
-    got = poll(paged, killed + for_s + 20, "KVEventStreamDown for rank 1 in Alertmanager", stack)
+    got = stack.until(
+        paged,
+        killed + for_s + 20 - time.monotonic(),
+        "KVEventStreamDown for rank 1 in Alertmanager",
+    )
     assert got == want, f"other alerts: {sorted(got - want)}"
     # nothing else even pending in Prometheus: no usage, no index, no stall on a dead rank
     raised = {(a["labels"]["alertname"], a["labels"].get("dp_rank")) for a in _rule_alerts(stack)}

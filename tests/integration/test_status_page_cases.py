@@ -20,9 +20,10 @@ from kvobserve.analysis.views import FleetView
 from kvobserve.commands.embedded import Embedded, start_embedded
 from kvobserve.config import CollectorConfig, Config, HttpConfig, WorkerConfig
 from kvobserve.simulate import SimConfig, SimulatedWorker
+from kvobserve.simulate.ports import free_port
 from kvobserve.simulate.profiles import profile
-from tests.integration.conftest import eventually, free_port
 from tests.integration.test_export_status_page import run_chromium
+from tests.polling import until_async
 
 pytestmark = pytest.mark.integration
 
@@ -146,10 +147,10 @@ async def test_status_page_case(case: str, tmp_path: Path) -> None:
     sims, emb, url = await _start(case, fault)
     try:
         agg = emb.aggregator
-        await eventually(lambda: ready(agg.view()), 30.0, f"{case}: the condition")
+        await until_async(lambda: ready(agg.view()), 30.0, f"{case}: the condition")
         await agg.check_conditions()  # the transitions into the event list now, not at a tick
         if case == "gap":
-            await eventually(
+            await until_async(
                 lambda: any(e["kind"] == "gap" for e in agg.events), 10.0, "the gap event"
             )
         dom = await run_chromium(["--dump-dom", f"{url}/"], tmp_path / "p1")

@@ -24,7 +24,7 @@ import pytest
 from kvobserve.commands.embedded import start_embedded
 from kvobserve.config import load_config
 from kvobserve.simulate import SimConfig, SimulatedWorker
-from kvobserve.simulate.group import free_port_range
+from kvobserve.simulate.ports import free_port, free_port_range
 from tests.integration.collector_helpers import (
     Sims,
     resident,
@@ -33,7 +33,6 @@ from tests.integration.collector_helpers import (
     truth_instance,
     truth_resident,
 )
-from tests.integration.conftest import free_port
 from tests.integration.fleet_helpers import Scrape, scrape
 
 pytestmark = pytest.mark.integration

@@ -26,7 +26,7 @@ from tests.integration.collector_helpers import (
     wait_connected,
     wait_snapshot,
 )
-from tests.integration.conftest import eventually
+from tests.polling import until_async
 
 pytestmark = pytest.mark.integration
 
@@ -57,7 +57,7 @@ async def test_the_last_batch_of_a_burst_is_recovered_while_the_publisher_idles(
         assert gap == [(39, 39, "gap: seq 39 missed (1); recovered by replay")]
 
         # rank 0 lost nothing: once idle, its checks cost a request each and count nothing
-        await eventually(
+        await until_async(
             lambda: sim.truth()["ranks"]["0"]["replay_requests"] >= 1, 10.0, "rank 0 checked"
         )
         truth = sim.truth()
@@ -94,7 +94,7 @@ async def test_seen_5_sglang_0_5_23_every_17th_batch_dropped_the_last_one_too() 
                     (s.gaps, s.batches_total, s.replaying) == (18, 306, False) for s in streams
                 )
 
-            await eventually(settled, 20.0, "gaps 18 and 306 batches applied on every rank")
+            await until_async(settled, 20.0, "gaps 18 and 306 batches applied on every rank")
             truth = sim.truth()
             conditions = {  # the streams' (the pool's miss split has its own)
                 (c.kind, labels["dp_rank"]): c
@@ -165,7 +165,7 @@ async def test_a_tail_check_facing_a_restarted_publisher_corrupts_nothing(sims: 
                 faults=FaultConfig(stall_after=100, stall_s=10.0),
             )
         )  # fmt: skip
-        await eventually(
+        await until_async(
             lambda: truth_instance(new.truth(), 0)["batches"] == 100, 5.0, "new: 100, paused"
         )
         snap = await wait_snapshot(

@@ -18,7 +18,7 @@ import pytest
 import zmq
 
 from kvobserve.simulate import SimConfig, SimulatedWorker
-from tests.integration.conftest import free_port
+from kvobserve.simulate.ports import free_port
 from tests.unit.test_captures import CAPTURES, KV_FOLDERS, expected_batch, load_lines
 
 pytestmark = pytest.mark.integration

@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 
 from kvobserve.simulate import SimConfig, SimulatorGroup, nodes_of
-from kvobserve.simulate.group import free_port_range
-from tests.integration.conftest import free_port
-from tests.integration.fleet_helpers import ROOT, Procs, clean_env, fetch, poll, scrape, write_toml
+from kvobserve.simulate.ports import free_port, free_port_range
+from tests.integration.fleet_helpers import ROOT, Procs, clean_env, fetch, scrape, write_toml
+from tests.polling import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -78,7 +78,7 @@ def test_a_worker_whose_discovery_fails_is_visible_everywhere(procs: Procs, tmp_
         got = _json(base, "/api/v1/alerts")
         return got if got else None
 
-    got = poll(alerts, 30, "a condition in /api/v1/alerts", lambda: procs.log(pid))
+    got = until(alerts, 30, "a condition in /api/v1/alerts", lambda: procs.log(pid))
     assert [(a["kind"], a["severity"], a["alert"]) for a in got] == [
         ("worker_undiscovered", "critical", "KVWorkerUndiscovered")
     ]
@@ -138,7 +138,7 @@ def test_a_node_count_mismatch_is_one_condition_with_the_fix(
         got = _json(base, "/api/v1/alerts")
         return got if got and any(a["kind"] == "layout_mismatch" for a in got) else None
 
-    got = poll(mismatch, 30, "layout_mismatch in /api/v1/alerts", lambda: procs.log(pid))
+    got = until(mismatch, 30, "layout_mismatch in /api/v1/alerts", lambda: procs.log(pid))
     assert [(a["kind"], a["severity"]) for a in got] == [("layout_mismatch", "critical")], got
     assert got[0]["labels"] == {"worker_id": WORKER, "node_rank": "0", "collector": "box"}
     assert got[0]["description"] == (
@@ -156,7 +156,7 @@ def test_a_node_count_mismatch_is_one_condition_with_the_fix(
         streams = _json(base, "/api/v1/streams")
         return streams if streams and all(s["batches"] > 0 for s in streams) else None
 
-    streams = poll(receiving, 30, "batches on every watched stream", lambda: procs.log(pid))
+    streams = until(receiving, 30, "batches on every watched stream", lambda: procs.log(pid))
     kv = two_nodes.workers[0].kv_base
     assert [(s["dp_rank"], s["endpoint"], s["up"]) for s in streams] == [
         (r, f"tcp://127.0.0.1:{kv + r}", True) for r in range(4)

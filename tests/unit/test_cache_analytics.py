@@ -16,6 +16,7 @@ from kvobserve.analysis.placement import local_placement, merge_placement
 from kvobserve.analysis.sequence import StreamSequencer
 from kvobserve.analysis.thrash import RecentRemovals
 from kvobserve.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvBatch
+from tests.examples import examples
 
 
 def _stored(hashes: list[int], parent: int | None = None, medium: str = "GPU") -> BlockStored:
@@ -147,7 +148,7 @@ def test_a_thrashing_rank_counts_restores_per_medium() -> None:
 # --- hot prefixes --------------------------------------------------------------------------------
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.lists(st.integers(0, 40), max_size=600), st.integers(2, 16))
 def test_hot_counts_are_lower_bounds_within_the_offset(keys: list[int], cap: int) -> None:
     hot = HotBlocks(cap)

@@ -27,6 +27,7 @@ from kvobserve.analysis.conditions import (
     may_have_condition,
 )
 from kvobserve.wire.snapshot import StreamStats
+from tests.examples import examples
 from tests.unit.fleet_strategies import NOW, Fleet, fleets, one_field_off
 
 STREAM_KINDS = [k.kind for k in KINDS.values() if k.per_stream]
@@ -39,7 +40,7 @@ def _whole(fleet: Fleet) -> list[Condition]:
     return active(v)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(fleets())
 def test_prechecks_hold_and_the_per_second_check_finds_what_the_whole_view_shows(
     fleet: Fleet,
@@ -60,7 +61,7 @@ def test_prechecks_hold_and_the_per_second_check_finds_what_the_whole_view_shows
     assert [(c, c.since) for c in fast] == [(c, c.since) for c in whole]
 
 
-@settings(max_examples=750, deadline=None)
+@settings(max_examples=examples(750), deadline=None)
 @given(one_field_off("w", 0))
 def test_the_per_second_filter_is_the_rows_prechecks(stats: StreamStats) -> None:
     """`may_have_condition` reads the event kinds' times at once: the same as asking each row

@@ -24,10 +24,11 @@ from kvobserve.wire.scheduler import (
     decode_kv_metrics,
     decode_load_message,
 )
+from tests.examples import examples
 from tests.unit.test_captures import CAPTURES, KV_FOLDERS, load_lines
 
 FUZZ = settings(
-    max_examples=10_000,
+    max_examples=examples(10_000),
     deadline=None,
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],

@@ -85,7 +85,7 @@ def test_the_split_of_the_events_equals_the_simulators_truth(fmt: str, route: st
     pool = PoolMisses()
     for r, ix in enumerate(indexes):
         pool.attach(r, ix)
-    run = _drive(_trace(150.0), fmt, route, lambda r, b: indexes[r].apply_batch(b))
+    run = _drive(_trace(60.0), fmt, route, lambda r, b: indexes[r].apply_batch(b))
     truth = run.replay.truth()
     assert truth["pool"]["unstored_pages"] == 0  # every miss was stored: misses == stores
     for r, ix in enumerate(indexes):
@@ -131,7 +131,7 @@ def _sampled_run(
 
 
 def test_a_sample_of_everything_merged_from_two_collectors_is_exact() -> None:
-    run, merged, samplers, _ = _sampled_run(_trace(150.0), "random", floor=10**9)
+    run, merged, samplers, _ = _sampled_run(_trace(60.0), "random", floor=10**9)
     assert merged.level == 0 and all(s.level == 0 for s in samplers)
     truth = run.replay.truth()
     for r in range(4):
@@ -140,6 +140,7 @@ def test_a_sample_of_everything_merged_from_two_collectors_is_exact() -> None:
     assert merged.late_ops == 0 and not merged.lost
 
 
+@pytest.mark.slow
 def test_the_sampled_split_is_within_its_bound_and_stays_small() -> None:
     reqs = _trace(400.0)
     run, merged, samplers, sent = _sampled_run(reqs, "random", floor=FLOOR, capacity=2_000_000)

@@ -10,6 +10,7 @@ from kvobserve.analysis.blocks import BlockIndex
 from kvobserve.analysis.mirror import MirrorDetector
 from kvobserve.analysis.sequence import SequencerLimits, StreamSequencer
 from kvobserve.wire.kv_events import END_SEQ, KvBatch, decode_message, decode_payload, decode_seq
+from tests.examples import examples
 from tests.unit.test_blocks import (
     capture_messages,
     cleared,
@@ -287,7 +288,7 @@ def test_mirrored_streams_flag_both() -> None:
     assert det.observe(r1, (0, 1.6, 90), now=8.0) is None
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.lists(st.booleans(), min_size=1, max_size=60), st.integers(1, 8), st.integers(0, 6))
 def test_any_live_loss_with_a_full_ring_applies_every_seq_once_in_order(
     delivered: list[bool], hold_limit: int, delay: int
@@ -387,7 +388,7 @@ def test_a_replayed_batch_ahead_of_live_fills_a_later_live_loss() -> None:
     assert s.replay_requests["ok"] == 1 and s.state_complete is True
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.lists(st.booleans(), min_size=1, max_size=60), st.integers(0, 6), st.integers(0, 3))
 def test_replies_as_of_the_request_recover_every_live_loss(
     delivered: list[bool], delay: int, lead: int
@@ -591,7 +592,7 @@ def test_no_tail_check_while_a_replay_runs_or_two_publishers_share_the_stream() 
     assert d.duplicate_stream(10.0) and d.check_tail(10.0, 0.0) is None
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.lists(st.booleans(), min_size=2, max_size=60), st.integers(0, 3))
 def test_any_live_loss_including_the_tail_is_recovered_once_idle(
     delivered: list[bool], lead: int

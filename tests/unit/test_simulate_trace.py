@@ -37,6 +37,7 @@ def test_the_fixture_is_the_published_conversation_trace() -> None:
     assert reqs[-1].timestamp_ms - reqs[0].timestamp_ms == 3_536_999
 
 
+@pytest.mark.slow
 def test_the_whole_trace_on_one_rank_with_unlimited_capacity_hits_what_the_ids_say() -> None:
     """Acceptance: 105,710 of 288,500 lookups hit (36.64 %), 182,790 compulsory (63.36 %)."""
     run = replay_offline(_trace(), ranks=1, capacity_tokens=UNLIMITED, page_size=512)
@@ -70,7 +71,7 @@ def _expected_by_ids(reqs: tuple[TraceRequest, ...], page_size: int, partial: bo
 
 @pytest.mark.parametrize(("fmt", "partial"), [("sglang-0.5.23", True), ("vllm-0.33", False)])
 def test_engine_pages_of_16_tokens_hit_what_the_ids_say(fmt: str, partial: bool) -> None:
-    reqs = _trace(240.0)
+    reqs = _trace(60.0)
     run = replay_offline(reqs, format=fmt, ranks=1, capacity_tokens=UNLIMITED, page_size=16)
     pool = run.replay.truth()["pool"]
     (b_look, b_hit), (p_look, p_hit) = _expected_by_ids(reqs, 16, partial)
@@ -102,6 +103,7 @@ def _lru_fact(reqs: tuple[TraceRequest, ...], capacity_tokens: int) -> float:
     return 100 * hits / total
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("tokens", "fact"), [(3_000_000, 13.6), (10_000_000, 28.5),
                                               (50_000_000, 36.4)])  # fmt: skip
 def test_one_lru_cache_is_within_a_point_of_the_trace_facts(tokens: int, fact: float) -> None:
@@ -117,6 +119,7 @@ def test_one_lru_cache_is_within_a_point_of_the_trace_facts(tokens: int, fact: f
     assert b["placement"] == 0  # one rank
 
 
+@pytest.mark.slow
 def test_routes_place_misses_where_the_router_sends_them() -> None:
     reqs = _trace(300.0)
     shares = {}
