@@ -491,8 +491,13 @@ def test_config_is_frozen(tmp_path: Path) -> None:
         cfg.collector.node_rank = 3  # type: ignore[misc]
 
 
-def test_state_dir_defaults_to_the_xdg_state_dir_or_var_lib_for_root(tmp_path: Path) -> None:
+def test_state_dir_defaults_to_the_xdg_state_dir_or_var_lib_for_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kvobserve.config.load as config_load
     from kvobserve.config.model import default_state_dir
+
+    monkeypatch.setattr(config_load, "default_state_dir", default_state_dir)  # not the test's own
 
     assert default_state_dir({}, root=True) == "/var/lib/kvobserve"
     assert default_state_dir({"XDG_STATE_HOME": "/s", "HOME": "/h"}, root=False) == "/s/kvobserve"
