@@ -21,6 +21,7 @@ from kvobserve import __version__
 from kvobserve.aio import cancel_and_wait
 from kvobserve.config import Config, WorkerConfig
 from kvobserve.engines import profile
+from kvobserve.sources.capacity_stats import WorkerCurve
 from kvobserve.sources.discovery import Rediscovery, discover_urls
 from kvobserve.sources.discovery_parse import DiscoveredEngine, DiscoveryError
 from kvobserve.sources.dynamo_drift import DriftPoller
@@ -163,8 +164,9 @@ class Collector:
             self._again[w.id] = again
         specs = self._replan()
         pools = {w.id: w.pool_id for w in self.cfg.workers}  # the miss split's pools
+        curves = {w.id: WorkerCurve(w.capacity_tokens, w.curve_below) for w in self.cfg.workers}
         self.ingest = IngestLoop(specs, self._ingest_options, events=self.events,
-                                 listens=self._listens(), pools=pools)  # fmt: skip
+                                 listens=self._listens(), pools=pools, curves=curves)  # fmt: skip
         self.ingest.start()
         await self._sync_scheduler()
         for r in self._rediscovery:
@@ -368,6 +370,7 @@ class Collector:
             binds=ingest.binds,
             prefix=prefix,
             misses=ingest.misses,
+            curves=ingest.curves,
             counters=CollectorCounters(
                 ingest.messages_received,
                 ingest.loop_errors,
@@ -410,9 +413,10 @@ class Collector:
             if p.pods:
                 for pod in pods.get(w.id, ()):
                     ranks = list(p.watched_ranks)
-                    out.append(
-                        WorkerInfo(pod, w.engine, p.dp_size, ranks, w.leader, w.capacity_tokens)
-                    )
+                    info = WorkerInfo(pod, w.engine, p.dp_size, ranks, w.leader, w.capacity_tokens)
+                    info.kv_bytes_per_token = w.kv_bytes_per_token or 0
+                    info.tier_tokens = w.tier_tokens or 0
+                    out.append(info)
                 continue
             state, reason = self._worker_state(p)
             h = self._worker_health.get(w.id)

@@ -108,6 +108,12 @@ class EngineProfile:
     default_endpoint: str = ""  # the KV-event endpoint the engine binds when its config names none
     default_namespace: str = ""  # an event plane's namespace when the deployment names none
     signed_hashes: bool = False  # block hashes are signed int64 (placement shifts them by 2^63)
+    # How its top tier evicts, in words, and whether that follows recency (an LRU of blocks or of
+    # radix leaves): only then are its evicted blocks, in eviction order, the LRU stack below
+    # its capacity, which the capacity curve reads (analysis/capacity.py). False: the curve
+    # says it is not available, and why, instead of a number.
+    eviction: str = ""
+    recency_eviction: bool = False
     versions: tuple[WireVersion, ...] = ()
 
     @property

@@ -30,6 +30,7 @@ from kvobserve.analysis.mirror import MirrorDetector
 from kvobserve.analysis.sequence import StreamSequencer
 from kvobserve.sources import cache_stats
 from kvobserve.sources.bind import Listener
+from kvobserve.sources.capacity_stats import RankCurves, WorkerCurve
 from kvobserve.sources.ingest_options import IngestOptions
 from kvobserve.sources.link import MONITOR_EVENTS, Link
 from kvobserve.sources.miss_stats import UNTIL_SLACK_S, MissSamplers
@@ -40,6 +41,7 @@ from kvobserve.sources.replays import DRAIN_LIMIT, ReplayClient
 from kvobserve.sources.stream_events import RecentEvents, StreamHistory
 from kvobserve.sources.stream_state import WatchedStream, count_bad, new_link, stream_stats
 from kvobserve.sources.topic_probe import TopicProbes
+from kvobserve.wire.capacity import RankCurveStats
 from kvobserve.wire.errors import WireError
 from kvobserve.wire.kv_events import BlockHash, decode_message
 from kvobserve.wire.misses import MissDelta, MissFeedback
@@ -65,6 +67,7 @@ class IngestStats:
     binds: list[BindStats] = field(default_factory=list)  # bind mode: the endpoints bound
     pods: dict[str, list[str]] = field(default_factory=dict)  # [[worker]] id -> its pods' ids
     misses: list[MissDelta] = field(default_factory=list)  # the miss split's, one per pool
+    curves: list[RankCurveStats] = field(default_factory=list)  # every curve interval
 
 
 class IngestLoop:
@@ -80,6 +83,7 @@ class IngestLoop:
         events: RecentEvents | None = None,
         listens: Sequence[ListenSpec] = (),
         pools: Mapping[str, str] | None = None,
+        curves: Mapping[str, WorkerCurve] | None = None,
     ) -> None:
         self.options = options or IngestOptions()
         self._clock, self._wall = clock, wall
@@ -126,6 +130,9 @@ class IngestLoop:
         self._placements = cache_stats.Placements(a) if a is not None else None
         # the miss split (sources/miss_stats.py): [[worker]] id -> its pool; with the analytics
         self.misses = MissSamplers(pools or {}) if a is not None else None
+        # the capacity curves (sources/capacity_stats.py), fed by the miss split's samplers
+        c = self.options.curve
+        self.curves = RankCurves(c, curves or {}) if a is not None and c is not None else None
 
     # --- public, any thread -----------------------------------------------------------------
 
@@ -523,7 +530,10 @@ class IngestLoop:
             if self.options.analytics is not None:
                 cache_stats.attach(seq, self.options.analytics)
             if self.misses is not None:
-                self.misses.attach(spec.worker_id, spec.dp_rank, spec.engine, seq)
+                curve = None
+                if self.curves is not None:
+                    curve = self.curves.make(spec.worker_id, spec.dp_rank, spec.engine, seq)
+                self.misses.attach(spec.worker_id, spec.dp_rank, spec.engine, seq, curve)
         return st
 
     def _drop(self, st: WatchedStream) -> None:
@@ -534,6 +544,8 @@ class IngestLoop:
     def _untap(self, st: WatchedStream) -> None:
         if self.misses is not None and st.seq is not None:
             self.misses.detach(st.spec.worker_id, st.spec.dp_rank, st.seq)
+        if self.curves is not None:
+            self.curves.drop(st.spec.worker_id, st.spec.dp_rank)
 
     def _link_peers(self) -> None:
         if self.options.analytics is not None:
@@ -726,7 +738,8 @@ class IngestLoop:
         refused = {k: v for k, v in refused.items() if v}
         binds: list[BindStats] = [lst.stats() for lst in self._listeners.values()]
         misses = self.misses.deltas(wall - UNTIL_SLACK_S) if self.misses is not None else []
+        curves = self.curves.stats(now) if self.curves is not None else []
         return IngestStats(
             streams, unexpected, refused, self.received_total, self.loop_errors, placement,
-            binds, {w: sorted(set(ids)) for w, ids in pods.items()}, misses,
+            binds, {w: sorted(set(ids)) for w, ids in pods.items()}, misses, curves,
         )  # fmt: skip
