@@ -99,16 +99,18 @@ def drive(
     page_size: int = 512,
     configs: Sequence[tuple[CurveOptions, bool]] = ((CurveOptions(interval_s=1e-9), False),),
     every: int = 50,
+    salt: int = 0,
 ) -> Driven:
     """Replay `requests` on `ranks` ranks of one pool of capacity `capacity_tokens` each,
     watched by `collectors` collectors (rank r by collector r * collectors // ranks), once per
-    configuration (curve options, below C); a snapshot per collector every `every` batches."""
+    configuration (curve options, below C); a snapshot per collector every `every` batches;
+    `salt` re-draws the sample (a salted key instead of the engines' hash)."""
     seqs = [StreamSequencer(r, replay=False) for r in range(ranks)]
     owner = [r * collectors // ranks for r in range(ranks)]
     sides = [Side(o, b) for o, b in configs]
     taps: list[list[RankTap]] = [[] for _ in range(ranks)]
     for side in sides:
-        side.samplers = [MissSampler(POOL, True) for _ in range(collectors)]
+        side.samplers = [MissSampler(POOL, True, salt=salt) for _ in range(collectors)]
         side.curves = [
             RankCurve(side.options, signed=True, capacity_tokens=capacity_tokens,
                       below=side.below, index=seqs[r].index)

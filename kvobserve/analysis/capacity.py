@@ -368,18 +368,28 @@ class RankDeltas:
         return (self.hits + self.extra(factor)) / (self.hits + self.stores)
 
     def below_at(self, factor: float) -> tuple[float, float, float] | None:
-        """(estimate, low, high) of the hit rate at `factor` x C < 1: requests that hit fully
-        and stored nothing are not seen (their hits: the counter's less those walked); the
-        estimate has them lose as the seen ones do, the band all or none of them."""
-        if self.hits is None or not self.walked or self.hits + self.stores <= 0:
+        """(estimate, low, high) of the hit rate at `factor` x C < 1 (`below`)."""
+        if self.hits is None:
             return None
-        lookups = self.hits + self.stores
-        lost = min(self.lost(factor), self.walked)
-        unseen = max(0.0, self.hits - self.walked)
-        high = max(0.0, self.hits - lost)
-        low = max(0.0, high - unseen)
-        est = max(0.0, high - unseen * lost / self.walked)
-        return est / lookups, low / lookups, high / lookups
+        return below(self.hits, self.stores, self.walked, self.lost(factor))
+
+
+def below(
+    hits: float, stores: float, walked: float, lost: float
+) -> tuple[float, float, float] | None:
+    """(estimate, low, high) of a hit rate below C: of the `hits`, those of requests that stored
+    something (`walked`) would lose `lost`; requests that hit fully and stored nothing are not
+    seen (the rest of the hits): the estimate has them lose as the seen ones do, the band all or
+    none of them."""
+    if not walked or hits + stores <= 0:
+        return None
+    lookups = hits + stores
+    lost = min(lost, walked)
+    unseen = max(0.0, hits - walked)
+    high = max(0.0, hits - lost)
+    low = max(0.0, high - unseen)
+    est = max(0.0, high - unseen * lost / walked)
+    return est / lookups, low / lookups, high / lookups
 
 
 @dataclass(frozen=True, slots=True)
@@ -395,9 +405,19 @@ class WorkerDeltas:
         """Blocks stored by its ranks."""
         return sum(r.stores for r in self.ranks)
 
+    @property
+    def walked(self) -> float:
+        """Opt-in: hit-path blocks of requests that stored, over its ranks."""
+        return sum(r.walked for r in self.ranks)
+
     def at(self, factor: float) -> float | None:
         """The hit rate at `factor` x each rank's capacity (>= 1)."""
         lookups = self.hits + self.stores
         if lookups <= 0:
             return None
         return (self.hits + sum(r.extra(factor) for r in self.ranks)) / lookups
+
+    def below_at(self, factor: float) -> tuple[float, float, float] | None:
+        """(estimate, low, high) at `factor` x each rank's capacity < 1 (`below`)."""
+        lost = sum(r.lost(factor) for r in self.ranks if r.walked)
+        return below(self.hits, self.stores, self.walked, lost)

@@ -129,9 +129,9 @@ class CurveMerge:
                 was is None
                 or hits < was.hits
                 or any(weighed[k] < was.misses[k] for k in range(3))
-                or stores.keys() != was.stores.keys()
-                or any(n < was.stores[k] for k, n in stores.items())
-            ):  # a new rank, process or engine: counted again from now
+                or any(n < was.stores.get(k, 0) for k, n in stores.items())
+            ):  # a new aggregator or engine process: counted again from now (a rank first
+                # heard of later counts from its first delta, as its misses do)
                 self._pool[name] = _PoolBase(
                     hits, (weighed[0], weighed[1], weighed[2]), dict(g.depths), g.evicted, stores
                 )
@@ -356,7 +356,7 @@ class CurveMerge:
             said.append(f"{lookups:,.0f} lookups since observed (< {MIN_LOOKUPS:,})")
         trusted = not codes
         points = []
-        if isinstance(est, RankDeltas) and est.walked:
+        if est.walked:
             unseen = max(0.0, hits - est.walked) / hits if hits else 0.0
             rests = (
                 f"{est.walked:,.0f} hits on the paths of requests that stored; "

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from kvobserve.analysis.capacity import BINS
 from kvobserve.analysis.conditions import active
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.analysis.views import FleetView
-from kvobserve.analysis.capacity import BINS
 from kvobserve.wire.capacity import RankCurveStats
 from kvobserve.wire.misses import REMOVE, STORE, MissDelta, pack_op
 from kvobserve.wire.snapshot import (
@@ -63,13 +63,31 @@ def _curve_pool(early: bool) -> dict[str, list]:  # type: ignore[type-arg]
     return {
         "workers": [WorkerInfo(CURVE_POOL, "vllm", 1, [0], True, 1600, kv_bytes_per_token=2)],
         "streams": [
-            StreamStats(CURVE_POOL, 0, engine="vllm", endpoint="tcp://10.0.0.8:5557", up=True,
-                        batches_total=9, events={"stored": 9}, state_complete=True,
-                        media=[MediumStats("GPU", 100, 1600, 4210, 4110)], trust="complete",
-                        block_size=16)
-        ],  # fmt: skip
-        "misses": [MissDelta(CURVE_POOL, 1 if early else 2, 0, NOW - 6 if early else NOW - 2,
-                             NOW - 5 if early else NOW - 1, [0], bytes(ops))],  # fmt: skip
+            StreamStats(
+                CURVE_POOL,
+                0,
+                engine="vllm",
+                endpoint="tcp://10.0.0.8:5557",
+                up=True,
+                batches_total=9,
+                events={"stored": 9},
+                state_complete=True,
+                media=[MediumStats("GPU", 100, 1600, 4210, 4110)],
+                trust="complete",
+                block_size=16,
+            )
+        ],
+        "misses": [
+            MissDelta(
+                CURVE_POOL,
+                1 if early else 2,
+                0,
+                NOW - 6 if early else NOW - 2,
+                NOW - 5 if early else NOW - 1,
+                [0],
+                bytes(ops),
+            )
+        ],
         "prefix": [PrefixCounters(CURVE_POOL, 0, 0.0 if early else 16_000.0, 160.0 + 16 * n)],
         "curves": [curve],
     }

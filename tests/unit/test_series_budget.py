@@ -6,13 +6,13 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kvobserve.analysis.blocks import DEFAULT_LIFETIME_BUCKETS
+from kvobserve.analysis.capacity import BINS
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.analysis.miss_fleet import MissMerge
 from kvobserve.analysis.thrash import RESTORE_BUCKETS
 from kvobserve.export.catalog import BY_FAMILY, CATALOG
 from kvobserve.export.metrics_docs import BUDGET, REFERENCE, per_stream, reference_total
 from kvobserve.export.prometheus import FleetCollector
-from kvobserve.analysis.capacity import BINS
 from kvobserve.wire.capacity import RankCurveStats
 from kvobserve.wire.misses import REMOVE, STORE, MissDelta, pack_op
 from kvobserve.wire.snapshot import (
@@ -90,8 +90,17 @@ def _snapshot(w: int, node: int, early: bool = False) -> Snapshot:
         # the worker is its own pool: one sampled miss per node, hits from the tokenizer; later
         # the block leaves again (its last copy: at the level the pool reached, enough for
         # the capacity curve's points at 1 and 2 x the pool's memory)
-        misses=[MissDelta(worker, 1 if early else 2, LEVEL, NOW - 2, NOW - 1, [first],
-                          b"" if early else _store((w * 2 + node + 1) << 16))],  # fmt: skip
+        misses=[
+            MissDelta(
+                worker,
+                1 if early else 2,
+                LEVEL,
+                NOW - 2,
+                NOW - 1,
+                [first],
+                b"" if early else _store((w * 2 + node + 1) << 16),
+            )
+        ],
         prefix=[PrefixCounters(worker, -1, 0.0 if early else 1600.0, 8000.0)] if node == 0 else [],
         curves=[_curve(worker, r, early) for r in range(first, first + PER_NODE)],
     )
