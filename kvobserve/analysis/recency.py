@@ -125,6 +125,10 @@ class RecencyStack:
         """`key` is the newest entry (a key already held is moved: pop it first to learn its
         depth)."""
         if key in self._of:
+            if self._of[key] == self._cur:  # moved within the open epoch: to its end
+                members = self._members[self._cur % self._slots]
+                if members is not None:
+                    members.remove(key)
             self.pop(key)
         cur = self._cur
         self._of[key] = cur

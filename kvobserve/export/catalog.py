@@ -258,7 +258,9 @@ def _factor(m: float) -> str:
     return "+Inf" if math.isinf(m) else f"{m:g}"
 
 
-def _pool_curve(v: FleetView, order: list[CollectorView]) -> Iterable[tuple[tuple[str, str], float]]:
+def _pool_curve(
+    v: FleetView, order: list[CollectorView]
+) -> Iterable[tuple[tuple[str, str], float]]:
     for name, pc in sorted(v.capacity.items()):
         for m in POOL_FACTORS:
             pt = pc.pool.point(m)
