@@ -257,7 +257,9 @@ class CurveMerge:
                 rests = (f"one cache of {_tokens(m * total)} tokens: the placement misses and "
                          f"the capacity misses within it; {evicted:,.0f} last copies evicted "
                          f"since observed (needs {need:,.0f})")  # fmt: skip
-            points.append(_point(m, est.at(m), ok, rests, total, bytes_per))
+            turned = evicted * size / total
+            valid = (turned, m - 1) if not math.isinf(m) else (None, None)
+            points.append(_point(m, est.at(m), ok, rests, total, bytes_per, *valid))
         curve = CapacityCurve(
             "pool", name, routing="global", reason="; ".join(x for x in said if x),
             points=tuple(points), measured=est.hits / lookups if lookups else None,
@@ -366,7 +368,7 @@ class CurveMerge:
                 got = est.below_at(m)
                 ok = trusted and turned >= 1 and unseen < STORELESS_MAX
                 hr, low, high = got if got is not None else (None, None, None)
-                points.append(_point(m, hr, ok, rests, cap, bytes_per, low, high))
+                points.append(_point(m, hr, ok, rests, cap, bytes_per, None, None, low, high))
         for m in ABOVE:
             if m == 1:
                 ok, rests = trusted, f"the engine's hit counter over {lookups:,.0f} lookups"
@@ -380,7 +382,8 @@ class CurveMerge:
                     f"evicted blocks stored again within {m - 1:g} x C; {turned:.2f} x C "
                     f"evicted since the start or a clear (needs {m - 1:g})"
                 )
-            points.append(_point(m, est.at(m), ok, rests, cap, bytes_per))
+            valid = (turned, m - 1) if 1 < m < math.inf else (None, None)
+            points.append(_point(m, est.at(m), ok, rests, cap, bytes_per, *valid))
         return CapacityCurve(
             scope, pool, w, r, routing="observed", reason="; ".join(said),
             points=tuple(points), measured=est.at(1.0), lookups=lookups,
@@ -416,10 +419,12 @@ def _not_lru(engine: str) -> str:
 
 def _point(
     m: float, hr: float | None, ok: bool, rests: str, cap: float, bytes_per: float,
+    evicted: float | None = None, needs: float | None = None,
     low: float | None = None, high: float | None = None,
 ) -> CurvePoint:  # fmt: skip
     c = None if math.isinf(m) or not cap else m * cap
-    return CurvePoint(m, hr, ok, rests, c, c * bytes_per if c and bytes_per else None, low, high)
+    return CurvePoint(m, hr, ok, rests, c, c * bytes_per if c and bytes_per else None, low, high,
+                      evicted, needs)  # fmt: skip
 
 
 def _tokens(t: float) -> str:

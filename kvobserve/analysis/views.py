@@ -143,6 +143,10 @@ class CurvePoint:
     capacity_bytes: float | None = None  # where the KV bytes per token are known
     low: float | None = None  # below 1: the band (requests that stored nothing are not seen)
     high: float | None = None
+    # validity above 1: the evictions seen since the start, a clear, reset or resync, and those
+    # the point needs ((factor - 1) x C), both in capacities; None where it needs none
+    evicted: float | None = None
+    needs: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -384,6 +384,8 @@ def _point_json(pt: CurvePoint) -> Json:
         "capacity_tokens": _r(pt.capacity_tokens, 0),
         "capacity_bytes": _r(pt.capacity_bytes, 0),
         **({"low": _r(pt.low), "high": _r(pt.high)} if pt.low is not None else {}),
+        # the evictions seen and those the point needs, in capacities (its validity)
+        **({"evicted": _r(pt.evicted, 3), "needs": pt.needs} if pt.needs is not None else {}),
     }
 
 
