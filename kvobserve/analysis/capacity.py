@@ -22,8 +22,9 @@ it already computed:
   kept up to a horizon of (8 - 1) x the basis: the 8x point needs no more. The basis is the
   rank's configured capacity, else the most top-tier tokens it has held (an engine evicts only
   when full). Ghosts older than the horizon stay as keys only ("beyond": the unlimited point),
-  at most one per 2^level basis blocks; past that, a coarser sub-sample of them is kept (its
-  own level, `beyond_level`), and each one found counts 2^(beyond_level - level).
+  at most one per 2^level basis blocks (so ghosts and these stay within half an entry per
+  resident block at 1/16); past that, a coarser sub-sample of them is kept (its own level,
+  `beyond_level`), and each one found counts 2^(beyond_level - level).
 - **Depths** are kept as counts per bin of x = g / basis, 8 bins per octave from 2^-5 to 2^3
   (`BINS`), so the aggregator reads any capacity, a tier's size included, from one histogram.
 - **Below C** (opt-in, `below`): the first stored block's parent is the last block the request
@@ -34,7 +35,7 @@ it already computed:
   Requests that hit fully and store nothing are invisible: the aggregator reports them as a band.
 
 Validity (docs/cache-analytics.md): the point m C rests on (m - 1) C of evictions seen since the
-start, a clear or a reset (`evicted_tokens`); a clear or a reset empties the ghost list (an
+start, a clear or a reset (`evicted`); a clear or a reset empties the ghost list (an
 unlimited cache is emptied by it too). Pure: no clock, no I/O.
 """
 
@@ -108,7 +109,7 @@ class CurveOptions:
     level: int = DEFAULT_LEVEL  # 2^-level of the blocks are followed; 0: every block
     horizon: float = HORIZON  # ghosts kept up to (horizon - 1) x the basis
     epochs: int = EPOCHS  # ghost-list epochs per basis
-    interval_s: float = 10.0  # how often a collector ships the curves (they move slowly)
+    interval_s: float = 30.0  # how often a collector ships the curves (they move slowly)
 
     def __post_init__(self) -> None:
         if not 0 <= self.level <= 32:
@@ -153,7 +154,6 @@ class RankCurve:
         self.beyond_level = o.level
         self._beyond: set[int] = set()  # keys that left the horizon (at beyond_level)
         self.evicted = 0  # top-tier blocks removed since the start, a clear or a reset
-        self.evicted_tokens = 0
         self.resets = 0
         self._odd: dict[int, int] = {}  # sampled resident blocks whose tokens are not usual
         self._tier: Any = None
@@ -227,10 +227,9 @@ class RankCurve:
                 access.push(k, size)
 
     def removed(self, keys: list[int], hashes: list[BlockHash]) -> None:
-        """A top-tier removal (evictions); `keys`: the sampled ones."""
-        n = len(hashes)
-        self.evicted += n
-        self.evicted_tokens += n * self.usual
+        """A top-tier removal (evictions); `keys`: the sampled ones (the sampler counts a
+        removal of none of them itself: `evicted`)."""
+        self.evicted += len(hashes)
         tokens = self._top_tokens()  # after the batch: an engine that evicts is full again
         if tokens > self.hw:
             self.hw = tokens
@@ -260,7 +259,7 @@ class RankCurve:
         self._parents.clear()
         self._access.clear()
         self._last = None
-        self.evicted = self.evicted_tokens = 0
+        self.evicted = 0
         self.beyond_level = self.level
         self.resets += 1
 
@@ -273,11 +272,11 @@ class RankCurve:
 
     def _past(self, keys: list[int]) -> None:
         """Ghosts that left the horizon: a sample of them is kept (at `beyond_level`), at most
-        one per 2^level blocks of the basis (>= 1024); past that the sample is thinned."""
+        one per 2^level blocks of the basis; past that the sample is thinned."""
         level = self.beyond_level
         kept = self._beyond
         kept.update(k for k in keys if bucket(k) >= level)
-        cap = max(1024, self.basis // max(1, self.usual) >> self.level)
+        cap = max(16, self.basis // max(1, self.usual) >> self.level)
         if len(kept) > cap:
             while len(kept) > cap // 2 and level < 64:
                 level += 1
@@ -320,7 +319,7 @@ class RankCurve:
         return RankCurveStats(
             worker_id, dp_rank, self.level, self.basis, bool(self.capacity), self.stores,
             self.sampled_stores, list(self.restores), self.beyond, self.evicted,
-            self.evicted_tokens, self.resets, len(self.ghosts), len(self._beyond),
+            self.evicted * self.usual, self.resets, len(self.ghosts), len(self._beyond),
             list(self.below) if self.below is not None else [], self.walked, self.walked_sampled,
             self.usual,
         )  # fmt: skip

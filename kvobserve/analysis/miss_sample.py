@@ -95,7 +95,9 @@ class MissSampler:
         self._ops = bytearray()
         self._ranks: list[Rank] = []
         self._index: dict[Rank, int] = {}
-        self._stored: dict[Rank, int] = {}  # ranks with a capacity curve: blocks stored (all)
+        # ranks with a capacity curve: the curve, and its stores shipped in the last delta
+        self._curves: dict[Rank, RankCurve] = {}
+        self._shipped: dict[Rank, int] = {}
         self._base: float | None = None
         self._until: float | None = None  # of the previous delta
         self._limit = self._limit_raw = 0
@@ -165,16 +167,23 @@ class MissSampler:
                 if curve is None:
                     keys = self._sampled(hashes)
                 else:  # one pass at the lower level of the two; the other filters its result
-                    level = min(self.level, curve.level)
-                    base = self._sampled(hashes, level)
-                    keys = base if level == self.level else [k for k in base if k < self._limit]
-                    mine = base if level == curve.level else [k for k in base if k < curve.limit]
-                    if kind == "BlockStored":
-                        curve.stored(mine, len(hashes), ev.block_size,  # type: ignore[attr-defined]
-                                     ev.parent_block_hash, hashes)  # type: ignore[attr-defined]  # fmt: skip
-                        self._stored[rank] = self._stored.get(rank, 0) + len(hashes)
+                    if curve.level <= self.level:
+                        mine = self._sampled(hashes, curve.level)
+                        keys = [k for k in mine if k < self._limit] if mine else mine
                     else:
+                        keys = self._sampled(hashes)
+                        mine = [k for k in keys if k < curve.limit] if keys else keys
+                    # the curve's own work only for a sampled block (or its opt-in walk)
+                    if kind == "BlockStored":
+                        if mine or curve.below is not None:
+                            curve.stored(mine, len(hashes), ev.block_size,  # type: ignore[attr-defined]
+                                         ev.parent_block_hash, hashes)  # type: ignore[attr-defined]  # fmt: skip
+                        else:
+                            curve.stores += len(hashes)
+                    elif mine or curve.below is not None:
                         curve.removed(mine, hashes)
+                    else:
+                        curve.evicted += len(hashes)
                 if keys:
                     self._record(rank, ts, STORE if kind == "BlockStored" else REMOVE, keys)
             elif kind == "AllBlocksCleared" or (
@@ -192,7 +201,11 @@ class MissSampler:
     def tap(self, rank: Rank | int, curve: RankCurve | None = None) -> RankTap:
         """What one rank's sequencer feeds (analysis/sequence.py `BatchTap`); with the rank's
         capacity curve (analysis/capacity.py), fed from the same pass."""
-        return RankTap(self, self._rank(rank), curve)
+        r = self._rank(rank)
+        if curve is not None:
+            self._curves[r] = curve
+            self._shipped[r] = curve.stores
+        return RankTap(self, r, curve)
 
     def _maybe_raise(self) -> None:
         # alone past what the whole pool needs: the aggregator will be at least this high
@@ -225,10 +238,11 @@ class MissSampler:
         base = self._base if self._base is not None else until
         ranks = list(self._ranks)
         stored: list[int] = []
-        if self._stored:  # the exact stores of ranks with a curve, aligned with `ranks`
-            ranks += [r for r in self._stored if r not in self._index]
-            stored = [self._stored.get(r, 0) for r in ranks]
-            self._stored.clear()
+        if self._curves:  # the exact stores of ranks with a curve, aligned with `ranks`
+            new = {r: c.stores - self._shipped.get(r, 0) for r, c in self._curves.items()}
+            ranks += [r for r, n in new.items() if n and r not in self._index]
+            stored = [new.get(r, 0) for r in ranks]
+            self._shipped = {r: c.stores for r, c in self._curves.items()}
         d = self._delta(until, base, ranks, bytes(self._ops), stored)
         self._ops.clear()
         self._ranks.clear()

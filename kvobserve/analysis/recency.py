@@ -7,11 +7,11 @@ re-stored block would still have been resident; in a rank's resident blocks orde
 access, it is the depth at which a hit was found (below the capacity, opt-in).
 
 Entries are grouped in *epochs* of about `width` tokens: a key maps to its epoch number (one int
-object shared by every key of the epoch: a dict entry, a list slot and the key are the whole
-cost per entry), and the tokens of each closed epoch sit in a Fenwick tree over a ring of
+object shared by every key of the epoch: a dict entry, a slot of one list of the keys in push
+order and the key are the whole cost per entry), and the tokens of each closed epoch sit in a Fenwick tree over a ring of
 `slots` epochs, so a push costs a dict store and an append, a pop a dict pop and two prefix sums
 of about log2(slots) steps. The tokens after `k` are exact to within half of `k`'s own epoch (the keys of
-one epoch are not ordered among themselves): the caller picks `width` small against the depths
+one epoch are not ordered among themselves, nor when they leave): the caller picks `width` small against the depths
 it tells apart (analysis/capacity.py: 1/256 of the rank's capacity).
 
 Epochs older than the stack keeps (`trim`, or a ring that would wrap) leave it with their keys:
@@ -26,8 +26,8 @@ class RecencyStack:
     """Keys (64-bit ints) in push order, with the tokens of each; see the module docstring."""
 
     __slots__ = (
-        "_cur", "_cur_keys", "_cur_tokens", "_fill", "_keys", "_live", "_members", "_odd", "_of",
-        "_slots", "_spill", "_tree", "oldest", "tokens", "usual", "width",
+        "_base", "_cur", "_cur_keys", "_cur_tokens", "_fill", "_flat", "_head", "_keys", "_live",
+        "_odd", "_of", "_slots", "_spill", "_starts", "_tree", "oldest", "tokens", "usual", "width",
     )  # fmt: skip
 
     def __init__(self, width: float = 1.0, slots: int = 4096, usual: int = 1) -> None:
@@ -39,7 +39,12 @@ class RecencyStack:
         self._tree = [0] * (slots + 1)  # Fenwick over slot = epoch % slots: closed epochs' tokens
         self._live = [0] * slots  # the same per slot, read directly
         self._keys = [0] * slots  # live keys per slot
-        self._members: list[list[int] | None] = [None] * slots  # keys pushed per slot
+        # every key pushed, in order (one list: `_flat[_starts[slot] - _base:]` is an epoch's);
+        # a popped or moved key stays until its epoch leaves (its dict entry says where it is)
+        self._flat: list[int] = []
+        self._base = 0  # the absolute position of _flat[0]
+        self._head = 0  # _flat before this has left
+        self._starts = [0] * slots  # absolute position where each slot's epoch begins
         self._spill: list[int] = []  # keys of epochs that left, not yet handed out (`trim`)
         self._of: dict[int, int] = {}  # key -> its epoch (one shared int object per epoch)
         self._odd: dict[int, int] = {}  # key -> its tokens where they are not `usual`
@@ -98,6 +103,7 @@ class RecencyStack:
         self._fill = 0.0
         while self._cur - self.oldest >= self._slots:  # the ring would wrap: the oldest goes
             self._drop_oldest()
+        self._starts[self._cur % self._slots] = self._base + len(self._flat)
 
     def _drop_oldest(self) -> None:
         epoch = self.oldest
@@ -106,16 +112,20 @@ class RecencyStack:
         if v:
             self._add(slot, -v)
             self.tokens -= v
-        members = self._members[slot]
-        if self._keys[slot] and members:
+        end = self._starts[(epoch + 1) % self._slots] - self._base
+        if self._keys[slot]:
             of, odd = self._of, self._odd
-            for k in members:
+            for k in self._flat[self._starts[slot] - self._base : end]:
                 if of.get(k) == epoch:
                     del of[k]
                     if odd:
                         odd.pop(k, None)
                     self._spill.append(k)
-        self._members[slot] = None
+        self._head = end
+        if self._head > 1024 and self._head * 2 > len(self._flat):  # keep the list short
+            del self._flat[: self._head]
+            self._base += self._head
+            self._head = 0
         self._keys[slot] = 0
         self.oldest = epoch + 1
 
@@ -125,18 +135,10 @@ class RecencyStack:
         """`key` is the newest entry (a key already held is moved: pop it first to learn its
         depth)."""
         if key in self._of:
-            if self._of[key] == self._cur:  # moved within the open epoch: to its end
-                members = self._members[self._cur % self._slots]
-                if members is not None:
-                    members.remove(key)
             self.pop(key)
         cur = self._cur
         self._of[key] = cur
-        members = self._members[cur % self._slots]
-        if members is None:
-            self._members[cur % self._slots] = [key]
-        else:
-            members.append(key)
+        self._flat.append(key)
         if tokens != self.usual:
             self._odd[key] = tokens
         self._cur_tokens += tokens
@@ -182,7 +184,8 @@ class RecencyStack:
         self._tree = [0] * (self._slots + 1)
         self._live = [0] * self._slots
         self._keys = [0] * self._slots
-        self._members = [None] * self._slots
+        self._flat, self._base, self._head = [], 0, 0
+        self._starts = [0] * self._slots
         self._spill = []
         self._of.clear()
         self._odd.clear()

@@ -14,7 +14,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.openmetrics.exposition import generate_latest as om_generate_latest
 from prometheus_client.utils import floatToGoString
 
-from benchmarks import e2e, ingest, memory, misses, overlap, relay, scale, sketch
+from benchmarks import capacity, e2e, ingest, memory, misses, overlap, relay, scale, sketch
 from benchmarks._common import build_cycle
 from kvobserve.analysis.analytics import CacheAnalytics
 from kvobserve.analysis.blocks import BlockIndex
@@ -173,7 +173,7 @@ def test_value_formatting_matches_float_to_go_string(v: float) -> None:
 
 
 def test_benchmark_modules_have_a_main() -> None:
-    for mod in (ingest, e2e, scale, memory, misses):
+    for mod in (ingest, e2e, scale, memory, misses, capacity):
         assert callable(mod.main), mod.__name__
     assert Path(ingest.__file__).parent.name == "benchmarks"
 
@@ -227,3 +227,12 @@ def test_relay_benchmark_delivers_every_frame_both_ways() -> None:
         assert 0 < f["paced"][mode]["p50_ms"] <= f["paced"][mode]["p99_ms"]
     k = f["kvobserve"]
     assert (k["forwarded"], sum(k["dropped"].values()), k["applied"], k["gaps"]) == (800, 0, 800, 0)
+
+
+def test_capacity_benchmark_runs_on_a_tiny_input(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--requests", "300", "--blocks", "300", "--pool-blocks", "80", "--rounds", "1"]
+    assert capacity.main(args) == 0
+    out = capsys.readouterr().out
+    for line in ("one rank of 300 pages", "pool,   random", "pool, kv_aware", "per resident block",
+                 "B per entry", "events/s on/off", "against the miss split's deltas"):  # fmt: skip
+        assert line in out, line

@@ -35,7 +35,8 @@ def _run(seed: int, width: float, slots: int) -> None:
             assert abs(got - after) <= width, (got, after)
         else:
             out = s.trim(rng.randrange(40))
-            assert [k for k, _ in model[: len(out)]] == out  # the oldest leave first, in order
+            gone = [k for k, _ in model[: len(out)]]  # the oldest leave first (one epoch's
+            assert gone == out if width == 1 else sorted(gone) == sorted(out)  # in any order)
             model = model[len(out) :]
         assert s.tokens == sum(w for _, w in model)
         assert len(s) == len(model)
