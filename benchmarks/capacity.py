@@ -48,7 +48,7 @@ FIXTURE = ROOT / "tests" / "fixtures" / "traces" / "mooncake-conversation.jsonl.
 POOL = "trace"
 FORMAT = "sglang-0.5.23"
 PAGE = 512  # one engine page per trace block
-DEFAULT_SHIP_S = 30.0  # CurveOptions.interval_s
+DEFAULT_SHIP_S = 60.0  # CurveOptions.interval_s
 EVERY = CurveOptions(level=0, interval_s=DEFAULT_SHIP_S)  # every block tracked
 DEFAULT = CurveOptions(interval_s=DEFAULT_SHIP_S)  # the default sample
 

@@ -6,8 +6,8 @@ order it evicted them (the *ghost list*), are exactly its LRU stack just below i
 So a block stored again after its eviction would still have been resident in a cache of C + g
 tokens, where g is the tokens of the ghosts evicted after it plus its own: with the engine's hit
 counter for C itself, `HR(m C) = (hits + stores with g <= (m - 1) C) / (hits + stores)`
-(docs/cache-analytics.md "What more memory would buy"; the offline study:
-`research/capacity-curves.md`). A block stored again after it left the horizon (below) would
+(docs/cache-analytics.md "What more memory would buy"; `benchmarks/capacity.py` holds it to
+the simulator's replays). A block stored again after it left the horizon (below) would
 hit only with unlimited memory; one never evicted here is new to the rank.
 
 `RankCurve` follows one rank's top tier for that, fed by its pool's miss sampler
@@ -109,7 +109,7 @@ class CurveOptions:
     level: int = DEFAULT_LEVEL  # 2^-level of the blocks are followed; 0: every block
     horizon: float = HORIZON  # ghosts kept up to (horizon - 1) x the basis
     epochs: int = EPOCHS  # ghost-list epochs per basis
-    interval_s: float = 30.0  # how often a collector ships the curves (they move slowly)
+    interval_s: float = 60.0  # how often a collector ships the curves (they move slowly)
 
     def __post_init__(self) -> None:
         if not 0 <= self.level <= 32:

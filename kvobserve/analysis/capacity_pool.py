@@ -4,7 +4,7 @@ The miss split's aggregator (analysis/miss_sample.py `SampledSplit`) replays eve
 sampled top-tier changes in engine-time order. The same stream says when the *last* copy of a
 sampled block left the pool (no rank holds it any more): the pool's ghost list, ordered by when
 its last copy went, is the LRU stack of one cache as large as all the pool's ranks together just
-below what they hold (research/capacity-curves.md, "Pools"). A store of a block that another
+below what they hold (docs/cache-analytics.md, "What more memory would buy"). A store of a block that another
 rank holds (a placement miss) would have hit in such a cache; a capacity miss would have hit in
 one of S blocks when `U + g + 1 <= S`: U the blocks resident anywhere in the pool (the union of
 its ranks), g the ghosts whose last copy went after it. So

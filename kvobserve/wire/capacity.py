@@ -1,6 +1,6 @@
 """The per-rank capacity curve in a collector's snapshot (analysis/capacity.py `RankCurve`).
 
-A collector ships one `RankCurveStats` per rank it follows every `interval_s` (30 s: the curves
+A collector ships one `RankCurveStats` per rank it follows every `interval_s` (60 s: the curves
 move slowly), in `Snapshot.curves`; a snapshot without them says nothing new (the aggregator
 keeps the last ones it got, analysis/capacity_fleet.py). Every count is cumulative since the
 collector process started, except `evicted` and `evicted_tokens` (since the start, the last
