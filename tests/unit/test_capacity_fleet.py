@@ -41,7 +41,12 @@ def test_a_restored_block_counts_at_the_depth_of_what_was_evicted_after_it() -> 
     c.stored([3], 1, 10, None, [3])
     # 4 and 5 (20 tokens) were evicted after it, and it takes 10 itself: 0.3 x the capacity
     assert c.restores[bin_of(0.3)] == 1 and sum(c.restores) == 1
-    assert (c.stores, c.sampled_stores, c.evicted, c.stats("w", 0).evicted_tokens) == (11, 11, 5, 50)
+    assert (c.stores, c.sampled_stores, c.evicted, c.stats("w", 0).evicted_tokens) == (
+        11,
+        11,
+        5,
+        50,
+    )
     c.stored([1], 1, 10, None, [1])  # 2, 4, 5 after it (3 came back): 0.4
     assert c.restores[bin_of(0.4)] == 1
 
