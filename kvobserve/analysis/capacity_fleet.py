@@ -40,7 +40,7 @@ from kvobserve.analysis.views import (
 )
 from kvobserve.engines import PROFILES
 from kvobserve.wire.capacity import RankCurveStats
-from kvobserve.wire.snapshot import Snapshot, WorkerInfo
+from kvobserve.wire.snapshot import Snapshot, StreamStats, WorkerInfo
 
 ABOVE = (1.0, *FACTORS, math.inf)  # the points of every curve; BELOW where a rank has them
 STORELESS_MAX = 0.1  # below C: trusted while the hits no store shows are under this share
@@ -69,12 +69,12 @@ def _minus(a: list[int], b: list[int]) -> tuple[float, ...]:
     return tuple(float(x - (b[i] if i < len(b) else 0)) for i, x in enumerate(a))
 
 
-def _onboarded(s: StreamView | None) -> tuple[str, float]:
+def _onboarded(s: StreamView | StreamStats | None) -> tuple[str, float]:
     """(the lower medium, blocks loaded from it into the top tier) of a stream's stats."""
     if s is None:
         return "", 0.0
     medium, n = "", 0.0
-    for m in s.stats.media:
+    for m in (s.stats if isinstance(s, StreamView) else s).media:
         if m.medium in TOP_MEDIA:
             for src, k in m.moved_in.items():
                 if src not in TOP_MEDIA:
@@ -95,6 +95,7 @@ class CurveMerge:
         """One collector's applied snapshot (after the miss split took it): its ranks'
         curves, when it carries them; the baselines of what was not counted before."""
         cid = snap.collector.collector_id
+        streams = {(st.worker_id, st.dp_rank): st for st in snap.streams} if snap.curves else {}
         for c in snap.curves:
             key = (c.worker_id, c.dp_rank)
             self.last[key] = (cid, c)
@@ -108,7 +109,7 @@ class CurveMerge:
                     and hit_tokens < base.hit_tokens)
                 or (base.hit_tokens is None and hit_tokens is not None)
             ):  # fmt: skip
-                self._rank[key] = _RankBase(c, hit_tokens, -1.0)
+                self._rank[key] = _RankBase(c, hit_tokens, _onboarded(streams.get(key))[1])
             whole = misses.prefix.get((c.worker_id, -1))
             if whole is not None:
                 had = self._worker.get(c.worker_id)
@@ -153,9 +154,7 @@ class CurveMerge:
         hit_tokens = hit[0] if hit is not None else None
         base = self._rank.get(key)
         if base is None:  # forgotten meanwhile: from now
-            base = self._rank[key] = _RankBase(st, hit_tokens, -1.0)
-        if base.onboarded < 0:  # the stream's tiers first read with the curve's baseline
-            base.onboarded = _onboarded(stream)[1]
+            base = self._rank[key] = _RankBase(st, hit_tokens, _onboarded(stream)[1])
         b = base.stats
         size = st.block_size or misses.block_size.get(key[0], 0) or 1
         hits = None
@@ -301,7 +300,7 @@ class CurveMerge:
             size = size or st.block_size
             med, on = _onboarded(s)
             medium = medium or med
-            onboarded += on - max(base.onboarded, 0.0)
+            onboarded += max(0.0, on - base.onboarded)
             mine = []
             if s is None or not s.live:
                 mine.append("collector_down")
@@ -331,8 +330,9 @@ class CurveMerge:
             if tier_tokens and all(caps):
                 at, now = est.at(1 + tier_tokens * len(caps) / sum(caps)), est.at(1.0)
                 whatif = at - now if at is not None and now is not None else None
-            tier = TierWorth(medium, onboarded, onboarded / lookups if medium and lookups else None,
-                             tier_tokens, whatif)  # fmt: skip
+            adds = onboarded / lookups if medium and lookups else None
+            hierarchy = (hits + onboarded) / lookups if medium and lookups else None
+            tier = TierWorth(medium, onboarded, adds, hierarchy, tier_tokens, whatif)
         curve = self._curve("worker", pool, w, None, est if hits is not None else None,
                             sum(caps), min(turned), codes, bytes_per, size, tier)  # fmt: skip
         return curve, ranks

@@ -157,6 +157,7 @@ class TierWorth:
     medium: str = ""  # the lower tier it has ("": none)
     onboarded: float = 0.0  # blocks loaded back up from it, since observed
     adds: float | None = None  # onboarded / lookups: what it adds today
+    hierarchy: float | None = None  # the hit rate of top tier and lower tier together today
     whatif_tokens: int = 0  # per rank: a tier of this many tokens ([worker] tier_tokens, the API)
     whatif_adds: float | None = None  # the curve at 1 + tokens / C, less the measured point
 

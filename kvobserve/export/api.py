@@ -424,6 +424,7 @@ def curve_json(c: CapacityCurve, tier_tokens: int | None = None, ranks: int = 1)
         t = c.tier
         out["tier"] = {
             "medium": t.medium or None, "onboarded": _r(t.onboarded, 1), "adds": _r(t.adds),
+            "hierarchy": _r(t.hierarchy),
             "whatif_tokens": t.whatif_tokens or None, "whatif_adds": _r(t.whatif_adds),
         }  # fmt: skip
     asked = _whatif(c, tier_tokens, ranks)

@@ -133,15 +133,16 @@ def _curve(worker: str, rank: int, n: int, evicted_tokens: int) -> RankCurveStat
 
 def _snap(
     cid: str, seq: int, t: float, workers: list[tuple[str, str, str]], n: int = 0,
-    evicted_tokens: int = 0, trust: str = "complete",
+    evicted_tokens: int = 0, trust: str = "complete", onboarded: int = 0, tier_tokens: int = 0,
 ) -> Snapshot:  # fmt: skip
     """One collector watching rank 0 of each (worker, engine, pool): `n` blocks stored by then
     (a tenth of them restores at 0.5 x C), as many hit, its deltas into the pool."""
     infos, streams, misses, prefix, curves = [], [], [], [], []
     for i, (w, engine, pool) in enumerate(workers):
-        infos.append(WorkerInfo(w, engine, 1, [0], True, 1000))
+        infos.append(WorkerInfo(w, engine, 1, [0], True, 1000, tier_tokens=tier_tokens))
+        gpu = MediumStats("GPU", 100, 1000, moved_in={"CPU_PINNED": onboarded} if onboarded else {})
         streams.append(StreamStats(w, 0, engine=engine, up=True, trust=trust, block_size=10,
-                                   media=[MediumStats("GPU", 100, 1000)]))  # fmt: skip
+                                   media=[gpu]))  # fmt: skip
         ops = bytearray()
         for k in range(n // 2 if seq > 1 else 0):
             pack_op(ops, 0, 0, STORE, (k + 1 + 1000 * i) << 16)
@@ -256,3 +257,26 @@ def test_a_capacity_or_tier_size_that_is_not_positive_names_the_key(
     path.write_text(f'[[worker]]\nengine = "vllm"\nkv_endpoint = "tcp://127.0.0.1:5557"\n{line}\n')
     with pytest.raises(ConfigError, match=said.replace("[", r"\[").replace("]", r"\]")):
         load_config(str(path), {}, {})
+
+
+def test_a_lower_tier_says_what_it_adds_and_a_tier_asked_about_what_it_would() -> None:
+    state = _view(
+        _snap("a", 1, NOW - 10, [("w", "vllm", "w")], onboarded=50, tier_tokens=1000),
+        _snap(
+            "a",
+            2,
+            NOW,
+            [("w", "vllm", "w")],
+            n=4000,
+            evicted_tokens=9000,
+            onboarded=450,
+            tier_tokens=1000,
+        ),  # fmt: skip
+    )
+    t = state.view(NOW).capacity["w"].workers[0].tier
+    assert t is not None and t.medium == "CPU_PINNED"
+    assert t.onboarded == 400  # loaded back since observed
+    assert t.adds == pytest.approx(400 / 8000)  # of the 8,000 blocks looked up
+    assert t.hierarchy == pytest.approx((4000 + 400) / 8000)
+    # a tier of one capacity more: the curve at 2 x, less the measured point
+    assert (t.whatif_tokens, t.whatif_adds) == (1000, pytest.approx(0.05))
