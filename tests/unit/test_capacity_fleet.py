@@ -16,6 +16,7 @@ from kvobserve.analysis.sequence import StreamSequencer
 from kvobserve.config.load import load_config
 from kvobserve.config.model import ConfigError
 from kvobserve.export import api, status_page
+from kvobserve.simulate.config import SimConfig
 from kvobserve.sources.capacity_stats import RankCurves, WorkerCurve
 from kvobserve.wire.capacity import RankCurveStats
 from kvobserve.wire.misses import REMOVE, STORE, MissDelta, pack_op
@@ -271,7 +272,7 @@ def test_a_lower_tier_says_what_it_adds_and_a_tier_asked_about_what_it_would() -
             evicted_tokens=9000,
             onboarded=450,
             tier_tokens=1000,
-        ),  # fmt: skip
+        ),
     )
     t = state.view(NOW).capacity["w"].workers[0].tier
     assert t is not None and t.medium == "CPU_PINNED"
@@ -280,3 +281,15 @@ def test_a_lower_tier_says_what_it_adds_and_a_tier_asked_about_what_it_would() -
     assert t.hierarchy == pytest.approx((4000 + 400) / 8000)
     # a tier of one capacity more: the curve at 2 x, less the measured point
     assert (t.whatif_tokens, t.whatif_adds) == (1000, pytest.approx(0.05))
+
+
+@pytest.mark.parametrize(
+    ("kw", "said"),
+    [({"truth_capacities": (1.0, 0.0), "trace": "t.jsonl"}, "truth_capacities: 0.0 must be"),
+     ({"truth_capacities": (2.0,)}, "truth_capacities: needs a trace")],
+)  # fmt: skip
+def test_the_simulators_one_cache_truths_need_a_trace_and_positive_factors(
+    kw: dict[str, object], said: str
+) -> None:
+    with pytest.raises(ValueError, match=said):
+        SimConfig(**kw).validate()  # type: ignore[arg-type]
