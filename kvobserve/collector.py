@@ -23,6 +23,7 @@ from kvobserve import __version__
 from kvobserve.aio import cancel_and_wait
 from kvobserve.config import Config, WorkerConfig
 from kvobserve.engines import profile
+from kvobserve.sources.capacity_stats import WorkerCurve
 from kvobserve.sources.checkpoint_store import CheckpointStore, config_fingerprint
 from kvobserve.sources.checkpoint_writer import CheckpointWriter
 from kvobserve.sources.discovery import Rediscovery, discover_urls
@@ -172,8 +173,9 @@ class Collector:
             self._again[w.id] = again
         specs = self._replan()
         pools = {w.id: w.pool_id for w in self.cfg.workers}  # the miss split's pools
+        curves = {w.id: WorkerCurve(w.capacity_tokens, w.curve_below) for w in self.cfg.workers}
         self.ingest = IngestLoop(specs, self._ingest_options, events=self.events,
-                                 listens=self._listens(), pools=pools,
+                                 listens=self._listens(), pools=pools, curves=curves,
                                  checkpoints=self._checkpoints(), fingerprint=self._fingerprint)  # fmt: skip
         self.ingest.start()
         await self._sync_scheduler()
@@ -439,6 +441,7 @@ class Collector:
             binds=ingest.binds,
             prefix=prefix,
             misses=ingest.misses,
+            curves=ingest.curves,
             counters=CollectorCounters(
                 ingest.messages_received,
                 ingest.loop_errors,
@@ -482,9 +485,10 @@ class Collector:
             if p.pods:
                 for pod in pods.get(w.id, ()):
                     ranks = list(p.watched_ranks)
-                    out.append(
-                        WorkerInfo(pod, w.engine, p.dp_size, ranks, w.leader, w.capacity_tokens)
-                    )
+                    info = WorkerInfo(pod, w.engine, p.dp_size, ranks, w.leader, w.capacity_tokens)
+                    info.kv_bytes_per_token = w.kv_bytes_per_token or 0
+                    info.tier_tokens = w.tier_tokens or 0
+                    out.append(info)
                 continue
             state, reason = self._worker_state(p)
             h = self._worker_health.get(w.id)

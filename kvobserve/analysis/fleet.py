@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from itertools import compress
 from operator import attrgetter
 
+from kvobserve.analysis.capacity_fleet import CurveMerge
 from kvobserve.analysis.conditions import Condition, active, may_have_condition
 from kvobserve.analysis.miss_fleet import MissMerge
 from kvobserve.analysis.placement import merge_placement
@@ -155,6 +156,7 @@ class FleetState:
         self.snapshots_applied = 0
         self.snapshots_ignored = 0  # older than the one we have (reordered or replayed)
         self.misses = MissMerge()  # where the misses come from: every pool's sampled split
+        self.capacity = CurveMerge()  # what more memory would buy: every pool's curves
 
     def update(self, snap: Snapshot, now: float) -> bool:
         """Keep `snap` if it is newer than what we hold for its collector (and its bucket)."""
@@ -178,6 +180,7 @@ class FleetState:
         c.merged = None
         self.snapshots_applied += 1
         self.misses.add(snap, now)
+        self.capacity.add(snap, self.misses)
         return True
 
     def snapshot(self, collector_id: str) -> Snapshot | None:
@@ -213,6 +216,7 @@ class FleetState:
             del self._collectors[cid]
             self._order = []
             self.misses.forget(cid)
+            self.capacity.forget(cid)
         return out
 
     def _membership(
@@ -333,6 +337,7 @@ class FleetState:
         v.placement = {w: merge_placement(ps) for w, ps in sorted(placements.items())}
         _drop_dead_ranks(v, entries, ups, down)
         self._misses(v, entries, ups)
+        v.capacity = self.capacity.views(v, self.misses)
         return v
 
     def _misses(self, v: FleetView, entries: list[_Entry], ups: list[bool]) -> None:

@@ -142,6 +142,12 @@ class MissMerge:
             total += hb
         return total
 
+    def pool_hits(self, name: str) -> float | None:
+        """A pool's hit blocks now (the engines' counters); None unless every worker reports
+        them (the capacity curve, analysis/capacity_fleet.py)."""
+        pool = self.pools.get(name)
+        return self._hits(pool) if pool is not None else None
+
     def _note(self, pool: _Pool, now: float) -> None:
         h = pool.history
         if h and now - h[-1][0] < HISTORY_STEP_S:

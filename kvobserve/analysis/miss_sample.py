@@ -37,6 +37,8 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from kvobserve.analysis.capacity import RankCurve
+from kvobserve.analysis.capacity_pool import PoolGhosts
 from kvobserve.analysis.placement import hash_key
 from kvobserve.analysis.tiers import TOP_MEDIA
 from kvobserve.wire.kv_events import BlockHash, KvBatch
@@ -98,9 +100,12 @@ class MissSampler:
         self._ops = bytearray()
         self._ranks: list[Rank] = []
         self._index: dict[Rank, int] = {}
+        # ranks with a capacity curve: the curve, and its stores shipped in the last delta
+        self._curves: dict[Rank, RankCurve] = {}
+        self._shipped: dict[Rank, int] = {}
         self._base: float | None = None
         self._until: float | None = None  # of the previous delta
-        self._limit_raw = 0
+        self._limit = self._limit_raw = 0
         self._limit_bytes = b""
         self._set_limit()
 
@@ -108,7 +113,7 @@ class MissSampler:
         # a raw hash is sampled iff its key < 2^(64 - level): one comparison per hash, in the
         # hash's own type (SGLang's signed ints shifted, 32-byte hashes by their first 8 bytes)
         # (a salted key is computed for every hash instead: `_sampled`)
-        limit = 1 << (64 - self.level)
+        limit = self._limit = 1 << (64 - self.level)
         self._limit_raw = limit - _SIGN if self.signed else limit
         self._limit_bytes = limit.to_bytes(9, "big")[1:] if self.level else b"\xff" * 9
 
@@ -117,18 +122,22 @@ class MissSampler:
         k = hash_key(h, self.signed)
         return ((k ^ self.salt) * _MIX) & _MASK if self.salt else k
 
-    def _sampled(self, hashes: list[BlockHash]) -> list[int]:
-        """The keys of the sampled hashes among `hashes`."""
+    def _sampled(self, hashes: list[BlockHash], level: int | None = None) -> list[int]:
+        """The keys of the sampled hashes among `hashes` (at `level`, default the sampler's)."""
+        if level is None or level == self.level:
+            level, raw, lb = self.level, self._limit_raw, self._limit_bytes
+        else:
+            limit = 1 << (64 - level)
+            raw = limit - _SIGN if self.signed else limit
+            lb = limit.to_bytes(9, "big")[1:] if level else b"\xff" * 9
         if self.salt:
-            limit = 1 << (64 - self.level)
+            limit = 1 << (64 - level)
             return [k for k in map(self.key, hashes) if k < limit]
-        if not self.level:
+        if not level:
             return [self.key(h) for h in hashes]
         if hashes and isinstance(hashes[0], bytes):
-            lb = self._limit_bytes
             return [self.key(h) for h in hashes if h < lb]  # type: ignore[operator]
-        lr = self._limit_raw
-        return [self.key(h) for h in hashes if h < lr]  # type: ignore[operator]
+        return [self.key(h) for h in hashes if h < raw]  # type: ignore[operator]
 
     def _rank(self, rank: Rank | int) -> Rank:
         return (self.pool, rank) if isinstance(rank, int) else rank
@@ -149,8 +158,9 @@ class MissSampler:
             if op == STORE:
                 self.stores[bucket_of(k)] += 1
 
-    def observe(self, rank: Rank | int, batch: KvBatch) -> None:
-        """Take the sampled top-tier changes of one applied batch of `rank`."""
+    def observe(self, rank: Rank | int, batch: KvBatch, curve: RankCurve | None = None) -> None:
+        """Take the sampled top-tier changes of one applied batch of `rank`; `curve`: the
+        rank's capacity curve, handed the keys of its own sample from the same pass."""
         rank = self._rank(rank)
         ts = batch.ts
         for ev in batch.events:
@@ -158,22 +168,49 @@ class MissSampler:
             if kind == "BlockStored" or kind == "BlockRemoved":
                 if (ev.medium or "GPU") not in TOP_MEDIA:  # type: ignore[attr-defined]
                     continue
-                keys = self._sampled(ev.block_hashes)  # type: ignore[attr-defined]
+                hashes = ev.block_hashes  # type: ignore[attr-defined]
+                if curve is None:
+                    keys = self._sampled(hashes)
+                else:  # one pass at the lower level of the two; the other filters its result
+                    if curve.level <= self.level:
+                        mine = self._sampled(hashes, curve.level)
+                        keys = [k for k in mine if k < self._limit] if mine else mine
+                    else:
+                        keys = self._sampled(hashes)
+                        mine = [k for k in keys if k < curve.limit] if keys else keys
+                    # the curve's own work only for a sampled block (or its opt-in walk)
+                    if kind == "BlockStored":
+                        if mine or curve.below is not None:
+                            curve.stored(mine, len(hashes), ev.block_size,  # type: ignore[attr-defined]
+                                         ev.parent_block_hash, hashes)  # type: ignore[attr-defined]  # fmt: skip
+                        else:
+                            curve.stores += len(hashes)
+                    elif mine or curve.below is not None:
+                        curve.removed(mine, hashes)
+                    else:
+                        curve.evicted += len(hashes)
                 if keys:
                     self._record(rank, ts, STORE if kind == "BlockStored" else REMOVE, keys)
             elif kind == "AllBlocksCleared" or (
                 kind == "TierCleared" and ev.medium in TOP_MEDIA  # type: ignore[attr-defined]
             ):
                 self._record(rank, ts, CLEAR, [])
+                if curve is not None:
+                    curve.cleared()
         self._maybe_raise()
 
     def cleared(self, rank: Rank | int, ts: float) -> None:
         """The rank's top tier was emptied without an event (a publisher restart: the reset)."""
         self._record(self._rank(rank), ts, CLEAR, [])
 
-    def tap(self, rank: Rank | int) -> RankTap:
-        """What one rank's sequencer feeds (analysis/sequence.py `BatchTap`)."""
-        return RankTap(self, self._rank(rank))
+    def tap(self, rank: Rank | int, curve: RankCurve | None = None) -> RankTap:
+        """What one rank's sequencer feeds (analysis/sequence.py `BatchTap`); with the rank's
+        capacity curve (analysis/capacity.py), fed from the same pass."""
+        r = self._rank(rank)
+        if curve is not None:
+            self._curves[r] = curve
+            self._shipped[r] = curve.stores
+        return RankTap(self, r, curve)
 
     def _maybe_raise(self) -> None:
         # alone past what the whole pool needs: the aggregator will be at least this high
@@ -188,19 +225,30 @@ class MissSampler:
             self.level = min(level, 64)
             self._set_limit()
 
-    def _delta(self, until: float, base: float, ranks: list[Rank], ops: bytes) -> MissDelta:
+    def _delta(
+        self, until: float, base: float, ranks: list[Rank], ops: bytes,
+        stored: list[int] | None = None,
+    ) -> MissDelta:  # fmt: skip
         self.seq += 1
         workers = [w for w, _ in ranks]
         return MissDelta(
             self.pool, self.seq, self.level, base, until, [r for _, r in ranks], ops,
             workers=[] if all(w == self.pool for w in workers) else workers,
+            stored=stored or [],
         )  # fmt: skip
 
     def delta(self, until: float) -> MissDelta:
         """The changes since the previous delta; every batch at or before `until` (engine
         time) must have been observed."""
         base = self._base if self._base is not None else until
-        d = self._delta(until, base, list(self._ranks), bytes(self._ops))
+        ranks = list(self._ranks)
+        stored: list[int] = []
+        if self._curves:  # the exact stores of ranks with a curve, aligned with `ranks`
+            new = {r: c.stores - self._shipped.get(r, 0) for r, c in self._curves.items()}
+            ranks += [r for r, n in new.items() if n and r not in self._index]
+            stored = [new.get(r, 0) for r in ranks]
+            self._shipped = {r: c.stores for r, c in self._curves.items()}
+        d = self._delta(until, base, ranks, bytes(self._ops), stored)
         self._ops.clear()
         self._ranks.clear()
         self._index.clear()
@@ -224,20 +272,22 @@ class MissSampler:
 
 class RankTap:
     """One rank's view of its pool's sampler: what its sequencer calls with every batch it
-    applies and when it resets the rank's index."""
+    applies and when it resets the rank's index; and the rank's capacity curve, if any."""
 
-    __slots__ = ("rank", "sampler")
+    __slots__ = ("curve", "rank", "sampler")
 
-    def __init__(self, sampler: MissSampler, rank: Rank) -> None:
-        self.sampler, self.rank = sampler, rank
+    def __init__(self, sampler: MissSampler, rank: Rank, curve: RankCurve | None = None) -> None:
+        self.sampler, self.rank, self.curve = sampler, rank, curve
 
     def observe(self, batch: KvBatch) -> None:
         """An applied batch of this rank."""
-        self.sampler.observe(self.rank, batch)
+        self.sampler.observe(self.rank, batch, self.curve)
 
     def cleared(self, ts: float) -> None:
         """This rank's index was reset (a new publisher): its top tier is empty."""
         self.sampler.cleared(self.rank, ts)
+        if self.curve is not None:
+            self.curve.cleared()
 
 
 @dataclass
@@ -300,6 +350,11 @@ class SampledSplit:
     def __init__(self, floor: int = FLOOR, start_level: int = START_LEVEL) -> None:
         self.floor = floor
         self.level = start_level
+        # the pool as one global cache (analysis/capacity_pool.py): told of every block whose
+        # last copy left, that entered the pool, or that was stored again after it had left
+        self.ghosts = PoolGhosts()
+        # rank -> blocks stored, exactly, by ranks whose collector follows their capacity curve
+        self.stored: dict[Rank, int] = {}
         self.resident: dict[Rank, set[int]] = {}  # rank -> sampled blocks (48-bit identity)
         self.seen: set[int] = set()  # sampled blocks ever stored on a rank of the pool
         self.counts: dict[Rank, list[list[int]]] = {}  # rank -> kind -> bucket -> misses
@@ -344,6 +399,9 @@ class SampledSplit:
         self._seq[collector] = d.seq
         if d.level > self.level:
             self._raise(d.level)
+        if d.stored:
+            for rank, n in zip(d.rank_keys(), d.stored, strict=False):
+                self.stored[rank] = self.stored.get(rank, 0) + n
         q = self._pending.setdefault(collector, [])
         if d.full:
             self._order += 1
@@ -409,6 +467,9 @@ class SampledSplit:
         if res is None:
             res = self._new_rank(rank)
         if op.op == CLEAR:
+            for ident in res:
+                if not any(ident in s for r, s in self.resident.items() if r != rank):
+                    self.ghosts.left(ident, 0.0, eviction=False)
             res.clear()
             return
         ident = op.key
@@ -416,7 +477,10 @@ class SampledSplit:
         if bucket < self.level:
             return  # left the sample
         if op.op == REMOVE:
-            res.discard(ident)
+            if ident in res:
+                res.discard(ident)
+                if not any(ident in s for s in self.resident.values()):
+                    self.ghosts.left(ident, 1 << self.level)  # its last copy went
             return
         if ident in res:
             return  # stored while resident: no miss
@@ -424,8 +488,10 @@ class SampledSplit:
             kind = 2
         elif ident in self.seen:
             kind = 1
+            self.ghosts.restored(ident, 1 << self.level)
         else:
             kind = 0
+            self.ghosts.entered()
         self.counts[rank][kind][bucket] += 1
         self.weighed[rank][kind] += 1 << self.level
         per = self.per_block.get(ident)
@@ -448,6 +514,9 @@ class SampledSplit:
                 self._new_rank(rank)
             self.resident[rank] = blocks
             self.seen.update(blocks)
+        union = set().union(*self.resident.values())
+        self.ghosts.drop(union)  # resident again: not ghosts
+        self.ghosts.resynced(len(union))
 
     def sampled_misses(self, ranks: Iterable[Rank] | None = None) -> list[int]:
         """Sampled misses by kind over `ranks` (default all), buckets in the sample only."""
@@ -481,6 +550,9 @@ class SampledSplit:
         self.seen = {i for i in self.seen if i < cut}
         self.per_block = {i: c for i, c in self.per_block.items() if i < cut}
         self._sums = _ClusterSums.of(self.per_block.values())
+        g = self.ghosts
+        g.drop([i for i in g.stack.held() if i >= cut])
+        g.union = len(set().union(*self.resident.values())) if self.resident else 0
 
     # --- output -----------------------------------------------------------------------------
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 from msgspec import Struct
 
+from kvobserve.analysis.capacity import RankDeltas, WorkerDeltas
+from kvobserve.analysis.capacity_pool import PoolDeltas
 from kvobserve.analysis.placement import PlacementEstimate
 from kvobserve.wire.snapshot import (
     CollectorInfo,
@@ -135,6 +137,74 @@ class PoolSplit:
         return {k: sum(w.misses[k] for w in self.workers) for k in KINDS}
 
 
+@dataclass(frozen=True, slots=True)
+class CurvePoint:
+    """One point of a capacity curve (docs/cache-analytics.md "What more memory would buy")."""
+
+    factor: float  # of the measured capacity (math.inf: unlimited)
+    hit_rate: float | None  # None: not known (`rests_on` says why)
+    trusted: bool  # the point's validity and its source's trust hold
+    rests_on: str  # what the number rests on, for a person
+    capacity_tokens: float | None = None
+    capacity_bytes: float | None = None  # where the KV bytes per token are known
+    low: float | None = None  # below 1: the band (requests that stored nothing are not seen)
+    high: float | None = None
+    # validity above 1: the evictions seen since the start, a clear, reset or resync, and those
+    # the point needs ((factor - 1) x C), both in capacities; None where it needs none
+    evicted: float | None = None
+    needs: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TierWorth:
+    """What an offload tier adds to a worker's hit rate (the lower tier it has, or one of a
+    size asked about: it takes the top tier's evictions and promotes on hit)."""
+
+    medium: str = ""  # the lower tier it has ("": none)
+    onboarded: float = 0.0  # blocks loaded back up from it, since observed
+    adds: float | None = None  # onboarded / lookups: what it adds today
+    hierarchy: float | None = None  # the hit rate of top tier and lower tier together today
+    whatif_tokens: int = 0  # per rank: a tier of this many tokens ([worker] tier_tokens, the API)
+    whatif_adds: float | None = None  # the curve at 1 + tokens / C, less the measured point
+
+
+@dataclass(frozen=True)
+class CapacityCurve:
+    """The hit rate a pool, worker or rank would have had with more (or less) KV memory."""
+
+    scope: str  # pool, worker or rank
+    pool: str
+    worker_id: str = ""
+    dp_rank: int | None = None
+    # global: the pool as one cache of its total size (any routing); observed: each rank with
+    # its own memory scaled, for the routing that was observed (never a pool's what-if)
+    routing: str = "observed"
+    available: bool = True  # False: `reason` says why there is no curve
+    reason: str = ""  # why not available, or what keeps it from being trusted
+    points: tuple[CurvePoint, ...] = ()
+    measured: float | None = None  # the hit rate the engines report now (per-rank caches)
+    lookups: float = 0.0  # blocks looked up since observed
+    capacity_tokens: float | None = None  # factor 1: the rank's, or the pool's total
+    block_size: int = 0
+    trusted: bool = False
+    reasons: tuple[str, ...] = ()  # collector_down, rank_partial, deltas_lost, few_samples, ...
+    tier: TierWorth | None = None
+    estimate: RankDeltas | WorkerDeltas | PoolDeltas | None = None  # any factor (the API's)
+
+    def point(self, factor: float) -> CurvePoint | None:
+        """The point at `factor`, if the curve has it."""
+        return next((p for p in self.points if p.factor == factor), None)
+
+
+@dataclass(frozen=True)
+class PoolCapacity:
+    """A pool's capacity curves: as one global cache, and per worker and rank as routed."""
+
+    pool: CapacityCurve
+    workers: tuple[CapacityCurve, ...] = ()
+    ranks: tuple[CapacityCurve, ...] = ()
+
+
 @dataclass
 class FleetView:
     """Everything the exporters render, computed once per scrape; its conditions are
@@ -162,3 +232,4 @@ class FleetView:
     workers: list[tuple[WorkerInfo, CollectorInfo]] = field(default_factory=list)
     sources: list[tuple[SourceState, CollectorInfo]] = field(default_factory=list)
     misses: dict[str, PoolSplit] = field(default_factory=dict)  # per pool: the miss split
+    capacity: dict[str, PoolCapacity] = field(default_factory=dict)  # per pool: the curves

@@ -117,6 +117,12 @@ _WORKER_FLAGS: dict[str, tuple[str, type, str]] = {
         "a trace request holds its pages for output_length / this seconds of trace time "
         "(default 20; 0 = released after the prefill)",
     ),
+    "truth_capacities": (
+        "--truth-capacities",
+        str,
+        "with --trace: once it is replayed, the truth of one cache of each of these factors x "
+        "the pool's total capacity (e.g. 1,2,4), in --truth's `capacities`",
+    ),
 }
 _FAULT_FLAGS: dict[str, tuple[str, str]] = {
     "drop_seqs": ("--drop-seqs", "seqs dropped on the wire, kept in the replay ring (3,4)"),
@@ -244,6 +250,12 @@ def build_configs(args: argparse.Namespace) -> list[SimConfig]:
     flags = {k: v for k, v in flags.items() if v is not None}
     if args.node_hosts:
         flags["node_hosts"] = tuple(h.strip() for h in args.node_hosts.split(",") if h.strip())
+    if args.truth_capacities:
+        flags["truth_capacities"] = tuple(
+            _number("--truth-capacities", f.strip(), float)
+            for f in args.truth_capacities.split(",")
+            if f.strip()
+        )
     if args.no_replay:
         flags["replay_port"] = None
     if args.no_http:

@@ -384,6 +384,15 @@ def load_config(
         raise ConfigError(text) from None
 
 
+def _check_curve(workers: tuple[WorkerConfig, ...]) -> None:
+    """The capacity curve's sizes, when given, are positive numbers (0 is not a tier)."""
+    for i, w in enumerate(workers):
+        for key in ("kv_bytes_per_token", "tier_tokens"):
+            value = getattr(w, key)
+            if value is not None:
+                at_least(value, 0, f"worker[{i}].{key}", strict=True)
+
+
 def _check_pools(workers: tuple[WorkerConfig, ...]) -> None:
     """A pool's name is a label value; its workers are of engines whose block hashes compare
     (the same hash type): a router chooses among ranks of one model and one engine."""
@@ -420,6 +429,7 @@ def _build(raw: dict[str, Any], path: str | None, env: Mapping[str, str]) -> Con
             raise ConfigError(f"worker[{i}].id: duplicate {w.id!r} (also worker[{seen[w.id]}])")
         seen[w.id] = i
     _check_pools(workers)
+    _check_curve(workers)
     agg = tables["aggregator"]
     if "nats" in agg:
         tables["nats"].setdefault("url", agg.pop("nats"))

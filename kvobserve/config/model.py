@@ -125,6 +125,12 @@ class WorkerConfig:
     # the miss split (docs/cache-analytics.md): the ranks a router could send a request to;
     # workers of one pool name it alike. "": the worker's own ranks (its id)
     pool: str = ""
+    # the capacity curve (docs/cache-analytics.md "What more memory would buy"): the KV bytes
+    # of one token (the curve's capacities in bytes too), an offload tier whose worth it says
+    # (tokens), and its points below the capacity (a parent per resident block: opt-in)
+    kv_bytes_per_token: int | None = None
+    tier_tokens: int | None = None
+    curve_below: bool = False
 
     @property
     def pool_id(self) -> str:

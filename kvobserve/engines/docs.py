@@ -48,6 +48,7 @@ def _engine_row(p: EngineProfile) -> str:
     metrics = f"{len(m.names)} names, rank label `{m.rank_label}`" if m else NONE
     cells = [f"`{p.name}`", p.title, arrive, discovery, metrics, _layout(p)]
     cells.append("yes" if p.pods else "no")
+    cells.append(p.eviction + (" (the capacity curve)" if p.recency_eviction else ""))
     return "| " + " | ".join(cells) + " |"
 
 
@@ -57,8 +58,8 @@ def render() -> str:
         BEGIN,
         "",
         "| engine | | events from | discovery routes | scheduler metrics | DP ranks over nodes "
-        "| `[worker.kubernetes]` |",
-        "|---|---|---|---|---|---|---|",
+        "| `[worker.kubernetes]` | top-tier eviction |",
+        "|---|---|---|---|---|---|---|---|",
         *(_engine_row(p) for p in PROFILES.values()),
         "",
         "| engine | version | events | BlockStored | BlockRemoved | replay reply | hashes "

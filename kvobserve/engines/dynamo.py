@@ -14,6 +14,8 @@ PROFILE = EngineProfile(
     title="Dynamo",
     event_plane=True,
     default_namespace="dynamo",
+    # its workers run vLLM, SGLang or TensorRT-LLM, whose eviction the event plane does not say
+    eviction="the backend engine's (not named on the event plane)",
     versions=(
         WireVersion(
             "0.7.1", "JSON RouterEvent on JetStream (`…-kv-events.queue`)",

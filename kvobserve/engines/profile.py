@@ -111,6 +111,12 @@ class EngineProfile:
     # its BlockStored events name full blocks only (a block an index lacks holds a whole block's
     # tokens: analysis/vouch.py); else a sequence's last page may be short (SGLang)
     full_blocks_only: bool = False
+    # How its top tier evicts, in words, and whether that follows recency (an LRU of blocks or of
+    # radix leaves): only then are its evicted blocks, in eviction order, the LRU stack below
+    # its capacity, which the capacity curve reads (analysis/capacity.py). False: the curve
+    # says it is not available, and why, instead of a number.
+    eviction: str = ""
+    recency_eviction: bool = False
     versions: tuple[WireVersion, ...] = ()
 
     @property

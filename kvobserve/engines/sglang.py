@@ -42,6 +42,10 @@ PROFILE = EngineProfile(
     ),
     default_endpoint="tcp://*:5557",  # --kv-events-config without an endpoint
     signed_hashes=True,  # hash_str_to_int64 (0.4.7: CPython's tuple hash)
+    # the radix cache evicts unlocked leaves by last access (`--radix-eviction-policy lru`, the
+    # default; an `lfu` policy is not recency-ordered and makes the curve wrong)
+    eviction="radix leaves, least recently used first",
+    recency_eviction=True,
     versions=(
         WireVersion(
             "0.4.7", "array", stored=_STORED_ARRAY, removed=("block_hashes",), replay="3 frames",

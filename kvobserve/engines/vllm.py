@@ -43,6 +43,10 @@ PROFILE = EngineProfile(
         cache_info="vllm:cache_config_info",
     ),
     default_endpoint="tcp://*:5557",
+    # the free block queue: a finished request's blocks go to its tail in reverse order, and a
+    # new block is taken from its head (the least recently used cached block)
+    eviction="free block queue, least recently used first",
+    recency_eviction=True,
     versions=(
         WireVersion(
             "0.10.0", "array", stored=_STORED, removed=("block_hashes",), replay="3 frames",

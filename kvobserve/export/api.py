@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from kvobserve.aggregator import OVERLAP_TIMEOUT_S
+from kvobserve.analysis.capacity import WorkerDeltas
 from kvobserve.analysis.conditions import (
     DEFAULT_RUNBOOK_URL,
     KINDS,
@@ -18,7 +20,13 @@ from kvobserve.analysis.hot import merge_top
 from kvobserve.analysis.overlap import OverlapAnswer
 from kvobserve.analysis.placement import PlacementEstimate
 from kvobserve.analysis.views import KINDS as MISS_KINDS
-from kvobserve.analysis.views import FleetView, PoolSplit, StreamView
+from kvobserve.analysis.views import (
+    CapacityCurve,
+    CurvePoint,
+    FleetView,
+    PoolSplit,
+    StreamView,
+)
 from kvobserve.wire.kv_events import BlockHash
 from kvobserve.wire.overlap import MAX_HASHES, HashError, parse_hash
 from kvobserve.wire.snapshot import RelayStats
@@ -394,6 +402,103 @@ def split_json(p: PoolSplit) -> Json:
 def misses_json(v: FleetView) -> Json:
     """GET /api/v1/misses: where each pool's misses come from."""
     return {"pools": [split_json(p) for _, p in sorted(v.misses.items())]}
+
+
+def factor_label(m: float) -> str:
+    """A capacity factor as the API and the `factor` label write it: 1, 1.25, +Inf."""
+    return "+Inf" if math.isinf(m) else f"{m:g}"
+
+
+def _point_json(pt: CurvePoint) -> Json:
+    return {
+        "factor": factor_label(pt.factor),
+        "hit_rate": _r(pt.hit_rate),
+        "trusted": pt.trusted,
+        "rests_on": pt.rests_on,
+        "capacity_tokens": _r(pt.capacity_tokens, 0),
+        "capacity_bytes": _r(pt.capacity_bytes, 0),
+        **({"low": _r(pt.low), "high": _r(pt.high)} if pt.low is not None else {}),
+        # the evictions seen and those the point needs, in capacities (its validity)
+        **({"evicted": _r(pt.evicted, 3), "needs": pt.needs} if pt.needs is not None else {}),
+    }
+
+
+def _whatif(c: CapacityCurve, tier_tokens: int | None, ranks: int) -> Json | None:
+    """What a tier of `tier_tokens` on each of the curve's `ranks` would add (None: not asked,
+    or no curve): the curve at 1 + ranks x N / its capacity (the tier model of
+    docs/cache-analytics.md: it takes the top tier's evictions and promotes on hit)."""
+    if not tier_tokens or c.estimate is None or not c.capacity_tokens:
+        return None
+    m = 1 + tier_tokens * ranks / c.capacity_tokens
+    at, now = c.estimate.at(m), c.estimate.at(1.0)
+    adds = at - now if at is not None and now is not None else None
+    return {"tokens": tier_tokens, "factor": round(m, 4), "hit_rate": _r(at), "adds": _r(adds)}
+
+
+def curve_json(c: CapacityCurve, tier_tokens: int | None = None, ranks: int = 1) -> Json:
+    """One capacity curve (a pool as one global cache, or a worker or rank as routed)."""
+    out: Json = {"scope": c.scope, "pool": c.pool}
+    if c.scope != "pool":
+        out["worker_id"] = c.worker_id
+    if c.scope == "rank":
+        out["dp_rank"] = c.dp_rank
+    out.update({
+        "routing": c.routing,
+        "available": c.available,
+        "trusted": c.trusted,
+        "reasons": list(c.reasons),
+        "reason": c.reason,
+        "measured": _r(c.measured),
+        "lookups": _r(c.lookups, 0),
+        "capacity_tokens": _r(c.capacity_tokens, 0),
+        "block_size": c.block_size or None,
+        "points": [_point_json(p) for p in c.points],
+    })  # fmt: skip
+    if c.tier is not None:
+        t = c.tier
+        out["tier"] = {
+            "medium": t.medium or None, "onboarded": _r(t.onboarded, 1), "adds": _r(t.adds),
+            "hierarchy": _r(t.hierarchy),
+            "whatif_tokens": t.whatif_tokens or None, "whatif_adds": _r(t.whatif_adds),
+        }  # fmt: skip
+    asked = _whatif(c, tier_tokens, ranks)
+    if asked is not None:
+        out["whatif_tier"] = asked
+    return out
+
+
+def capacity_json(v: FleetView, pool: str | None = None, tier_tokens: int | None = None) -> Json:
+    """GET /api/v1/capacity: what more (or less) KV memory would buy each pool, worker and
+    rank (docs/cache-analytics.md "What more memory would buy"); `tier_tokens`: what an offload
+    tier of that many tokens per rank would add."""
+    pools = []
+    for name, pc in sorted(v.capacity.items()):
+        if pool is not None and name != pool:
+            continue
+        doc = curve_json(pc.pool, tier_tokens, max(1, len(pc.ranks)))
+        doc["workers"] = [
+            curve_json(
+                w, tier_tokens, len(w.estimate.ranks) if isinstance(w.estimate, WorkerDeltas) else 1
+            )
+            for w in pc.workers
+        ]
+        doc["ranks"] = [curve_json(r, tier_tokens) for r in pc.ranks]
+        pools.append(doc)
+    return {"pools": pools}
+
+
+def capacity_query(query: Mapping[str, str]) -> tuple[str | None, int | None]:
+    """(pool, tier_tokens) of /api/v1/capacity; QueryError names a bad parameter."""
+    raw = query.get("tier_tokens")
+    tier: int | None = None
+    if raw is not None:
+        try:
+            tier = int(raw)
+        except ValueError:
+            raise QueryError(f"tier_tokens: {raw!r} is not a whole number of tokens") from None
+        if tier <= 0:
+            raise QueryError(f"tier_tokens: {raw!r} must be a positive number of tokens")
+    return query.get("pool"), tier
 
 
 MAX_OVERLAP_TIMEOUT_S = 10.0

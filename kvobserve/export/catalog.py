@@ -7,6 +7,7 @@ all read off this table; export/series.py reads each row's values off a FleetVie
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
@@ -346,6 +347,34 @@ def _prefix_tokens(
                 yield (w.worker_id, "queried"), w.query_tokens
 
 
+POOL_FACTORS = (1.0, 2.0)  # the pool curve's points served by default (the API has them all)
+
+
+def _factor(m: float) -> str:
+    """A capacity factor as a label value: 1, 1.25, +Inf."""
+    return "+Inf" if math.isinf(m) else f"{m:g}"
+
+
+def _pool_curve(
+    v: FleetView, order: list[CollectorView]
+) -> Iterable[tuple[tuple[str, str], float]]:
+    for name, pc in sorted(v.capacity.items()):
+        for m in POOL_FACTORS:
+            pt = pc.pool.point(m)
+            if pt is not None and pt.trusted and pt.hit_rate is not None:
+                yield (name, _factor(m)), pt.hit_rate
+
+
+def _worker_curve(
+    v: FleetView, order: list[CollectorView]
+) -> Iterable[tuple[tuple[str, str, str], float]]:
+    for name, pc in sorted(v.capacity.items()):
+        for w in pc.workers:
+            for pt in w.points:
+                if pt.factor >= 1 and pt.trusted and pt.hit_rate is not None:
+                    yield (w.worker_id, name, _factor(pt.factor)), pt.hit_rate
+
+
 def _untrusted(v: FleetView, order: list[CollectorView]) -> Iterable[tuple[tuple[str, str], int]]:
     for name, p in sorted(v.misses.items()):
         for reason in p.reasons:
@@ -530,6 +559,18 @@ CATALOG: tuple[MetricDef, ...] = (
        "the same way in every run).",
        FromFleet(lambda v, _: (((p.pool,), p.bound) for _, p in sorted(v.misses.items()))),
        per="worker", detail_only=True),
+    # what more memory would buy (docs/cache-analytics.md): a few points per pool
+    _d("kvobserve_pool_kv_hit_ratio_at_capacity", "gauge", ("pool", "factor"),
+       "The hit ratio (0-1) the pool would have had as one cache of factor x its ranks' total "
+       "KV capacity (1: the same memory shared; 2: doubled), whatever the routing: from its "
+       "evictions and the engines' hit counters, since the aggregator started; served only "
+       "while the point is trusted (/api/v1/capacity has every point and why).",
+       FromFleet(_pool_curve), per="worker", n=len(POOL_FACTORS)),
+    _d("kvobserve_worker_kv_hit_ratio_at_capacity", "gauge", ("worker_id", "pool", "factor"),
+       "The hit ratio (0-1) the worker would have had with factor x each rank's KV capacity, "
+       "for the routing that was observed (1: measured; +Inf: unlimited); never a pool's "
+       "what-if under a cache-aware router. Served only while the point is trusted.",
+       FromFleet(_worker_curve), per="worker", n=7, detail_only=True),
     _d("kvobserve_kv_block_restore_gap_seconds", "histogram", ("worker_id",),
        "Removal-to-restore time of restored blocks, over the worker's ranks and tiers.",
        From(Scope.MEDIUM, lambda m: m.restore_gap, When.SET), per="worker", n=17, detail_only=True),
@@ -634,9 +675,10 @@ CATALOG: tuple[MetricDef, ...] = (
        From(Scope.COUNTERS, lambda k: k.messages_received),
        per="collector"),
     _d("kvobserve_collector_ingest_errors_total", "counter", ("collector",),
-       "Turns of the collector's ingest loop that failed (logged; the loop goes on).",
-       From(Scope.COUNTERS, lambda k: k.ingest_errors),
-       per="collector"),
+       "Turns of the collector's ingest loop that failed (logged; the loop goes on); served "
+       "once nonzero.",
+       From(Scope.COUNTERS, lambda k: k.ingest_errors, When.NONZERO),
+       per="fault"),
     _d("kvobserve_collector_publish_dropped_total", "counter", ("collector", "reason"),
        "Snapshots the collector could not publish, by reason (closed, buffer_full, too_large, "
        "error); reported with its next snapshot that arrives.",

@@ -197,6 +197,15 @@ async def _misses(request: web.Request) -> web.Response:
     return _json(api.misses_json(_view(request)))
 
 
+async def _capacity(request: web.Request) -> web.Response:
+    """GET /api/v1/capacity[?pool=P][&tier_tokens=N] (docs/cache-analytics.md)."""
+    try:
+        pool, tier = api.capacity_query(request.query)
+    except api.QueryError as exc:
+        return web.Response(status=400, text=f"{exc}\n")
+    return _json(api.capacity_json(_view(request), pool, tier))
+
+
 async def _overlap(request: web.Request) -> web.Response:
     """GET /api/v1/overlap?hashes=h1,h2,...[&pool=P][&timeout_s=S] (docs/cache-analytics.md)."""
     ask: OverlapAsk | None = request.app[OVERLAP]  # type: ignore[assignment]
@@ -225,6 +234,7 @@ async def _index(request: web.Request) -> web.Response:
         events=_recent(request),
         hot=api.hot_json(v, status_page.HOT_SHOWN),
         misses=api.misses_json(v),
+        capacity=api.capacity_json(v),
     )
     return web.Response(text=page, content_type="text/html", charset="utf-8")
 
@@ -326,6 +336,7 @@ def create_app(
     app.router.add_get("/api/v1/events", _events)
     app.router.add_get("/api/v1/hot", _hot)
     app.router.add_get("/api/v1/misses", _misses)
+    app.router.add_get("/api/v1/capacity", _capacity)
     app.router.add_get("/api/v1/overlap", _overlap)
     return app
 

@@ -477,6 +477,52 @@ def _misses(misses: Json | None, alerts: list[Json]) -> str:
 
 
 _KINDS = ("compulsory", "capacity", "placement")
+_FACTORS = ("0.5", "0.75", "1", "1.25", "1.5", "2", "4", "8", "+Inf")
+
+
+def _capacity(capacity: Json | None) -> str:
+    """Per pool: its hit rate as one global cache of each multiple of its memory, then per
+    worker as routed (each rank's memory scaled); untrusted points in brackets, unknown -."""
+
+    def cells(c: Json) -> str:
+        got = {p["factor"]: p for p in c["points"]}
+        out = []
+        for f in _FACTORS:
+            p = got.get(f)
+            if p is None or p["hit_rate"] is None:
+                out.append("<td class=n>-</td>")
+                continue
+            text = _pct1(p["hit_rate"])
+            if "low" in p:
+                text += f' <span class="small">({_pct1(p["low"])}&ndash;{_pct1(p["high"])})</span>'
+            cls = "n" if p["trusted"] else "n muted"
+            out.append(f'<td class="{cls}" title="{_html(p["rests_on"])}">'
+                       f"{text if p['trusted'] else f'[{text}]'}</td>")  # fmt: skip
+        return "".join(out)
+
+    rows = []
+    for p in (capacity or {}).get("pools", []):
+        name = _html(p["pool"])
+        if not p["available"]:
+            rows.append(f'<tr data-pool="{name}"><td class=nw><b>{name}</b></td>'
+                        f'<td colspan={len(_FACTORS) + 1} class="muted">{_html(p["reason"])}'
+                        "</td></tr>")  # fmt: skip
+            continue
+        trust = "trusted" if p["trusted"] else f"not trusted: {p['reason'] or 'waiting'}"
+        rows.append(f'<tr data-pool="{name}"><td class=nw><b>{name}</b> '
+                    '<span class="small muted">one global cache</span></td>'
+                    f'{cells(p)}<td class="small">{_html(trust)}</td></tr>')  # fmt: skip
+        for w in p["workers"]:
+            wt = (
+                "as routed"
+                if w["trusted"]
+                else f"as routed; not trusted: {w['reason'] or 'waiting'}"
+            )
+            rows.append(f'<tr class="small"><td class=nw>&nbsp;&nbsp;worker '
+                        f'{_html(w["worker_id"])}</td>{cells(w)}<td>{_html(wt)}</td></tr>')  # fmt: skip
+    head = ("pool", *(f"x {f}" for f in _FACTORS), "trust")
+    return _table(head, rows, "No capacity curve yet (a pool of a recency-evicting engine, "
+                  "with the cache analytics on).", "capacity-table")  # fmt: skip
 
 
 def _workers(workers: list[Json], alerts: list[Json], clock: _Clock) -> str:
@@ -537,6 +583,7 @@ def render(
     events: list[Json] | None = None,
     hot: Json | None = None,
     misses: Json | None = None,
+    capacity: Json | None = None,
 ) -> str:
     """The whole page from the /api/v1 documents; every value is HTML-escaped."""
     clock = _Clock(generated)
@@ -567,6 +614,7 @@ def render(
             else ""
         )
         + f'<h2>Where the misses come from</h2><div id="misses">{_misses(misses, alerts)}</div>'
+        f'<h2>What more memory would buy</h2><div id="capacity">{_capacity(capacity)}</div>'
         f'<h2>Hot prefixes</h2><div id="hot">{_hot(hot)}</div>'
         f'<h2>Nodes</h2><div id="collectors">{_collectors(fleet["collectors"])}</div>'
         f'<h2>Workers and DP-rank owners</h2><div id="workers">'

@@ -84,6 +84,9 @@ class SimConfig:
     trace_seconds: float = 0.0  # replay only the trace's first S seconds; 0 = all of it
     route: str = "round_robin"  # round_robin | random | kv_aware
     decode_tokens_per_s: float = 20.0  # a request holds its pages output_length / this seconds
+    # once the trace is replayed, the truth of one cache of each of these factors x the pool's
+    # total capacity (every rank's capacity_tokens): the judge of the capacity curve
+    truth_capacities: tuple[float, ...] = ()
 
     @property
     def wire(self) -> WireFormat:
@@ -163,7 +166,12 @@ class SimConfig:
                 raise ValueError(f"{name}: {v!r} must be a number >= 0")
         if self.route not in ROUTES:
             raise ValueError(f"route: {self.route!r} is not {', '.join(ROUTES)}")
+        for f in self.truth_capacities:
+            if not isinstance(f, int | float) or isinstance(f, bool) or f <= 0:
+                raise ValueError(f"truth_capacities: {f!r} must be a number > 0")
         if self.trace is None:
+            if self.truth_capacities:
+                raise ValueError("truth_capacities: needs a trace to replay")
             return
         if self.event_plane is not None:
             raise ValueError("trace: a replayed trace publishes on the engines' own streams, "
@@ -239,7 +247,7 @@ def worker_from_dict(d: dict[str, Any], defaults: dict[str, Any] | None = None) 
             kw["faults"] = faults_from_dict(v)
         elif key not in _FIELDS:
             raise ValueError(f"worker.{k}: unknown key")
-        elif key == "node_hosts":
+        elif key in ("node_hosts", "truth_capacities"):
             kw[key] = tuple(v)
         else:
             kw[key] = v

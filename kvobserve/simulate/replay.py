@@ -33,7 +33,7 @@ from kvobserve.simulate.cache import Page
 from kvobserve.simulate.encoders import WireFormat, get_format
 from kvobserve.simulate.faults import FaultConfig
 from kvobserve.simulate.stream import SimStream
-from kvobserve.simulate.trace import TRACE_BLOCK_TOKENS, TraceRequest, request_pages
+from kvobserve.simulate.trace import TRACE_BLOCK_TOKENS, RequestPages, TraceRequest, request_pages
 
 ROUTES = ("round_robin", "random", "kv_aware")
 # kv_aware skips ranks with more requests in flight than the least loaded one plus this, as
@@ -166,13 +166,15 @@ class TraceReplay:
         self.served = 0
         self.trace_ms = 0  # the trace time of the last request served
 
-    def serve(self, req: TraceRequest, wall_ts: float) -> int:
-        """Route and serve one request at its trace time; the index of the rank it went to."""
+    def serve(self, req: TraceRequest, wall_ts: float, rp: RequestPages | None = None) -> int:
+        """Route and serve one request at its trace time; the index of the rank it went to
+        (`rp`: its pages, when the caller made them already)."""
         now = req.timestamp_ms
         streams = self._streams()
         for s in streams:
             s.finish_until(now)
-        rp = request_pages(req, self.fmt.hash_kind, self.page_size, self.fmt.per_page_stores)
+        if rp is None:
+            rp = request_pages(req, self.fmt.hash_kind, self.page_size, self.fmt.per_page_stores)
         pages, ends = rp.pages, rp.ends
         i = self.router.pick(pages, streams)
         target = streams[i]
@@ -288,12 +290,14 @@ def replay_offline(
     seed: int = 0,
     decode_tokens_per_s: float = 20.0,
     on_batch: Callable[[int, int, bytes], None] | None = None,
+    on_start: Callable[[list[SimStream]], None] | None = None,
 ) -> OfflineRun:
     """Replay `requests` as fast as it goes on `ranks` ranks of one pool, without sockets.
 
     After each request the rank it went to publishes one batch (what `SimulatedWorker` would
     send at its next tick); `on_batch(dp_rank, seq, payload)` gets each one in that order, so a
-    consumer sees every rank's events in the order the simulator made them. The batch ts is the
+    consumer sees every rank's events in the order the simulator made them (`on_start` gets the
+    ranks' publisher instances first: their hit counters as they go). The batch ts is the
     request's trace time in seconds plus one millisecond per request before it (so that every
     batch has a millisecond of its own, though the trace's requests share whole seconds: 12 s
     late at the end of the fixture, always in the trace's order).
@@ -309,6 +313,8 @@ def replay_offline(
     replay = TraceReplay(
         fmt, page_size, route, seed, decode_tokens_per_s, lambda: streams, range(ranks)
     )
+    if on_start is not None:  # a consumer that reads the engines' counters as it goes
+        on_start(streams)
     for n, req in enumerate(requests):
         ts = req.timestamp_ms / 1000.0 + n * 1e-3
         i = replay.serve(req, ts)
@@ -316,3 +322,34 @@ def replay_offline(
         if out is not None and on_batch is not None:
             on_batch(i, int.from_bytes(out[0], "big"), out[1])
     return OfflineRun(replay, streams)
+
+
+def replay_capacities(
+    requests: Iterable[TraceRequest],
+    capacities: Sequence[int],
+    *,
+    format: str = "sglang-0.5.23",
+    page_size: int = 16,
+    decode_tokens_per_s: float = 20.0,
+) -> dict[int, RankTruth]:
+    """The truth of one cache of each capacity (tokens) serving every request of the trace:
+    what a pool run as one cache of that size, or one rank with that much memory, would have
+    hit (the judge of the capacity curve, docs/cache-analytics.md). The caches run side by
+    side on each request's pages, made once; no batch is encoded."""
+    fmt = get_format(format)
+    runs: list[tuple[TraceReplay, SimStream]] = []
+    for cap in capacities:
+        st = SimStream(fmt, "0.0", "primary", 0, 0, b"", None, 0, cap, page_size, 1, FaultConfig())
+        st.outbox = []
+        one: list[SimStream] = [st]
+        replay = TraceReplay(fmt, page_size, "round_robin", 0, decode_tokens_per_s,
+                             one.copy, [0])  # fmt: skip
+        runs.append((replay, st))
+    for n, req in enumerate(requests):
+        ts = req.timestamp_ms / 1000.0 + n * 1e-3
+        rp = request_pages(req, fmt.hash_kind, page_size, fmt.per_page_stores)
+        for replay, st in runs:
+            replay.serve(req, ts, rp)
+            assert st.outbox is not None
+            st.outbox.clear()
+    return {cap: replay.ranks[0] for cap, (replay, _) in zip(capacities, runs, strict=True)}

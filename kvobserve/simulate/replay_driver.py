@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvobserve.simulate.ranks import RankState
-from kvobserve.simulate.replay import TraceReplay
+from kvobserve.simulate.replay import TraceReplay, replay_capacities
 from kvobserve.simulate.trace import TraceRequest
 from kvobserve.simulate.worker import SimulatedWorker
 
@@ -33,6 +33,8 @@ class TraceDriver:
         self._ranks: list[RankState] = []
         self.replay: TraceReplay | None = None  # made at start(), once the ranks exist
         self.done = False
+        # cfg.truth_capacities: factor -> one cache of factor x the pool's capacity, once done
+        self.capacities: dict[str, dict[str, Any]] | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()  # the replay's counts: serve() against truth()
         self._thread: threading.Thread | None = None
@@ -82,6 +84,28 @@ class TraceDriver:
                 for lock in reversed(locks):
                     lock.release()
         self.done = True
+        if c.truth_capacities:
+            self._capacities()
+
+    def _capacities(self) -> None:
+        """The truth of one cache of each factor x the pool's total capacity (in this thread,
+        after the replay: the judge of the capacity curve, docs/cache-analytics.md)."""
+        c = self.cfg
+        total = c.capacity_tokens * len(self._ranks)
+        sizes = [int(f * total) for f in c.truth_capacities]
+        got = replay_capacities(self.requests, sizes, format=c.format, page_size=c.page_size,
+                                decode_tokens_per_s=c.decode_tokens_per_s)  # fmt: skip
+        out = {}
+        for f, size in zip(c.truth_capacities, sizes, strict=True):
+            t = got[size]
+            out[f"{f:g}"] = {
+                "capacity_tokens": size,
+                "pages": {"lookups": t.pages.lookups, "hits": t.pages.hits},
+                "blocks": {"lookups": t.blocks.lookups, "hits": t.blocks.hits},
+                "hit_rate": t.pages.hits / t.pages.lookups if t.pages.lookups else None,
+            }
+        with self._lock:
+            self.capacities = out
 
     def _backlog(self) -> bool:
         return any(len(st.streams[0].outbox or ()) > MAX_PENDING for st in self._ranks)
@@ -91,7 +115,7 @@ class TraceDriver:
         with self._lock:
             doc = self.replay.truth() if self.replay is not None else {}
         pending = sum(len(st.streams[0].outbox or ()) for st in self._ranks)
-        return {
+        out = {
             "worker_id": self.cfg.worker_id,
             "trace": self.cfg.trace,
             "speed": self.cfg.speed,
@@ -100,6 +124,9 @@ class TraceDriver:
             "pending_events": pending,  # served, not yet published
             **doc,
         }
+        if self.capacities is not None:
+            out["capacities"] = self.capacities
+        return out
 
     def stop(self, timeout: float = 2.0) -> None:
         """Stop replaying (the workers are stopped by their owner); idempotent."""

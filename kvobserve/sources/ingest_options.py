@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvobserve.analysis.analytics import DEFAULT_ANALYTICS, AnalyticsOptions
+from kvobserve.analysis.capacity import DEFAULT_CURVE, CurveOptions
 from kvobserve.analysis.sequence import DEFAULT_LIMITS, SequencerLimits
 from kvobserve.sources.link import DEFAULT_LINK_TIMES, LinkTimes
 from kvobserve.wire.kv_events import DEFAULT_MAX_PAYLOAD
@@ -29,3 +30,6 @@ class IngestOptions:
     link: LinkTimes = DEFAULT_LINK_TIMES
     # docs/cache-analytics.md; None = residency and sequence only (benchmarks compare both)
     analytics: AnalyticsOptions | None = DEFAULT_ANALYTICS
+    # the capacity curves (docs/cache-analytics.md), with the analytics; None = off (the
+    # benchmarks compare both)
+    curve: CurveOptions | None = DEFAULT_CURVE

@@ -16,6 +16,7 @@ from kvobserve.sources import cache_stats
 from kvobserve.sources.miss_stats import UNTIL_SLACK_S
 from kvobserve.sources.stream_state import stream_stats
 from kvobserve.sources.stream_table import StreamTable
+from kvobserve.wire.capacity import RankCurveStats
 from kvobserve.wire.misses import MissDelta
 from kvobserve.wire.snapshot import (
     BindStats,
@@ -40,6 +41,7 @@ class IngestStats:
     pods: dict[str, list[str]] = field(default_factory=dict)  # [[worker]] id -> its pods' ids
     misses: list[MissDelta] = field(default_factory=list)  # the miss split's, one per pool
     checkpoint: CheckpointStats | None = None  # the checkpoints' state (None: off)
+    curves: list[RankCurveStats] = field(default_factory=list)  # every curve interval
 
 
 def build_stats(
@@ -110,4 +112,5 @@ def build_stats(
         {w: sorted(set(ids)) for w, ids in pods.items()},
         misses,
         checkpoint,
+        table.curves.stats(now) if table.curves is not None else [],
     )

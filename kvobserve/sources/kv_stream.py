@@ -29,6 +29,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvobserve.analysis.sequence import StreamSequencer
 from kvobserve.sources.bind import Listener
+from kvobserve.sources.capacity_stats import WorkerCurve
 from kvobserve.sources.checkpoint_store import identity_of
 from kvobserve.sources.checkpoint_writer import CheckpointWriter
 from kvobserve.sources.ingest_actions import (
@@ -84,6 +85,7 @@ class IngestLoop:
         pools: Mapping[str, str] | None = None,
         checkpoints: CheckpointWriter | None = None,
         fingerprint: Callable[[str], str] | None = None,
+        curves: Mapping[str, WorkerCurve] | None = None,
     ) -> None:
         self.options = options or IngestOptions()
         self._clock, self._wall = clock, wall
@@ -91,7 +93,7 @@ class IngestLoop:
         # checkpoints (docs/reliability.md): their writer, and each worker's config fingerprint
         self.checkpoints = checkpoints if checkpoints is not None and checkpoints.enabled else None
         self.table = StreamTable(
-            self.options, events=self.events, pools=pools,
+            self.options, events=self.events, pools=pools, curves=curves,
             fingerprint=fingerprint if self.checkpoints is not None else None,
         )  # fmt: skip
         self._ctx: zmq.Context[Socket] = zmq.Context()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from kvobserve.analysis.capacity import RankCurve
 from kvobserve.analysis.miss_sample import FLOOR, MissSampler, Rank
 from kvobserve.analysis.sequence import StreamSequencer
 from kvobserve.engines import profile
@@ -48,14 +49,18 @@ class MissSamplers:
         self._streams: dict[str, dict[Rank, StreamSequencer]] = {}  # pool -> its ranks here
         self._resync: set[str] = set()  # pools the aggregator asked a full delta of
 
-    def attach(self, worker_id: str, dp_rank: int, engine: str, seq: StreamSequencer) -> None:
-        """Give a stream's sequencer the tap of its pool's sampler."""
+    def attach(
+        self, worker_id: str, dp_rank: int, engine: str, seq: StreamSequencer,
+        curve: RankCurve | None = None,
+    ) -> None:  # fmt: skip
+        """Give a stream's sequencer the tap of its pool's sampler (and the rank's capacity
+        curve, fed from the same pass: sources/capacity_stats.py)."""
         pool = pool_of(self.pools, worker_id)
         s = self.samplers.get(pool)
         if s is None:
             s = self.samplers[pool] = MissSampler(pool, profile(engine).signed_hashes, self.floor)
         rank = (worker_id, dp_rank)
-        seq.tap = s.tap(rank)
+        seq.tap = s.tap(rank, curve)
         self._streams.setdefault(pool, {})[rank] = seq
 
     def detach(self, worker_id: str, dp_rank: int, seq: StreamSequencer) -> None:

@@ -150,7 +150,8 @@ class WorkerPlan:
         w = self.worker
         return WorkerInfo(
             w.id, w.engine, self.dp_size, list(self.watched_ranks), w.leader, w.capacity_tokens,
-            state, reason, since, list(self.elsewhere),
+            state, reason, since, list(self.elsewhere), w.kv_bytes_per_token or 0,
+            w.tier_tokens or 0,
         )  # fmt: skip
 
 

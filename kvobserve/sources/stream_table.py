@@ -27,6 +27,7 @@ from kvobserve.analysis.mirror import MirrorDetector
 from kvobserve.analysis.sequence import StreamSequencer
 from kvobserve.sources import cache_stats
 from kvobserve.sources.bind import Listener
+from kvobserve.sources.capacity_stats import RankCurves, WorkerCurve
 from kvobserve.sources.ingest_actions import (
     Bind,
     Connect,
@@ -76,6 +77,7 @@ class StreamTable:
         events: RecentEvents | None = None,
         pools: Mapping[str, str] | None = None,
         fingerprint: Callable[[str], str] | None = None,
+        curves: Mapping[str, WorkerCurve] | None = None,
     ) -> None:
         self.options = o = options or IngestOptions()
         # checkpoints (docs/reliability.md): worker_id -> the fingerprint of its config, which a
@@ -99,6 +101,9 @@ class StreamTable:
         self.placements = cache_stats.Placements(a) if a is not None else None
         # the miss split (sources/miss_stats.py): [[worker]] id -> its pool; with the analytics
         self.misses = MissSamplers(pools or {}) if a is not None else None
+        # the capacity curves (sources/capacity_stats.py), fed by the miss split's samplers
+        c = o.curve
+        self.curves = RankCurves(c, curves or {}) if a is not None and c is not None else None
 
     def take_actions(self) -> list[SocketAction]:
         """The socket actions asked for since the last call, oldest first."""
@@ -177,7 +182,10 @@ class StreamTable:
             if self.options.analytics is not None:
                 cache_stats.attach(seq, self.options.analytics)
             if self.misses is not None:
-                self.misses.attach(spec.worker_id, spec.dp_rank, spec.engine, seq)
+                curve = None
+                if self.curves is not None:
+                    curve = self.curves.make(spec.worker_id, spec.dp_rank, spec.engine, seq)
+                self.misses.attach(spec.worker_id, spec.dp_rank, spec.engine, seq, curve)
             if self.fingerprint is not None:
                 st.config = self.fingerprint(spec.worker_id)
                 if seq.replay_enabled:  # only its ring can confirm a checkpoint
@@ -204,6 +212,8 @@ class StreamTable:
     def _untap(self, st: WatchedStream) -> None:
         if self.misses is not None and st.seq is not None:
             self.misses.detach(st.spec.worker_id, st.spec.dp_rank, st.seq)
+        if self.curves is not None:
+            self.curves.drop(st.spec.worker_id, st.spec.dp_rank)
 
     def _link_peers(self) -> None:
         if self.options.analytics is not None:

@@ -54,6 +54,10 @@ class MissDelta(Struct, omit_defaults=True, gc=False):
     ops: bytes = b""  # RECORD after RECORD
     full: bool = False  # the sampled resident sets of `ranks` at `until`, not changes
     workers: list[str] = []  # the worker of each of `ranks` ("" or none: the worker `pool`)
+    # blocks each of `ranks` stored in this delta, every one (not only the sampled): the exact
+    # count the capacity curve scales its sampled shares to; empty without the curve. On the
+    # wire as `n`: it rides in nearly every delta, and its name was most of its bytes
+    stored: list[int] = msgspec.field(default_factory=list, name="n")
 
     def rank_keys(self) -> list[tuple[str, int]]:
         """(worker_id, dp_rank) of each of `ranks`."""

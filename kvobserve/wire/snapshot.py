@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 from msgspec import Struct
 
+from kvobserve.wire.capacity import RankCurveStats
 from kvobserve.wire.errors import WireError, decode
 from kvobserve.wire.misses import MissDelta
 
@@ -225,6 +226,8 @@ class WorkerInfo(Struct, omit_defaults=True, gc=False):
     reason: str = ""  # one line: "connection refused at http://10.0.0.5:30000/server_info"
     since: float = 0.0  # wall-clock time the state began
     elsewhere: list[int] = []  # ranks the config gives this node that its engine does not run
+    kv_bytes_per_token: int = 0  # configured; 0: the curve's capacities in tokens only
+    tier_tokens: int = 0  # configured: the offload tier whose worth the curve says; 0: none
 
 
 class DynamoStreamStats(Struct, omit_defaults=True, gc=False):
@@ -405,6 +408,7 @@ class Snapshot(Struct, omit_defaults=True, gc=False):
     prefix: list[PrefixCounters] = []  # the engines' prefix-cache counters (the leader's scrape)
     misses: list[MissDelta] = []  # the miss split's sampled changes, one per pool (and resyncs)
     checkpoint: CheckpointStats | None = None  # None: a collector without checkpoints (older)
+    curves: list[RankCurveStats] = []  # per rank, every curve interval (wire/capacity.py)
 
 
 _encoder = msgspec.msgpack.Encoder()

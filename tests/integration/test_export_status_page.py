@@ -80,7 +80,10 @@ async def test_status_page_in_headless_chromium(tmp_path: Path) -> None:
     assert '<tr class="c-warning" data-kind="duplicate_stream">' in dom
     assert "two publishers (interleaved or mirrored)" in dom
     assert f'href="{RUNBOOK}#kveventduplicatestream">KVEventDuplicateStream</a>' in dom
-    assert "3 collectors, 3 workers" in dom
+    assert "3 collectors, 4 workers" in dom
+    # what more memory would buy: the healthy pool's curve, its worker's as routed
+    curve = dom[dom.index('id="capacity"') :]
+    assert 'data-pool="vllm-d"' in curve and "one global cache" in curve and "as routed" in curve
     # A worker node-1 cannot discover: its state row is red (worker_undiscovered is critical) and
     # says why, though it has no rank to show; the down scheduler source's state is amber.
     assert (

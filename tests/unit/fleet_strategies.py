@@ -55,6 +55,7 @@ from kvobserve.wire.snapshot import (
     WorkerInfo,
     WorkerPlacement,
 )
+from tests.unit.test_export_fleet import _curve_pool  # the rich fleet's pool with a curve
 
 NOW = 50_000.0
 STATES = ("", "starting", "connecting", "waiting", "up", "idle", "duplicate", "not_publisher",
@@ -474,4 +475,19 @@ def snapshot_sets(draw: st.DrawFn) -> SnapshotSet:
     out: list[tuple[Snapshot, float]] = []
     for c in range(draw(_int(1, 3))):
         out.extend(draw(_collector(c)))
+    if draw(_BOOL):  # a pool with a trusted capacity curve: its baseline, then its evictions
+        out.extend(_curve_collector())
     return SnapshotSet(out, NOW + _pick(draw, [0.0, 0.5]))
+
+
+def _curve_collector() -> list[tuple[Snapshot, float]]:
+    """A collector whose one pool has a trusted capacity curve (tests/unit/test_export_fleet.py's
+    `vllm-d`): its first snapshot the curve's baseline, the second 4,200 blocks later."""
+    out = []
+    for seq, (early, at) in enumerate(((True, NOW - 5), (False, NOW - 0.2)), 1):
+        part = _curve_pool(early)
+        snap = Snapshot(CollectorInfo("cv", 9, "hv", 1.0), seq=seq, time=at, workers=part["workers"],
+                        streams=part["streams"], misses=part["misses"], prefix=part["prefix"],
+                        curves=part["curves"])  # fmt: skip
+        out.append((snap, at))
+    return out

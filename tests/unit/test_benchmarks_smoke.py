@@ -14,7 +14,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.openmetrics.exposition import generate_latest as om_generate_latest
 from prometheus_client.utils import floatToGoString
 
-from benchmarks import checkpoint, e2e, ingest, memory, misses, overlap, scale, sketch
+from benchmarks import capacity, checkpoint, e2e, ingest, memory, misses, overlap, scale, sketch
 from benchmarks._common import build_cycle
 from kvobserve.analysis.analytics import CacheAnalytics
 from kvobserve.analysis.blocks import BlockIndex
@@ -127,7 +127,7 @@ def test_value_formatting_matches_float_to_go_string(v: float) -> None:
 
 
 def test_benchmark_modules_have_a_main() -> None:
-    for mod in (ingest, e2e, scale, memory, misses):
+    for mod in (ingest, e2e, scale, memory, misses, capacity):
         assert callable(mod.main), mod.__name__
     assert Path(ingest.__file__).parent.name == "benchmarks"
 
@@ -174,3 +174,12 @@ def test_checkpoint_benchmark_writes_and_restores_every_stream(tmp_path: Path) -
     assert 15.0 < r["bytes_per_block_no_anchor"] <= 16.0  # 9 + 4 + 2 B a block, and the rest
     assert r["bytes_per_block"] > r["bytes_per_block_no_anchor"]
     assert r["copy_cpu_s"] > 0 and r["write_cpu_s"] > 0 and r["capped_written_per_s"] >= 0
+
+
+def test_capacity_benchmark_runs_on_a_tiny_input(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--requests", "300", "--blocks", "300", "--pool-blocks", "80", "--rounds", "1"]
+    assert capacity.main(args) == 0
+    out = capsys.readouterr().out
+    for line in ("one rank of 300 pages", "pool,   random", "pool, kv_aware", "per resident block",
+                 "B per entry", "events/s on/off", "against the miss split's deltas"):  # fmt: skip
+        assert line in out, line

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from kvobserve.analysis.capacity import BINS
 from kvobserve.analysis.conditions import active
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.analysis.views import FleetView
-from kvobserve.wire.misses import STORE, MissDelta, pack_op
+from kvobserve.wire.capacity import RankCurveStats
+from kvobserve.wire.misses import REMOVE, STORE, MissDelta, pack_op
 from kvobserve.wire.snapshot import (
     BindStats,
     CheckpointStats,
@@ -38,6 +40,58 @@ def _delta(ops: list[tuple[int, int, int]]) -> MissDelta:
     for ms, ri, key in ops:
         pack_op(out, ms, ri, STORE, key)
     return MissDelta("sglang-a", 1, 1, NOW - 2, NOW - 1, [0, 1], bytes(out))
+
+
+CURVE_POOL = "vllm-d"  # a healthy pool with a trusted capacity curve (node-1's)
+
+
+def _curve_pool(early: bool) -> dict[str, list]:  # type: ignore[type-arg]
+    """Node-1's vllm-d: one rank of 100 blocks (1,600 tokens); early, its counters as the
+    aggregator first sees them (the baselines), then 4,200 blocks later: 4,200 sampled stores of
+    new blocks, 4,100 of them evicted (their last copies), 1,000 hit blocks, its curve."""
+    ops = bytearray()
+    n = 0 if early else 4200
+    for i in range(n):
+        pack_op(ops, 0, 0, STORE, (i + 1) << 20)
+    for i in range(n - 100):
+        pack_op(ops, 1, 0, REMOVE, (i + 1) << 20)
+    restores = [0] * BINS
+    restores[40] = 0 if early else 30  # re-stores about 0.5 x C deep
+    curve = RankCurveStats(
+        CURVE_POOL, 0, 0, 1600, True, 10 if early else 4210, 10 if early else 4210, restores,
+        evicted=0 if early else 4100, evicted_tokens=0 if early else 65_600, block_size=16,
+    )  # fmt: skip
+    return {
+        "workers": [WorkerInfo(CURVE_POOL, "vllm", 1, [0], True, 1600, kv_bytes_per_token=2)],
+        "streams": [
+            StreamStats(
+                CURVE_POOL,
+                0,
+                engine="vllm",
+                endpoint="tcp://10.0.0.8:5557",
+                up=True,
+                batches_total=9,
+                events={"stored": 9},
+                state_complete=True,
+                media=[MediumStats("GPU", 100, 1600, 4210, 4110)],
+                trust="complete",
+                block_size=16,
+            )
+        ],
+        "misses": [
+            MissDelta(
+                CURVE_POOL,
+                1 if early else 2,
+                0,
+                NOW - 6 if early else NOW - 2,
+                NOW - 5 if early else NOW - 1,
+                [0],
+                bytes(ops),
+            )
+        ],
+        "prefix": [PrefixCounters(CURVE_POOL, 0, 0.0 if early else 16_000.0, 160.0 + 16 * n)],
+        "curves": [curve],
+    }
 
 
 def _node0() -> Snapshot:
@@ -174,8 +228,9 @@ def _node0() -> Snapshot:
     )
 
 
-def _node1() -> Snapshot:
+def _node1(early: bool = False) -> Snapshot:
     # Also claims rank 1 of sglang-a: rank 1 has two owners (and a second stream copy).
+    curve = _curve_pool(early)
     streams = [
         StreamStats("sglang-a", r, engine="sglang", endpoint=f"tcp://10.0.0.5:{5557 + r}", up=True,
                     batches_total=10 * r, events={"stored": 10 * r},
@@ -184,9 +239,13 @@ def _node1() -> Snapshot:
     ]  # fmt: skip
     return Snapshot(
         CollectorInfo("node-1", 1, "gpu-1", 1100.0),
-        seq=3,
-        time=NOW - 0.2,
+        seq=2 if early else 3,
+        time=NOW - 5 if early else NOW - 0.2,
+        misses=curve["misses"],
+        prefix=curve["prefix"],
+        curves=curve["curves"],
         workers=[
+            *curve["workers"],
             WorkerInfo("sglang-a", "sglang", 4, [1, 2], False),
             # its discovery fails: no stream known (kvobserve_worker_state{state="undiscovered"})
             WorkerInfo(
@@ -201,7 +260,7 @@ def _node1() -> Snapshot:
                 NOW - 30,
             ),
         ],
-        streams=streams,
+        streams=streams + curve["streams"],
         binds=[  # bind mode with a relay that lost its target 30 s ago
             BindStats(
                 "llmd",
@@ -272,6 +331,7 @@ def rich_state() -> FleetState:
     state = FleetState()
     state.update(_node2(), NOW - 10)
     state.update(_node0(), NOW - 0.5)
+    state.update(_node1(early=True), NOW - 5)  # the curve pool's baselines
     state.update(_node1(), NOW - 0.2)
     return state
 

@@ -6,13 +6,15 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kvobserve.analysis.blocks import DEFAULT_LIFETIME_BUCKETS
+from kvobserve.analysis.capacity import BINS
 from kvobserve.analysis.fleet import FleetState
 from kvobserve.analysis.miss_fleet import MissMerge
 from kvobserve.analysis.thrash import RESTORE_BUCKETS
 from kvobserve.export.catalog import BY_FAMILY, CATALOG
 from kvobserve.export.metrics_docs import BUDGET, REFERENCE, per_stream, reference_total
 from kvobserve.export.prometheus import FleetCollector
-from kvobserve.wire.misses import STORE, MissDelta, pack_op
+from kvobserve.wire.capacity import RankCurveStats
+from kvobserve.wire.misses import REMOVE, STORE, MissDelta, pack_op
 from kvobserve.wire.snapshot import (
     CollectorCounters,
     CollectorInfo,
@@ -55,8 +57,9 @@ def _placement(worker: str, ranks: list[int], node: int) -> WorkerPlacement:
     )  # fmt: skip
 
 
-def _snapshot(w: int, node: int) -> Snapshot:
-    """Node `node` of worker `w`: PER_NODE ranks, two tiers, replays, decode errors, a leader."""
+def _snapshot(w: int, node: int, early: bool = False) -> Snapshot:
+    """Node `node` of worker `w`: PER_NODE ranks, two tiers, replays, decode errors, a leader;
+    `early`: as the aggregator first saw it (the capacity curves' baselines)."""
     worker, first = f"sglang-{w}", node * PER_NODE
     streams = [
         StreamStats(
@@ -77,22 +80,46 @@ def _snapshot(w: int, node: int) -> Snapshot:
     ]
     return Snapshot(
         CollectorInfo(f"node-{w}-{node}", node, f"gpu-{w}-{node}", NOW - 3600),
-        seq=1,
-        time=NOW,
+        seq=1 if early else 2,
+        time=NOW - early,
         workers=[WorkerInfo(worker, "sglang", DP, list(range(first, first + PER_NODE)), node == 0)],
         streams=streams,
         scheduler=sched,
         counters=CollectorCounters(10_000, 0, 100),
         placement=[_placement(worker, list(range(first, first + PER_NODE)), node)],
-        # the worker is its own pool: one sampled miss per node, hits from the tokenizer
-        misses=[MissDelta(worker, 1, 0, NOW - 2, NOW - 1, [first], _store((w * 2 + node) << 40))],
-        prefix=[PrefixCounters(worker, -1, 1600.0, 8000.0)] if node == 0 else [],
+        # the worker is its own pool: one sampled miss per node, hits from the tokenizer; later
+        # the block leaves again (its last copy: at the level the pool reached, enough for
+        # the capacity curve's points at 1 and 2 x the pool's memory)
+        misses=[
+            MissDelta(
+                worker,
+                1 if early else 2,
+                LEVEL,
+                NOW - 2,
+                NOW - 1,
+                [first],
+                b"" if early else _store((w * 2 + node + 1) << 16),
+            )
+        ],
+        prefix=[PrefixCounters(worker, -1, 0.0 if early else 1600.0, 8000.0)] if node == 0 else [],
+        curves=[_curve(worker, r, early) for r in range(first, first + PER_NODE)],
     )
+
+
+LEVEL = 30  # each sampled block stands for 2^30: the curve's evictions are then enough
+
+
+def _curve(worker: str, rank: int, early: bool) -> RankCurveStats:
+    """A rank's curve: early its baseline, then 2,000 stores, 7 x its capacity evicted."""
+    n = 0 if early else 2000
+    return RankCurveStats(worker, rank, 4, 500_000, False, n, n // 16, [0] * BINS,
+                          evicted_tokens=0 if early else 3_500_000, block_size=16)  # fmt: skip
 
 
 def _store(key: int) -> bytes:
     out = bytearray()
     pack_op(out, 0, 0, STORE, key)
+    pack_op(out, 1, 0, REMOVE, key)
     return bytes(out)
 
 
@@ -100,9 +127,10 @@ def _series(**detail: bool) -> tuple[dict[str, int], int]:
     """(series per family name, streams) of the realistic fleet."""
     state = FleetState()
     state.misses = MissMerge(floor=1, start_level=0)  # each pool's split trusted
-    for w in range(WORKERS):
-        for node in range(DP // PER_NODE):
-            state.update(_snapshot(w, node), NOW)
+    for early in (True, False):
+        for w in range(WORKERS):
+            for node in range(DP // PER_NODE):
+                state.update(_snapshot(w, node, early), NOW - early)
     view = state.view(NOW)
     reg = CollectorRegistry(auto_describe=False)
     reg.register(FleetCollector(lambda: view, **detail))
