@@ -27,7 +27,7 @@ import pytest
 from kvobserve.simulate import SimConfig, SimulatorGroup, nodes_of
 from kvobserve.simulate.ports import free_port
 from tests.integration.conftest import NatsServer
-from tests.integration.fleet_helpers import Procs, write_toml
+from tests.integration.fleet_helpers import Procs, clean_env, write_toml
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -148,6 +148,14 @@ def _held_still_and_exact(groups: dict[str, SimulatorGroup], base: str,
                 w.resume()
 
 
+def _env() -> dict[str, str]:
+    """The processes' environment without the suite's own state_dir: these tests name theirs in
+    the config, and KVOBSERVE_COLLECTOR_STATE_DIR would override it."""
+    env = clean_env()
+    env.pop("KVOBSERVE_COLLECTOR_STATE_DIR", None)
+    return env
+
+
 def test_a_collector_stopped_or_killed_resumes_exactly(
     engines: dict[str, SimulatorGroup], procs: Procs, nats_server: NatsServer, tmp_path: Path
 ) -> None:
@@ -175,8 +183,10 @@ def test_a_collector_stopped_or_killed_resumes_exactly(
         )
         for k in (0, 1)
     ]
-    procs.kvobserve("collect-0", "collect", "-c", str(configs[0]), "--no-local-http")
-    node1 = procs.kvobserve("collect-1", "collect", "-c", str(configs[1]), "--no-local-http")
+    env = _env()
+    procs.kvobserve("collect-0", "collect", "-c", str(configs[0]), "--no-local-http", env=env)
+    node1 = procs.kvobserve("collect-1", "collect", "-c", str(configs[1]), "--no-local-http",
+                            env=env)  # fmt: skip
     ranks = [(w, r) for w in ENGINES for r in (2, 3)]  # node 1's
     # the engines' history outgrows their rings before anything restarts
     _wait("history longer than the rings", 60.0, lambda: all(
@@ -194,7 +204,7 @@ def test_a_collector_stopped_or_killed_resumes_exactly(
         time.sleep(DOWN_S)  # down for 10 s: the engines go on publishing
         started = time.monotonic()
         node1 = procs.kvobserve(f"collect-1-{how}", "collect", "-c", str(configs[1]),
-                                "--no-local-http")  # fmt: skip
+                                "--no-local-http", env=env)  # fmt: skip
         _resumed(base, ranks)
         took = time.monotonic() - started
         bound = 5.0 + (CHECKPOINT_S if how == "SIGKILL" else 0.0)
@@ -223,7 +233,7 @@ def test_kvobserve_run_on_one_node_resumes_exactly(procs: Procs, tmp_path: Path)
         })  # fmt: skip
         base = f"http://127.0.0.1:{http}"
         ranks = [(w, r) for w in ENGINES for r in (0, 1)]
-        pid = procs.kvobserve("run", "run", "-c", str(cfg))
+        pid = procs.kvobserve("run", "run", "-c", str(cfg), env=_env())
         _wait("history longer than the rings", 60.0, lambda: all(
             w.rank(r).streams[-1].seq > RING for g in groups.values() for w in g.workers
             for r in w.cfg.hosted_ranks()))  # fmt: skip
@@ -233,7 +243,7 @@ def test_kvobserve_run_on_one_node_resumes_exactly(procs: Procs, tmp_path: Path)
         assert rc == 0
         time.sleep(DOWN_S)  # down for 10 s
         started = time.monotonic()
-        procs.kvobserve("run-again", "run", "-c", str(cfg))
+        procs.kvobserve("run-again", "run", "-c", str(cfg), env=_env())
         _resumed(base, ranks)
         assert time.monotonic() - started <= 5.0
         _held_still_and_exact(groups, base, ranks)

@@ -65,18 +65,25 @@ def test_demo_serves_twelve_streams_and_stops_on_sigterm(procs: Procs) -> None:
     owners = s.by("kvobserve_dp_rank_owners", ("worker_id", "dp_rank"))
     assert owners == dict.fromkeys(STREAMS, 1.0)
 
-    # every stream has a usage ratio: node 1's SGLang ranks too (their load PUB, read on node 1)
+    # every stream has a usage ratio (node 1's SGLang ranks too: their load PUB, read on node 1)
+    # but vLLM rank 1, whose injected second publisher leaves an index that cannot vouch for
+    # itself: no usage there, a lower bound and kvobserve_kv_index_unvouched instead
+    dup = ("vllm-dp4", "1")
+
     def usage_everywhere() -> Scrape | None:
         s = scrape(base)
         if s is None:
             return None
         got = s.by("kvobserve_kv_cache_usage_ratio", ("worker_id", "dp_rank"))
         sched = s.by("kvobserve_scheduler_token_usage_ratio", ("worker_id", "dp_rank"))
-        return s if set(got) == STREAMS and set(sched) == STREAMS else None
+        unvouched = s.by("kvobserve_kv_index_unvouched", ("worker_id", "dp_rank"))
+        ok = set(got) == STREAMS - {dup} and set(sched) == STREAMS and unvouched == {dup: 1.0}
+        return s if ok else None
 
-    s = until(usage_everywhere, 10, "usage of all 12 streams", lambda: scrape(base))
+    s = until(usage_everywhere, 10, "usage of 11 streams", lambda: scrape(base))
     ratios = s.by("kvobserve_kv_cache_usage_ratio", ("worker_id", "dp_rank")).values()
     assert all(0 <= v < 1 for v in ratios)  # 0 until a stream's first batch
+    assert set(s.by("kvobserve_kv_tokens_lower_bound", ("worker_id", "dp_rank"))) == {dup}
 
     def both_sources() -> list[dict[str, object]] | None:  # load PUB and each node's /metrics
         streams: list[dict[str, object]] = json.loads(fetch(f"{base}/api/v1/streams") or "[]")

@@ -244,6 +244,8 @@ def _embedded_config(sim: SimulatedWorker) -> Config:
     o: dict[str, Any] = {
         "collector.id": "box",
         "collector.interval_s": 0.1,
+        # the index_incomplete warning at once, not after the default ten minutes unvouched
+        "aggregator.unvouched_warn_s": 0,
         "worker.id": c.worker_id,
         "worker.engine": sim.fmt.engine,
         "worker.kv_endpoint": f"tcp://127.0.0.1:{sim.kv_base}",

@@ -163,7 +163,12 @@ async def test_health_api_and_status_page(rich: tuple[HttpServer, FleetState]) -
     stale = next(s for s in streams if s["collector"] == "node-2")
     assert (stale["up"], stale["batches"], stale["cache_usage_ratio"]) == (False, 50, None)
     dup = [a for a in alerts if a["kind"] == "duplicate_stream"]
-    assert dup and dup[0]["labels"] == {"worker_id": "sglang-a", "node_rank": "0", "dp_rank": "0"}
+    assert dup and dup[0]["labels"] == {
+        "worker_id": "sglang-a",
+        "node_rank": "0",
+        "dp_rank": "0",
+        "collector": "node-0",
+    }
     assert alerts[0]["severity"] == "critical"
     worker = next(w for w in fleet["workers"] if w["worker_id"] == "sglang-a")
     assert worker["owners"] == {
