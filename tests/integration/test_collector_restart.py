@@ -33,6 +33,7 @@ from kvobserve.simulate import SimConfig, SimulatorGroup, nodes_of
 from kvobserve.simulate.ports import free_port
 from tests.integration.conftest import NatsServer
 from tests.integration.fleet_helpers import Procs, clean_env, write_toml
+from tests.polling import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -99,13 +100,8 @@ def _streams(base: str) -> dict[tuple[str, int], dict[str, Any]]:
 
 
 def _wait(what: str, timeout_s: float, check: Any) -> Any:
-    end = time.monotonic() + timeout_s
-    while True:
-        got = check()
-        if got:
-            return got
-        assert time.monotonic() < end, f"not true after {timeout_s} s: {what}"
-        time.sleep(0.1)  # polling interval, not synchronization
+    """The suite's poll (tests/polling.py), named first: these waits read as sentences."""
+    return until(check, timeout_s, what)
 
 
 def _resumed(base: str, ranks: list[tuple[str, int]]) -> dict[Any, Any]:
