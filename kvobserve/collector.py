@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import re
 import socket
 import time
@@ -22,6 +23,7 @@ from typing import Any, Protocol
 from kvobserve import __version__
 from kvobserve.aio import cancel_and_wait
 from kvobserve.config import Config, WorkerConfig
+from kvobserve.config import load as config_load
 from kvobserve.engines import profile
 from kvobserve.sources.capacity_stats import WorkerCurve
 from kvobserve.sources.checkpoint_store import CheckpointStore, config_fingerprint
@@ -201,7 +203,10 @@ class Collector:
         c = self.cfg.collector
         if c.checkpoint_interval_s <= 0:
             return None
-        folder = Path(c.state_dir) / _safe(self.cfg.cluster) / _safe(c.id)
+        # a Config built in code (the demo, an embedding) may leave it "": the default, as a
+        # config file's does, never the working directory
+        root = c.state_dir or config_load.state_dir("", os.environ)
+        folder = Path(root) / _safe(self.cfg.cluster) / _safe(c.id)
         return CheckpointWriter(CheckpointStore(str(folder), self.events), c.checkpoint_interval_s)
 
     def _fingerprint(self, worker_id: str) -> str:

@@ -73,7 +73,9 @@ SGLANG_HOSTS = ("127.0.0.1", "127.0.0.2")  # the SGLang worker's two nodes
 def _collector_config(
     cid: str, node_rank: int, nnodes: int, worker: WorkerConfig, interval_s: float, host: str
 ) -> Config:
-    node = CollectorConfig(cid, node_rank, nnodes, interval_s, host)
+    # no checkpoints: the demo's engines are new at every start, so any checkpoint of an
+    # earlier demo would be another plan's (ignored, with an event on the page)
+    node = CollectorConfig(cid, node_rank, nnodes, interval_s, host, checkpoint_interval_s=0.0)
     return Config("demo", node, (dataclasses.replace(worker, leader=node_rank == 0),))
 
 

@@ -225,8 +225,9 @@ def _apply_overrides(
             t[key] = conv
 
 
-def _state_dir(value: str, env: Mapping[str, str]) -> str:
-    """[collector] state_dir as an absolute path ("": the default); created at start, not here."""
+def state_dir(value: str, env: Mapping[str, str]) -> str:
+    """[collector] state_dir as an absolute path ("": the default, also for a Config built in
+    code); created at start, not here."""
     path = value.strip() or default_state_dir(env, os.geteuid() == 0)
     if "\0" in path:
         raise ConfigError(f"collector.state_dir: a NUL character in {value!r}")
@@ -252,7 +253,7 @@ def _build_collector(c: dict[str, Any], env: Mapping[str, str]) -> CollectorConf
     return dataclasses.replace(
         cfg,
         host=check_host(cfg.host, "collector.host"),
-        state_dir=_state_dir(cfg.state_dir, env),
+        state_dir=state_dir(cfg.state_dir, env),
     )
 
 

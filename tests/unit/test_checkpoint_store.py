@@ -468,3 +468,22 @@ def test_the_cpu_budget_spreads_a_big_round_and_charges_the_writes_too(
         assert w.copy_cpu_s + w.write_cpu_s <= 0.1 + 0.04 + 1e-9
     finally:
         w.close()
+
+
+def test_a_config_built_in_code_checkpoints_under_the_default_not_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`state_dir = ""` in a Config built in code (the demo, an embedding) is the default, as in
+    a config file: it used to be a path relative to the working directory (a repository
+    checkout collected the suite's checkpoints)."""
+    from kvobserve.collector import Collector
+    from kvobserve.config import CollectorConfig, Config
+    from kvobserve.config import load as config_load
+    from kvobserve.transport.local import LocalBus
+
+    monkeypatch.chdir(tmp_path)
+    writer = Collector(Config("c1", CollectorConfig("node-0")), LocalBus())._checkpoints()
+    assert writer is not None
+    default = Path(config_load.state_dir("", os.environ))  # this test's own (tests/conftest.py)
+    assert writer.store.directory == default / "c1" / "node-0"
+    assert not default.is_relative_to(tmp_path)
