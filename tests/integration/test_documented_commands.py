@@ -525,8 +525,10 @@ def test_sidecar_section_is_the_manifests_and_runs_in_each_lws_pod(tmp_path: Pat
             sim = procs.kvobserve(f"engine-{k}", *_simulate_args(expand(launch, lws), k, ports))
             until(lambda sim=sim: "ready workers=" in procs.log(sim), 30, f"{pod}'s engine", logs)
             mine = {n: v for n, v in env.items() if n.startswith("KVOBSERVE_")}
+            # the pod's emptyDir at /var/lib/kvobserve: here the test's own directory
             mine.update(KVOBSERVE_NATS_URL=nats.url, KVOBSERVE_COLLECTOR_HOST=NODES[k],
-                        KVOBSERVE_HTTP_LISTEN=f"{NODES[k]}:{free_port()}")  # fmt: skip
+                        KVOBSERVE_HTTP_LISTEN=f"{NODES[k]}:{free_port()}",
+                        KVOBSERVE_COLLECTOR_STATE_DIR=str(tmp_path / f"state-{k}"))  # fmt: skip
             argv = shlex.split(collect[1].replace("/etc/kvobserve/kvobserve.toml", str(cfg)))
             procs.kvobserve(f"collect-{k}", *argv[1:], env=clean_env(**mine))
         argv = shlex.split(aggregate[1].replace("/etc/kvobserve/kvobserve.toml", str(cfg)))
