@@ -13,11 +13,8 @@ and 4 x the pool's memory is held to the simulator's own replay of one cache tha
 
 from __future__ import annotations
 
-import json
 import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -26,64 +23,23 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks._common import free_port, stop_process
 from tests.integration.conftest import NatsServer
+from tests.integration.trace_fleet import (
+    HOSTS,
+    POOL,
+    ROOT,
+    collector_toml,
+    endpoints,
+    get,
+    read_truth,
+    spawn,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
-ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "traces" / "mooncake-conversation.jsonl.gz"
-HOSTS = ("127.0.0.1", "127.0.0.2")
-POOL = "trace"
 PAGE, PAGES = 512, 800  # per rank
 FACTORS = ("1", "2", "4")
 TARGET = 0.01  # within 1 point of one cache of that size (docs/cache-analytics.md)
-
-
-def _spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
-    with open(log, "wb") as f:
-        return subprocess.Popen(
-            [sys.executable, "-m", "kvobserve", *argv], stdout=f, stderr=subprocess.STDOUT, cwd=ROOT
-        )
-
-
-def _get(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=5) as resp:
-        body = resp.read().decode()
-    return json.loads(body) if "/api/" in url else body
-
-
-def _truth(path: Path) -> dict[str, Any] | None:
-    try:
-        doc: dict[str, Any] = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return doc
-
-
-def _endpoints(log: Path, deadline: float) -> dict[str, str]:
-    """kind (kv0 .. kv3, http) -> url, from the simulator's `endpoint` lines."""
-    while time.monotonic() < deadline:
-        text = log.read_text() if log.exists() else ""
-        if "ready" in text:
-            out = {}
-            for line in text.splitlines():
-                if line.startswith("endpoint "):
-                    f = dict(p.split("=", 1) for p in line.split()[1:])
-                    out[f["kind"] + (f["dp_rank"] if f["kind"] == "kv" else "")] = f["url"]
-            return out
-        time.sleep(0.1)  # polling the simulator's output for its endpoints, with a deadline
-    raise TimeoutError(f"the simulator did not start: {log.read_text()}")
-
-
-def _collector_toml(path: Path, node: int, kv: str, http: str, nats_url: str) -> Path:
-    port = kv.rsplit(":", 1)[1]
-    path.write_text(
-        f'cluster = "t"\n[collector]\nid = "node-{node}"\nnode_rank = {node}\nnnodes = 2\n'
-        f'interval_s = 1.0\nhost = "{HOSTS[node]}"\n[http]\nlisten = ""\n'
-        f'[nats]\nurl = "{nats_url}"\n'
-        f'[[worker]]\nid = "{POOL}"\nengine = "sglang"\ndp_size = 4\ndp_attention = true\n'
-        f'kv_endpoint = "tcp://*:{port}"\nprobe_extra_ports = 0\nmetrics_url = "{http}/metrics"\n'
-    )
-    return path
 
 
 def _replay(tmp: Path, route: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, float]]:
@@ -96,7 +52,7 @@ def _replay(tmp: Path, route: str) -> tuple[dict[str, Any], dict[str, Any], dict
     nats.start()
     try:
         sim_log = tmp / "sim.log"
-        procs.append(_spawn(
+        procs.append(spawn(
             ["simulate", "--trace", str(FIXTURE), "--trace-seconds", "600", "--speed", "10",
              "--route", route, "--dp-size", "4", "--nnodes", "2", "--all-nodes", "--node-hosts",
              ",".join(HOSTS), "--capacity-tokens", str(PAGE * PAGES), "--page-size", str(PAGE),
@@ -104,14 +60,14 @@ def _replay(tmp: Path, route: str) -> tuple[dict[str, Any], dict[str, Any], dict
              str(truth_path), "--truth-interval", "1", "--truth-capacities", ",".join(FACTORS)],
             sim_log,
         ))  # fmt: skip
-        eps = _endpoints(sim_log, time.monotonic() + 30)
+        eps = endpoints(sim_log, time.monotonic() + 30)
         port = free_port()
-        procs.append(_spawn(["aggregate", "--nats", nats.url, "--listen", f"127.0.0.1:{port}",
+        procs.append(spawn(["aggregate", "--nats", nats.url, "--listen", f"127.0.0.1:{port}",
                              "--cluster", "t"], tmp / "agg.log"))  # fmt: skip
         for node in (0, 1):
-            cfg = _collector_toml(tmp / f"node-{node}.toml", node, eps["kv0"], eps["http"],
+            cfg = collector_toml(tmp / f"node-{node}.toml", node, eps["kv0"], eps["http"],
                                   nats.url)  # fmt: skip
-            procs.append(_spawn(["collect", "-c", str(cfg)], tmp / f"node-{node}.log"))
+            procs.append(spawn(["collect", "-c", str(cfg)], tmp / f"node-{node}.log"))
         api = f"http://127.0.0.1:{port}"
         end = (
             time.monotonic() + 300
@@ -120,16 +76,16 @@ def _replay(tmp: Path, route: str) -> tuple[dict[str, Any], dict[str, Any], dict
         while True:
             assert time.monotonic() < end, (tmp / "agg.log").read_text()[-3000:]
             time.sleep(0.5)  # polling the truth file and the aggregator, with a deadline
-            doc = _truth(truth_path)
+            doc = read_truth(truth_path)
             replay = (doc or {}).get("replays", [{}])[0]
             if not (replay.get("done") and replay.get("pending_events") == 0):
                 continue
             if "capacities" not in replay:
                 continue  # the simulator's one-cache replays, once the trace is done
             try:
-                streams = _get(f"{api}/api/v1/streams")
-                misses = _get(f"{api}/api/v1/misses")["pools"]
-                pools = _get(f"{api}/api/v1/capacity")["pools"]
+                streams = get(f"{api}/api/v1/streams")
+                misses = get(f"{api}/api/v1/misses")["pools"]
+                pools = get(f"{api}/api/v1/capacity")["pools"]
             except OSError:
                 continue
             sent = {
@@ -145,11 +101,11 @@ def _replay(tmp: Path, route: str) -> tuple[dict[str, Any], dict[str, Any], dict
             if misses and (misses[0]["as_of"] or 0) > caught_up and pools and pools[0]["trusted"]:
                 break
         served: dict[str, float] = {}
-        for fam in text_string_to_metric_families(_get(f"{api}/metrics")):
+        for fam in text_string_to_metric_families(get(f"{api}/metrics")):
             for s in fam.samples:
                 if s.name == "kvobserve_pool_kv_hit_ratio_at_capacity":
                     served[s.labels["factor"]] = s.value
-        truth = _truth(truth_path)
+        truth = read_truth(truth_path)
         assert truth is not None
         return pools[0], truth["replays"][0], served
     finally:

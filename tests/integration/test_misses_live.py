@@ -10,11 +10,8 @@ held to the simulator's truth (in trace blocks, and in the engine's pages the co
 
 from __future__ import annotations
 
-import json
 import subprocess
-import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,13 +23,20 @@ from benchmarks._common import free_port, stop_process
 from kvobserve.analysis.conditions import PLACEMENT_MIN_S, PLACEMENT_SHARE
 from tests.integration.conftest import NatsServer
 from tests.integration.stack_helpers import scale_for
+from tests.integration.trace_fleet import (
+    HOSTS,
+    POOL,
+    ROOT,
+    collector_toml,
+    endpoints,
+    get,
+    read_truth,
+    spawn,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
-ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "traces" / "mooncake-conversation.jsonl.gz"
-HOSTS = ("127.0.0.1", "127.0.0.2")
-POOL = "trace"
 KINDS = ("compulsory", "capacity", "placement")
 TARGET = 0.02  # each share within 2 points of the truth (docs/cache-analytics.md)
 RULES = ROOT / "alerts" / "kvobserve-rules.yml"
@@ -49,54 +53,6 @@ class Run:
     metrics: dict[tuple[str, str], float]  # (worker_id, result) -> kvobserve_worker_kv_lookups
     alerts: dict[str, str]  # Prometheus: alert name -> state (pending, firing), of the pool
     conditions: set[str]  # the aggregator's own (/api/v1/alerts), of the pool
-
-
-def _spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
-    with open(log, "wb") as f:
-        return subprocess.Popen(
-            [sys.executable, "-m", "kvobserve", *argv], stdout=f, stderr=subprocess.STDOUT, cwd=ROOT
-        )
-
-
-def _get(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=5) as resp:
-        body = resp.read().decode()
-    return json.loads(body) if "/api/" in url else body
-
-
-def _truth(path: Path) -> dict[str, Any] | None:
-    try:
-        doc: dict[str, Any] = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return doc
-
-
-def _endpoints(log: Path, deadline: float) -> dict[str, str]:
-    """kind (kv0 .. kv3, http) -> url, from the simulator's `endpoint` lines."""
-    while time.monotonic() < deadline:
-        text = log.read_text() if log.exists() else ""
-        if "ready" in text:
-            out = {}
-            for line in text.splitlines():
-                if line.startswith("endpoint "):
-                    f = dict(p.split("=", 1) for p in line.split()[1:])
-                    out[f["kind"] + (f["dp_rank"] if f["kind"] == "kv" else "")] = f["url"]
-            return out
-        time.sleep(0.1)  # polling the simulator's output for its endpoints, with a deadline
-    raise TimeoutError(f"the simulator did not start: {log.read_text()}")
-
-
-def _collector_toml(path: Path, node: int, kv: str, http: str, nats_url: str) -> Path:
-    port = kv.rsplit(":", 1)[1]
-    path.write_text(
-        f'cluster = "t"\n[collector]\nid = "node-{node}"\nnode_rank = {node}\nnnodes = 2\n'
-        f'interval_s = 1.0\nhost = "{HOSTS[node]}"\n[http]\nlisten = ""\n'
-        f'[nats]\nurl = "{nats_url}"\n'
-        f'[[worker]]\nid = "{POOL}"\nengine = "sglang"\ndp_size = 4\ndp_attention = true\n'
-        f'kv_endpoint = "tcp://*:{port}"\nprobe_extra_ports = 0\nmetrics_url = "{http}/metrics"\n'
-    )
-    return path
 
 
 def _prometheus(tmp: Path, target: str) -> tuple[subprocess.Popen[bytes], str]:
@@ -119,7 +75,7 @@ def _prometheus(tmp: Path, target: str) -> tuple[subprocess.Popen[bytes], str]:
 
 
 def _pool_alerts(prom: str) -> dict[str, str]:
-    doc = _get(f"{prom}/api/v1/alerts")
+    doc = get(f"{prom}/api/v1/alerts")
     return {
         a["labels"]["alertname"]: a["state"]
         for a in doc["data"]["alerts"]
@@ -136,23 +92,23 @@ def _replay(tmp: Path, route: str, capacity: int, seconds: float) -> Run:
     nats.start()
     try:
         sim_log = tmp / "sim.log"
-        procs.append(_spawn(
+        procs.append(spawn(
             ["simulate", "--trace", str(FIXTURE), "--trace-seconds", str(seconds), "--speed", "10",
              "--route", route, "--dp-size", "4", "--nnodes", "2", "--all-nodes", "--node-hosts",
              ",".join(HOSTS), "--capacity-tokens", str(capacity), "--page-size", "16",
              "--start-delay", "4", "--no-replay", "--worker-id", POOL, "--truth",
              str(truth_path), "--truth-interval", "1"], sim_log,
         ))  # fmt: skip
-        eps = _endpoints(sim_log, time.monotonic() + 30)
+        eps = endpoints(sim_log, time.monotonic() + 30)
         port = free_port()
-        procs.append(_spawn(["aggregate", "--nats", nats.url, "--listen", f"127.0.0.1:{port}",
+        procs.append(spawn(["aggregate", "--nats", nats.url, "--listen", f"127.0.0.1:{port}",
                              "--cluster", "t"], tmp / "agg.log"))  # fmt: skip
         prom_proc, prom = _prometheus(tmp, f"127.0.0.1:{port}")
         procs.append(prom_proc)
         for node in (0, 1):
-            cfg = _collector_toml(tmp / f"node-{node}.toml", node, eps["kv0"], eps["http"],
+            cfg = collector_toml(tmp / f"node-{node}.toml", node, eps["kv0"], eps["http"],
                                   nats.url)  # fmt: skip
-            procs.append(_spawn(["collect", "-c", str(cfg)], tmp / f"node-{node}.log"))
+            procs.append(spawn(["collect", "-c", str(cfg)], tmp / f"node-{node}.log"))
         api = f"http://127.0.0.1:{port}"
         # CPU-bound: on a busy machine it takes longer, so the deadline is on progress (the
         # requests served, the batches applied); pytest's timeout bounds the whole
@@ -160,15 +116,15 @@ def _replay(tmp: Path, route: str, capacity: int, seconds: float) -> Run:
         while True:
             assert time.monotonic() - moved < STUCK_S, (tmp / "agg.log").read_text()[-3000:]
             time.sleep(0.5)  # polling the truth file and the aggregator, with a deadline
-            doc = _truth(truth_path)
+            doc = read_truth(truth_path)
             replay = (doc or {}).get("replays", [{}])[0]
             if replay.get("requests_served") != progress:
                 moved, progress = time.monotonic(), replay.get("requests_served")
             if not (replay.get("done") and replay.get("pending_events") == 0):
                 continue
             try:
-                streams = _get(f"{api}/api/v1/streams")
-                pools = _get(f"{api}/api/v1/misses")["pools"]
+                streams = get(f"{api}/api/v1/streams")
+                pools = get(f"{api}/api/v1/misses")["pools"]
             except OSError:
                 continue
             sent = {
@@ -188,7 +144,7 @@ def _replay(tmp: Path, route: str, capacity: int, seconds: float) -> Run:
             if pools and (pools[0]["as_of"] or 0) > caught_up:
                 break
         metrics: dict[tuple[str, str], float] = {}
-        for fam in text_string_to_metric_families(_get(f"{api}/metrics")):
+        for fam in text_string_to_metric_families(get(f"{api}/metrics")):
             for s in fam.samples:
                 if s.name == "kvobserve_worker_kv_lookups_total":
                     metrics[(s.labels["worker_id"], s.labels["result"])] = s.value
@@ -207,9 +163,9 @@ def _replay(tmp: Path, route: str, capacity: int, seconds: float) -> Run:
                 break  # nothing pending after the whole replay was evaluated: it stays quiet
             time.sleep(1.0)  # polling Prometheus's rule evaluation, with a deadline
         conditions = {
-            a["kind"] for a in _get(f"{api}/api/v1/alerts") if dict(a["labels"]).get("pool") == POOL
+            a["kind"] for a in get(f"{api}/api/v1/alerts") if dict(a["labels"]).get("pool") == POOL
         }
-        truth = _truth(truth_path)
+        truth = read_truth(truth_path)
         assert truth is not None
         return Run(pools[0], truth["replays"][0], metrics, alerts, conditions)
     finally:
