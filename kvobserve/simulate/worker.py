@@ -55,6 +55,7 @@ class SimulatedWorker:
         self._http: Any = None
         self._sockets_changed = False
         self.started_at = 0.0
+        self.held = False  # started held: publishing waits for resume()
 
     # --- setup --------------------------------------------------------------------------------
 
@@ -108,8 +109,9 @@ class SimulatedWorker:
                     s.close(0)
         raise OSError(f"kv_port/replay_port: cannot bind {len(offsets)} ports from {base}: {last}")
 
-    def start(self) -> SimulatedWorker:
-        """Bind every socket, start the publisher thread and the HTTP server."""
+    def start(self, held: bool = False) -> SimulatedWorker:
+        """Bind every socket, start the publisher thread and the HTTP server. `held`: publish
+        nothing until `resume()` (an observer connects first, whatever the machine's load)."""
         self._ctx = zmq.Context()
         try:
             self._setup()
@@ -117,6 +119,9 @@ class SimulatedWorker:
             self._ctx.destroy(linger=0)
             self._ctx = None
             raise
+        self.held = held
+        if held:
+            self.pause()
         self.started_at = time.monotonic()
         self._thread = threading.Thread(
             target=self._run, name=f"sim-{self.cfg.worker_id}", daemon=True

@@ -111,9 +111,10 @@ class Sims:
 
     started: list[SimulatedWorker] = field(default_factory=list)
 
-    def start(self, cfg: SimConfig) -> SimulatedWorker:
-        """Start (and remember) one worker."""
-        w = SimulatedWorker(cfg).start()
+    def start(self, cfg: SimConfig, *, held: bool = False) -> SimulatedWorker:
+        """Start (and remember) one worker; `held`: it publishes once `wait_connected` saw the
+        collector's streams up (SimulatedWorker.resume)."""
+        w = SimulatedWorker(cfg).start(held=held)
         self.started.append(w)
         return w
 
@@ -223,9 +224,12 @@ def all_streams(pred: Callable[[StreamStats], bool]) -> Callable[[Snapshot], boo
 
 
 async def wait_connected(col: Collector, sim: SimulatedWorker | None = None) -> Snapshot:
-    """Every stream up; with `sim`, before it starts publishing (so no batch is missed)."""
+    """Every stream up; with `sim`, before it starts publishing (so no batch is missed): a
+    worker started held publishes from now on; any other must not have begun yet."""
     snap = await wait_snapshot(col, all_streams(lambda s: s.up), what="streams up")
-    if sim is not None:
+    if sim is not None and sim.held:
+        sim.resume()
+    elif sim is not None:
         left = sim.started_at + sim.cfg.start_delay_s - time.monotonic()
         assert left > 0, f"slow joiner: SUBs connected {-left:.2f} s after publishing began"
     return snap

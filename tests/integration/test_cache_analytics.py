@@ -39,7 +39,7 @@ async def test_drops_before_numbering_show_as_silent_loss_and_only_then(
     cfg = sim_config(
         fmt, max_batches=BATCHES, capacity_tokens=2048, prompts=30, faults=PROFILES[name]
     )
-    sim = sims.start(cfg)
+    sim = sims.start(cfg, held=True)
     async with running_collector(sim_collector_config(sim)) as col:
         await wait_connected(col, sim)
         snap = await wait_snapshot(
@@ -77,7 +77,8 @@ async def test_tiers_restores_adapters_and_placement_equal_the_truth(sims: Sims)
             cpu_tier_tokens=1536,
             prompts=30,
             rate=500.0,
-        )
+        ),
+        held=True,
     )
     ingest = IngestOptions(analytics=EXACT)
     async with running_collector(sim_collector_config(sim), ingest=ingest) as col:
@@ -129,7 +130,9 @@ def _nonzero_or_seen(got: dict[str, int], inst: dict[str, Any], medium: str) -> 
 
 
 async def test_hot_prefixes_and_placement_are_served_as_json(sims: Sims) -> None:
-    sim = sims.start(sim_config("sglang-0.5.23", max_batches=BATCHES, capacity_tokens=1024))
+    sim = sims.start(
+        sim_config("sglang-0.5.23", max_batches=BATCHES, capacity_tokens=1024), held=True
+    )
     ingest = IngestOptions(analytics=dataclasses.replace(EXACT, hot_top=4))
     async with running_collector(sim_collector_config(sim), ingest=ingest) as col:
         await wait_connected(col, sim)
@@ -166,7 +169,9 @@ async def test_hot_prefixes_and_placement_are_served_as_json(sims: Sims) -> None
 
 async def test_placement_across_two_collectors_merges_at_the_aggregator(sims: Sims) -> None:
     # one 4-rank worker, two collectors of two ranks each (as on two nodes): each ships a sketch
-    sim = sims.start(sim_config("vllm-0.33", dp_size=4, max_batches=150, capacity_tokens=1024))
+    sim = sims.start(
+        sim_config("vllm-0.33", dp_size=4, max_batches=150, capacity_tokens=1024), held=True
+    )
     ingest = IngestOptions(analytics=dataclasses.replace(EXACT, sketch_k=4096))
     cfgs = [
         sim_collector_config(sim, collector_id=f"c{node}", node_rank=node, nnodes=2)

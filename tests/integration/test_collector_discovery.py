@@ -27,7 +27,9 @@ pytestmark = pytest.mark.integration
 async def test_only_the_engine_url_is_enough(fmt: str, engine: str, sims: Sims) -> None:
     # a dropped batch proves the replay endpoint was discovered too
     faults = FaultConfig(drop_seqs=frozenset({7}))
-    sim = sims.start(sim_config(fmt, dp_size=3, topic="kv-events", http_port=0, faults=faults))
+    sim = sims.start(
+        sim_config(fmt, dp_size=3, topic="kv-events", http_port=0, faults=faults), held=True
+    )
     url = f"http://127.0.0.1:{sim.http_port}"
     cfg = collector_config(engine, worker_id=None, url=url, dp_attention=None)
     assert cfg.workers[0].kv_endpoint is None and cfg.workers[0].dp_size is None

@@ -39,7 +39,7 @@ def _restart_on_same_ports(sims: Sims, old: SimulatedWorker, cfg: SimConfig) -> 
 
 
 async def test_publisher_restart_resets_the_stream(sims: Sims) -> None:
-    old = sims.start(sim_config("sglang-0.5.23", max_batches=40))
+    old = sims.start(sim_config("sglang-0.5.23", max_batches=40), held=True)
     async with running_collector(sim_collector_config(old)) as col:
         await wait_connected(col, old)
         await wait_snapshot(
@@ -72,7 +72,7 @@ async def test_publisher_restart_resets_the_stream(sims: Sims) -> None:
 
 async def test_two_publishers_on_one_endpoint_are_a_duplicate_stream(sims: Sims) -> None:
     faults = FaultConfig(second_publisher=(1,))
-    sim = sims.start(sim_config("vllm-0.33", rate=100.0, max_batches=0, faults=faults))
+    sim = sims.start(sim_config("vllm-0.33", rate=100.0, max_batches=0, faults=faults), held=True)
     async with running_collector(sim_collector_config(sim)) as col:
         await wait_connected(col, sim)
         t0 = time.monotonic()
@@ -98,7 +98,7 @@ async def test_two_publishers_on_one_endpoint_are_a_duplicate_stream(sims: Sims)
 async def test_a_mislabelled_rank_counts_every_batch_as_mismatched(
     fmt: str, label: int, sims: Sims
 ) -> None:
-    sim = sims.start(sim_config(fmt, faults=FaultConfig(wrong_rank=((1, label),))))
+    sim = sims.start(sim_config(fmt, faults=FaultConfig(wrong_rank=((1, label),))), held=True)
     async with running_collector(sim_collector_config(sim)) as col:
         await wait_connected(col, sim)
         snap = await wait_snapshot(
@@ -116,7 +116,7 @@ async def test_a_mislabelled_rank_counts_every_batch_as_mismatched(
 async def test_a_stray_publisher_on_the_probe_port_is_an_active_unexpected_stream(
     sims: Sims,
 ) -> None:
-    sim = sims.start(sim_config("vllm-0.23", faults=FaultConfig(stray_publisher=True)))
+    sim = sims.start(sim_config("vllm-0.23", faults=FaultConfig(stray_publisher=True)), held=True)
     async with running_collector(sim_collector_config(sim)) as col:
         await wait_connected(col, sim)
         stray_ep = f"tcp://127.0.0.1:{sim.kv_base + 2}"
@@ -134,7 +134,9 @@ async def test_a_stray_publisher_on_the_probe_port_is_an_active_unexpected_strea
 
 
 async def test_a_mirrored_stream_is_a_duplicate_stream_on_both_ranks(sims: Sims) -> None:
-    sim = sims.start(sim_config("sglang-0.5.23", dp_size=3, faults=FaultConfig(mirror=((0, 1),))))
+    sim = sims.start(
+        sim_config("sglang-0.5.23", dp_size=3, faults=FaultConfig(mirror=((0, 1),))), held=True
+    )
     async with running_collector(sim_collector_config(sim)) as col:
         await wait_connected(col, sim)
         snap = await wait_snapshot(
@@ -151,7 +153,7 @@ async def test_a_duplicate_streams_since_stays_at_its_first_sign(sims: Sims) -> 
     """Issue 21: the duplicate_stream condition's since kept resetting to "1 s ago" while the
     second publisher went on; it is when the second publisher was first seen, in every view."""
     faults = FaultConfig(second_publisher=(1,))
-    sim = sims.start(sim_config("vllm-0.33", rate=100.0, max_batches=0, faults=faults))
+    sim = sims.start(sim_config("vllm-0.33", rate=100.0, max_batches=0, faults=faults), held=True)
     async with running_collector(sim_collector_config(sim)) as col:
         await wait_connected(col, sim)
         first = await wait_snapshot(

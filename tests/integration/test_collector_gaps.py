@@ -26,7 +26,9 @@ DROPPED = frozenset({10, 11, 12, 50})  # two gaps: 3 batches, then 1
 # sglang-0.5.12 replies with 3 frames, vllm-0.33 with 4 (topic)
 @pytest.mark.parametrize("fmt", ["sglang-0.5.12", "vllm-0.33"])
 async def test_live_drops_kept_in_the_ring_are_recovered(fmt: str, sims: Sims) -> None:
-    sim = sims.start(sim_config(fmt, topic="kv-events", faults=FaultConfig(drop_seqs=DROPPED)))
+    sim = sims.start(
+        sim_config(fmt, topic="kv-events", faults=FaultConfig(drop_seqs=DROPPED)), held=True
+    )
     async with running_collector(sim_collector_config(sim)) as col:
         await wait_connected(col, sim)
         snap = await wait_snapshot(
@@ -49,7 +51,8 @@ async def test_live_drops_kept_in_the_ring_are_recovered(fmt: str, sims: Sims) -
 
 async def test_without_a_replay_endpoint_drops_are_lost(sims: Sims) -> None:
     sim = sims.start(
-        sim_config("sglang-0.5.23", replay_port=None, faults=FaultConfig(drop_seqs=DROPPED))
+        sim_config("sglang-0.5.23", replay_port=None, faults=FaultConfig(drop_seqs=DROPPED)),
+        held=True,
     )
     async with running_collector(sim_collector_config(sim)) as col:
         await wait_connected(col, sim)
@@ -65,7 +68,7 @@ async def test_without_a_replay_endpoint_drops_are_lost(sims: Sims) -> None:
 
 async def test_drops_missing_from_the_ring_are_lost_the_rest_recovered(sims: Sims) -> None:
     faults = FaultConfig(ranks=(1,), drop_seqs=frozenset({10, 11}), ring_drop_seqs=frozenset({20}))
-    sim = sims.start(sim_config("sglang-0.5.23", faults=faults))
+    sim = sims.start(sim_config("sglang-0.5.23", faults=faults), held=True)
     async with running_collector(sim_collector_config(sim)) as col:
         await wait_connected(col, sim)
         snap = await wait_snapshot(
@@ -95,7 +98,8 @@ async def test_frequent_live_drops_at_a_high_rate_are_all_recovered(sims: Sims) 
     sim = sims.start(
         sim_config(
             "vllm-0.33", rate=2000.0, max_batches=1000, faults=FaultConfig(drop_seqs=dropped)
-        )
+        ),
+        held=True,
     )
     async with running_collector(sim_collector_config(sim)) as col:
         await wait_connected(col, sim)

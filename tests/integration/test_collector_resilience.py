@@ -46,7 +46,7 @@ async def test_engine_not_up_yet_then_up(sims: Sims) -> None:
             (0, False, 0),
             (1, False, 0),
         ]
-        sim = sims.start(sim_config("vllm-0.33", kv_port=kv, replay_port=replay))
+        sim = sims.start(sim_config("vllm-0.33", kv_port=kv, replay_port=replay), held=True)
         await wait_connected(col, sim)
         snap = await wait_snapshot(
             col, all_streams(lambda s: s.batches_total == 60), what="batches"
@@ -63,7 +63,7 @@ async def test_malformed_payloads_are_counted_and_the_rest_applied(
     replay: bool, sims: Sims
 ) -> None:
     faults = FaultConfig(ranks=(0,), malformed_seqs=MALFORMED)
-    sim = sims.start(sim_config("sglang-0.5.23", faults=faults))
+    sim = sims.start(sim_config("sglang-0.5.23", faults=faults), held=True)
     async with running_collector(sim_collector_config(sim, replay=replay)) as col:
         await wait_connected(col, sim)
         snap = await wait_snapshot(

@@ -85,7 +85,7 @@ def fresh(since: float, source: str, ranks: int) -> Callable[[Snapshot], bool]:
 )
 async def test_scheduler_stats_match_the_engine(fmt: str, source: str, sims: Sims) -> None:
     load = 0 if source == "load" else None
-    sim = sims.start(sim_config(fmt, http_port=0, load_port=load, side_interval_s=0.1))
+    sim = sims.start(sim_config(fmt, http_port=0, load_port=load, side_interval_s=0.1), held=True)
     extra: dict[str, Any] = (
         {"load_endpoint": f"tcp://127.0.0.1:{sim.load_base}"}
         if source == "load"

@@ -82,7 +82,7 @@ def _clear_index(live: list[tuple[int, list[bytes]]]) -> int:
 @pytest.mark.parametrize("fmt", SIM_FORMATS)
 async def test_simulated_engines_give_the_truth_block_sets(fmt: str, sims: Sims) -> None:
     topic = "kv-events" if fmt.endswith(("0.5.23", "0.33")) else ""
-    sim = sims.start(sim_config(fmt, topic=topic, max_batches=80))
+    sim = sims.start(sim_config(fmt, topic=topic, max_batches=80), held=True)
     async with running_collector(sim_collector_config(sim)) as col:
         await wait_connected(col, sim)
         snap = await wait_snapshot(

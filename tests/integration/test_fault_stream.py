@@ -72,7 +72,7 @@ async def test_a_hole_longer_than_the_replay_ring_recovers_what_the_ring_still_h
     # hole (the engine has finished: its ring is frozen at 52-59) only 52-58 can come back
     dropped = frozenset(range(40, 59))
     faults = FaultConfig(ranks=(1,), drop_seqs=dropped)
-    sim = sims.start(sim_config("vllm-0.33", buffer_steps=8, faults=faults))
+    sim = sims.start(sim_config("vllm-0.33", buffer_steps=8, faults=faults), held=True)
     with live_tap(sim, 1) as tap:
         async with running_collector(sim_collector_config(sim)) as col:
             await wait_connected(col, sim)
@@ -111,7 +111,7 @@ async def test_ten_percent_malformed_payloads_are_counted_once_and_the_rest_appl
     sims: Sims,
 ) -> None:
     faults = FaultConfig(ranks=(0,), malformed_rate=0.1)
-    sim = sims.start(sim_config("sglang-0.5.23", rate=2000.0, max_batches=300, seed=11, faults=faults))  # fmt: skip
+    sim = sims.start(sim_config("sglang-0.5.23", rate=2000.0, max_batches=300, seed=11, faults=faults), held=True)  # fmt: skip
     async with running_collector(sim_collector_config(sim)) as col:
         await wait_connected(col, sim)
         end = time.monotonic() + 10

@@ -37,7 +37,9 @@ async def test_the_last_batch_of_a_burst_is_recovered_while_the_publisher_idles(
     """The `tail` profile: rank 1 loses seq 39 on the wire (it stays in the ring), then stays up
     and silent; here the silence lasts 60 s, so the recovery cannot come from a later batch."""
     faults = dataclasses.replace(PROFILES["tail"], stall_s=60.0)
-    sim = sims.start(sim_config("sglang-0.5.23", rate=200.0, topic="kv-events", faults=faults))
+    sim = sims.start(
+        sim_config("sglang-0.5.23", rate=200.0, topic="kv-events", faults=faults), held=True
+    )
     async with running_collector(sim_collector_config(sim)) as col:
         await wait_connected(col, sim)
         snap = await wait_snapshot(
@@ -127,7 +129,7 @@ async def test_seen_5_sglang_0_5_23_every_17th_batch_dropped_the_last_one_too() 
 async def test_without_a_replay_endpoint_an_idle_tail_is_unverified(sims: Sims) -> None:
     """Nobody can be asked: the trust keeps its state (nothing is known to be missing) and says
     the tail is unverified while the stream is idle."""
-    sim = sims.start(sim_config("vllm-0.33", replay_port=None, rate=200.0))
+    sim = sims.start(sim_config("vllm-0.33", replay_port=None, rate=200.0), held=True)
     async with running_collector(sim_collector_config(sim)) as col:
         await wait_connected(col, sim)
         snap = await wait_snapshot(
@@ -152,7 +154,7 @@ async def test_a_tail_check_facing_a_restarted_publisher_corrupts_nothing(sims: 
     the SUB is back, then idles: its ring holds seqs past ours, but they are not our stream's.
     The check after the reconnect asks from our last seq and finds another batch under it: a
     restart, the index starts again, and later the new publisher's history is replayed from 0."""
-    old = sims.start(sim_config("sglang-0.5.23", dp_size=1, max_batches=30, rate=200.0))
+    old = sims.start(sim_config("sglang-0.5.23", dp_size=1, max_batches=30, rate=200.0), held=True)
     slow = IngestOptions(reconnect_ivl_ms=3000, reconnect_ivl_max_ms=3000)  # away 3 s per retry
     async with running_collector(sim_collector_config(old), ingest=slow) as col:
         await wait_connected(col, old)
