@@ -265,7 +265,7 @@ def test_kvobserve_run_on_one_node_resumes_exactly(procs: Procs, tmp_path: Path)
             g.stop()
 
 
-def test_down_longer_than_the_ring_serves_no_number_until_the_index_vouches(
+def test_down_longer_than_the_ring_serves_no_number_it_cannot_vouch_for_and_warns(
     procs: Procs, tmp_path: Path
 ) -> None:
     """Issue 28: `kvobserve run` down for longer than a ring of 200 batches holds. The rejoined
