@@ -350,7 +350,7 @@ def decode_payload(
             ev = _decode_one_event(raw)
         except RecursionError:
             raise WireError("msgpack", "nesting too deep") from None
-        except UnicodeDecodeError as exc:  # Raw events were not UTF-8-checked yet
+        except (UnicodeDecodeError, msgspec.DecodeError) as exc:  # Raw events: not checked yet
             raise WireError("msgpack", str(exc)) from None
         if ev is None:
             unknown += 1
